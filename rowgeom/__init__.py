@@ -1,0 +1,46 @@
+"""rowgeom: per-block update geometry for JAX/Optax language models.
+
+Muon (spectral geometry) for hidden matrices, projected RowNorm (row-diameter
+geometry, the softmax's Hilbert metric) for the LM head, and diagnostics that
+measure a head step the way the softmax sees it.
+"""
+
+from rowgeom._clip import clip_row_diameter
+from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
+from rowgeom._geometry import (
+    hilbert_distance,
+    hilbert_perturbation,
+    row_diameter,
+    row_diameter_bounds,
+)
+from rowgeom._labels import LABELS, label_params, partition_by_label
+from rowgeom._muon import MuonDimensionNumbers, muon_orthogonalize
+from rowgeom._newton_schulz import newton_schulz, ns_coefficients
+from rowgeom._oracle import common_ball_oracle, diameter_oracle
+from rowgeom._recipe import lm_optimizer
+from rowgeom._rownorm import project_rownorm, projected_rownorm
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "LABELS",
+    "MuonDimensionNumbers",
+    "RowDiameterStats",
+    "clip_row_diameter",
+    "common_ball_oracle",
+    "diameter_oracle",
+    "hilbert_distance",
+    "hilbert_perturbation",
+    "label_params",
+    "lm_optimizer",
+    "muon_orthogonalize",
+    "newton_schulz",
+    "ns_coefficients",
+    "partition_by_label",
+    "project_rownorm",
+    "projected_rownorm",
+    "read_row_diameter",
+    "row_diameter",
+    "row_diameter_bounds",
+    "track_row_diameter",
+)

@@ -1,0 +1,144 @@
+"""Cheap row-diameter diagnostics recorded in the optimizer state.
+
+A head step ``S`` changes every next-token distribution by at most ``||h|| * D(S)`` in Hilbert's
+projective distance (Theorem 1 of arXiv 2608.22253), ``D(S) = max_{i<j} ||s_i - s_j||``. The
+exact ``D`` costs ``O(V^2 d)``; this transform records the ``O(V d)`` bracket instead: with
+centred rows ``x_i = s_i - sbar``, ``r_c = max ||x_i||`` and ``rms_c^2 = mean ||x_i||^2``,
+
+    lower = max(r_c, sqrt(2V/(V-1)) rms_c, two farthest-point sweeps) <= D(S) <= 2 r_c = upper,
+
+and ``row_sum_residual = ||sum_i s_i||_2``, which is 0 for a step in the canonical gauge
+``1^T S = 0`` (projected RowNorm) and measures the common-mode logit drift otherwise.
+
+Place it last in the chain so it sees the step the softmax sees: after the learning rate and
+decoupled weight decay (``Delta W = -lr U - lr wd W``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rowgeom._geometry import _bounds, is_passthrough, map_head_leaves, vocab_axes
+from rowgeom._validation import check_matrix_like
+
+
+class RowDiameterStats(NamedTuple):
+    """Per-leaf float32 scalars, each field a tree shaped like the tracked parameters.
+
+    Leaves that are not tracked (``vocab_axis`` ``None``, ``None`` or ``optax.MaskedNode``
+    parameters) hold ``None`` / ``MaskedNode`` instead. For a single array the fields are
+    scalars.
+    """
+
+    lower: Any
+    upper: Any
+    row_sum_residual: Any
+
+
+def _leaf_stats(u, vocab):
+    axis = check_matrix_like(u, argname="updates", vocab_axis=vocab)
+    lower, upper = _bounds(u, axis=axis, sweeps=2)
+    row_sum = jnp.sum(u.astype(jnp.float32), axis=axis)
+    return lower, upper, jnp.sqrt(jnp.sum(jnp.square(row_sum)))
+
+
+def _zero_stats(p, vocab):
+    check_matrix_like(p, argname="params", vocab_axis=vocab)
+    zero = jnp.zeros((), jnp.float32)
+    return zero, zero, zero
+
+
+def _skip(leaf):
+    skipped = leaf if isinstance(leaf, optax.MaskedNode) else None
+    return skipped, skipped, skipped
+
+
+def _unzip(tree, like) -> RowDiameterStats:
+    """Tree of 3-tuples (one per leaf of `like`) -> RowDiameterStats of three trees."""
+    fields = [
+        jax.tree.map(lambda _, t, k=k: t[k], like, tree, is_leaf=is_passthrough)
+        for k in range(3)
+    ]
+    return RowDiameterStats(*fields)
+
+
+def track_row_diameter(*, vocab_axis) -> optax.GradientTransformation:
+    """Records the ``O(Vd)`` row-diameter bracket of each update; updates pass unchanged.
+
+    Args:
+      vocab_axis: token axis per leaf: an int (every leaf), a tree prefix of ints / ``None``
+        (``None`` leaves are not tracked), or a callable ``tree -> such a
+        prefix``, called on the params in ``init`` and on the updates in ``update`` (like
+        ``optax.masked``).
+
+    Returns:
+      A ``GradientTransformation`` whose state is a ``RowDiameterStats`` of the latest update
+      (zeros after ``init``); its structure never changes, so a jitted step compiles once.
+      Read it back from any nested optimizer state with ``read_row_diameter``.
+    """
+
+    def init_fn(params):
+        axes = vocab_axes(vocab_axis, params)
+        return _unzip(map_head_leaves(_zero_stats, _skip, params, axes), params)
+
+    def update_fn(updates, state, params=None):
+        del state, params
+        axes = vocab_axes(vocab_axis, updates)
+        return updates, _unzip(map_head_leaves(_leaf_stats, _skip, updates, axes), updates)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def read_row_diameter(opt_state, which: int | str | None = None) -> RowDiameterStats:
+    """Finds the ``RowDiameterStats`` recorded by ``track_row_diameter`` in an optimizer state.
+
+    Searches any nesting of optax states (``chain`` tuples, ``partition``'s ``PartitionState``,
+    ``masked``, ``inject_hyperparams``, ``MultiSteps``, ...).
+
+    Args:
+      opt_state: the optimizer state.
+      which: needed only when several trackers are present: an int picks the n-th found (in
+        tree order), a str picks the one whose path contains that key or attribute name
+        (e.g. the label of an ``optax.partition``).
+
+    Raises:
+      ValueError: if none is found, or several and ``which`` does not pick exactly one.
+    """
+    found = [
+        (path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+                opt_state, is_leaf=lambda x: isinstance(x, RowDiameterStats))[0]
+        if isinstance(leaf, RowDiameterStats)
+    ]
+    paths = [jax.tree_util.keystr(path) for path, _ in found]
+    if not found:
+        raise ValueError("opt_state holds no RowDiameterStats: add rowgeom.track_row_diameter "
+                         "to the optimizer")
+    if which is None:
+        if len(found) > 1:
+            raise ValueError(f"opt_state holds {len(found)} RowDiameterStats (at {paths}); "
+                             "pass which=<index or key name> to pick one")
+        return found[0][1]
+    if isinstance(which, str):
+        matches = [stats for path, stats in found if which in map(_key_name, path)]
+        if len(matches) != 1:
+            raise ValueError(f"which={which!r} matches {len(matches)} of the RowDiameterStats "
+                             f"found (at {paths}); expected exactly one")
+        return matches[0]
+    if isinstance(which, bool) or not isinstance(which, int):
+        raise TypeError(f"which must be None, an int or a str, got {which!r}")
+    if not -len(found) <= which < len(found):
+        raise ValueError(f"which={which} is out of range: {len(found)} RowDiameterStats found "
+                         f"(at {paths})")
+    return found[which][1]

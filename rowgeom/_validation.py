@@ -1,0 +1,48 @@
+"""Shared argument checks: every public function reports bad input the same way.
+
+Errors name the argument and say what was expected, so a user never gets a silent
+NaN or a silently wrong axis.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax.numpy as jnp
+
+
+def canonical_axis(axis, ndim: int, *, argname: str = "vocab_axis") -> int:
+    """Returns `axis` as a non-negative int, or raises naming `argname`."""
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"{argname} must be an int, got {axis!r}") from None
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+                f"{argname}={axis} is out of range for an array of rank {ndim} "
+                f"(expected {-ndim} <= {argname} < {ndim})")
+    return axis % ndim
+
+
+def check_floating(x, *, argname: str) -> None:
+    """Raises TypeError unless `x` has a real floating dtype."""
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+                f"{argname} must have a real floating dtype (float32, bfloat16, ...), got {dtype}")
+
+
+def check_min_rank(x, min_rank: int, *, argname: str, what: str = "") -> None:
+    """Raises ValueError if `x` has fewer than `min_rank` dimensions."""
+    ndim = jnp.ndim(x)
+    if ndim < min_rank:
+        extra = f" ({what})" if what else ""
+        raise ValueError(
+                f"{argname} must have rank >= {min_rank}{extra}, got shape {jnp.shape(x)}")
+
+
+def check_matrix_like(x, *, argname: str, vocab_axis, argname_axis: str = "vocab_axis") -> int:
+    """Validates a head-like array (rank >= 2, float) and returns its vocab axis."""
+    check_min_rank(x, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
+    check_floating(x, argname=argname)
+    return canonical_axis(vocab_axis, jnp.ndim(x), argname=argname_axis)

@@ -1,0 +1,90 @@
+"""Runs in its own process with 8 simulated CPU devices (see test_sharding.py).
+
+Prints one JSON object: for each check, the max abs difference between the sharded and the
+unsharded result, and the collectives found in the compiled HLO of the sharded head update.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+
+import json  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import rowgeom  # noqa: E402
+
+V, D = 512, 64
+COLLECTIVE = re.compile(
+    r"=\s*(.+?)\s+(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+    r"(?:-start)?\(")
+SHAPE = re.compile(r"[a-z]+\d*\[[\d,]*\]")
+
+
+def collectives(compiled_text):
+    """(op, result shape) for every cross-device collective in optimized HLO (tuples split)."""
+    return [(op, shape) for result, op in COLLECTIVE.findall(compiled_text)
+            for shape in SHAPE.findall(result)]
+
+
+def max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def run(axis_type):
+    mesh = jax.make_mesh((8,), ("vocab",), axis_types=(axis_type,))
+    rng = np.random.default_rng(0)
+    out = {}
+
+    # Head, (V, d) table sharded along V, and (d, V) Flax kernel sharded along V.
+    table = jnp.asarray(rng.normal(size=(V, D)), jnp.float32)
+    for name, x, vocab_axis, spec in (
+        ("table", table, 0, P("vocab", None)),
+        ("kernel", table.T, 1, P(None, "vocab")),
+    ):
+        tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis)
+        step = jax.jit(lambda u, tx=tx: tx.update(u, tx.init(u))[0])
+        expected = step(x)
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        with jax.set_mesh(mesh):
+            got = step(xs)
+            hlo = step.lower(xs).compile().as_text()
+        out[f"rownorm_{name}_diff"] = max_diff(got, expected)
+        out[f"rownorm_{name}_sharding"] = str(got.sharding.spec)
+        out[f"rownorm_{name}_collectives"] = collectives(hlo)
+
+        diam = jax.jit(
+            lambda u, a=vocab_axis: rowgeom.row_diameter(u, vocab_axis=a, block_size=128))
+        bounds = jax.jit(lambda u, a=vocab_axis: rowgeom.row_diameter_bounds(u, vocab_axis=a))
+        with jax.set_mesh(mesh):
+            out[f"diameter_{name}_diff"] = max_diff(diam(xs), diam(x))
+            out[f"bounds_{name}_diff"] = max_diff(jnp.stack(bounds(xs)), jnp.stack(bounds(x)))
+
+    # Hidden matrices: a stack of four (D, 4D) matrices sharded along the batch axis, and one
+    # (D, 4D) matrix sharded along its columns.
+    stack = jnp.asarray(rng.normal(size=(8, D, 4 * D)), jnp.float32)
+    mat = jnp.asarray(rng.normal(size=(D, 4 * D)), jnp.float32)
+    params = {"stack": stack, "mat": mat}
+    dims = {"stack": rowgeom.MuonDimensionNumbers(reduction_axis=1, output_axis=2),
+            "mat": rowgeom.MuonDimensionNumbers(reduction_axis=0, output_axis=1)}
+    tx = rowgeom.muon_orthogonalize(dimension_numbers=dims)
+    muon = jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+    expected = muon(params)
+    sharded = {"stack": jax.device_put(stack, NamedSharding(mesh, P("vocab", None, None))),
+               "mat": jax.device_put(mat, NamedSharding(mesh, P(None, "vocab")))}
+    with jax.set_mesh(mesh):
+        got = muon(sharded)
+    out["muon_stack_diff"] = max_diff(got["stack"], expected["stack"])
+    out["muon_mat_diff"] = max_diff(got["mat"], expected["mat"])
+    return out
+
+
+if __name__ == "__main__":
+    assert jax.device_count() == 8, jax.devices()
+    print(json.dumps({"auto": run(AxisType.Auto), "explicit": run(AxisType.Explicit)}))

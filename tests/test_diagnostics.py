@@ -1,0 +1,92 @@
+"""track_row_diameter / read_row_diameter: correct O(Vd) stats, stable state, found anywhere."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rowgeom import RowDiameterStats, read_row_diameter, track_row_diameter
+
+
+def np_diameter(s, axis=0):
+    x = np.moveaxis(np.asarray(s, np.float64), axis, 0).reshape(np.shape(s)[axis], -1)
+    return float(np.sqrt(np.sum((x[:, None, :] - x[None, :, :]) ** 2, axis=-1)).max())
+
+
+def avals(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [(x.shape, x.dtype, getattr(x, "weak_type", False)) for x in leaves]
+
+
+def test_stats_bracket_exact_diameter_and_residual(rng):
+    s = rng.normal(size=(9, 31)) + 0.7  # (d, V) Dense layout, not zero-sum
+    tx = track_row_diameter(vocab_axis=1)
+    updates = jnp.asarray(s, jnp.float32)
+    out, stats = jax.jit(tx.update)(updates, tx.init(updates))
+    chex.assert_trees_all_equal(out, updates)
+    assert isinstance(stats, RowDiameterStats)
+    exact = np_diameter(s, 1)
+    assert float(stats.lower) <= exact * (1 + 1e-5)
+    assert exact <= float(stats.upper) * (1 + 1e-5)
+    x = s.T - s.T.mean(axis=0)
+    np.testing.assert_allclose(stats.upper, 2 * np.linalg.norm(x, axis=1).max(), rtol=1e-5)
+    np.testing.assert_allclose(stats.row_sum_residual, np.linalg.norm(s.sum(axis=1)), rtol=1e-5)
+    # A centred (gauge-fixed) step has no row-sum residual.
+    _, stats = tx.update(updates - updates.mean(axis=1, keepdims=True), tx.init(updates))
+    assert float(stats.row_sum_residual) < 1e-4
+
+
+def test_state_structure_is_stable_and_eval_shape_works(rng):
+    params = {"head": jnp.zeros((16, 4)), "norm": jnp.ones(4), "skip": None}
+    tx = track_row_diameter(vocab_axis={"head": 0, "norm": None, "skip": None})
+    init_state = tx.init(params)
+    assert avals(jax.eval_shape(tx.init, params)) == avals(init_state)
+    chex.assert_trees_all_equal(init_state.lower["head"], jnp.zeros((), jnp.float32))
+    assert init_state.upper["norm"] is None
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    updates, new_state = jax.jit(tx.update)(grads, init_state)
+    assert avals(new_state) == avals(init_state)  # a jitted train step compiles once
+    chex.assert_trees_all_equal(updates, grads)
+    assert float(new_state.upper["head"]) > 0
+
+
+def test_read_row_diameter_in_nested_states(rng):
+    params = {"head": jnp.zeros((4, 24)), "w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}
+    labels = {"head": "head", "w": "hidden", "b": "hidden"}
+    head_tx = optax.inject_hyperparams(lambda learning_rate: optax.chain(
+            optax.sgd(learning_rate), track_row_diameter(vocab_axis=1)))(learning_rate=0.1)
+    inner = optax.partition({"head": head_tx, "hidden": optax.adam(1e-3)}, labels)
+    tx = optax.MultiSteps(optax.chain(optax.clip(1e3), inner), every_k_schedule=1)
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    stats = read_row_diameter(state)
+    assert isinstance(stats.lower["w"], optax.MaskedNode)  # other partition: masked, unharmed
+    step = np.asarray(updates["head"])
+    exact = np_diameter(step, 1)
+    assert float(stats.lower["head"]) <= exact * (1 + 1e-5) <= float(stats.upper["head"]) * (
+            1 + 1e-5) ** 2
+    np.testing.assert_allclose(stats.row_sum_residual["head"],
+                               np.linalg.norm(step.sum(axis=1)), rtol=1e-5, atol=1e-7)
+    assert read_row_diameter(state, which="head") is stats
+
+
+def test_read_row_diameter_errors_and_which(rng):
+    params = jnp.asarray(rng.normal(size=(10, 3)), jnp.float32)
+    tx = optax.chain(track_row_diameter(vocab_axis=0), optax.scale(2.0),
+                     track_row_diameter(vocab_axis=0))
+    _, state = tx.update(params, tx.init(params))
+    with pytest.raises(ValueError, match="holds 2 RowDiameterStats"):
+        read_row_diameter(state)
+    first, second = read_row_diameter(state, which=0), read_row_diameter(state, which=-1)
+    np.testing.assert_allclose(second.upper, 2 * first.upper, rtol=1e-6)
+    with pytest.raises(ValueError, match="which=2 is out of range"):
+        read_row_diameter(state, which=2)
+    with pytest.raises(ValueError, match="matches 0 of the RowDiameterStats"):
+        read_row_diameter(state, which="head")
+    with pytest.raises(ValueError, match="holds no RowDiameterStats"):
+        read_row_diameter(optax.adam(1e-3).init(params))
+    with pytest.raises(ValueError, match=r"leaf \['b'\]: params must have rank >= 2"):
+        track_row_diameter(vocab_axis=0).init({"b": jnp.ones(3)})

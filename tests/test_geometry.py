@@ -1,0 +1,250 @@
+"""Row diameter, bracket and Hilbert geometry against float64 numpy brute force (T1-T3, T11)."""
+
+import functools
+
+import chex
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rowgeom import (
+    hilbert_distance,
+    hilbert_perturbation,
+    row_diameter,
+    row_diameter_bounds,
+)
+from rowgeom._geometry import _block_rows
+
+
+def np_rows(s, axis):
+    x = np.moveaxis(np.asarray(s, np.float64), axis, 0)
+    return x.reshape(x.shape[0], -1)
+
+
+def np_pair_dists(s, axis):
+    x = np_rows(s, axis)
+    return np.sqrt(np.sum((x[:, None, :] - x[None, :, :]) ** 2, axis=-1))
+
+
+def np_diameter(s, axis):
+    """Independent reference: every pair, float64, no centring and no Gram trick."""
+    return float(np_pair_dists(s, axis).max())
+
+
+def np_softmax(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+# ----- T3: exact diameter ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,axis", [((37, 5), 0), ((5, 37), 1), ((4, 29, 3), 1), ((2, 1), 0)])
+def test_row_diameter_matches_brute_force(rng, shape, axis):
+    s = rng.normal(size=shape) * 2.0 + 3.0
+    got = row_diameter(jnp.asarray(s, jnp.float32), vocab_axis=axis, block_size=8)
+    assert got.dtype == jnp.float32 and got.shape == ()
+    np.testing.assert_allclose(got, np_diameter(s.astype(np.float32), axis), rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16, 64])
+def test_blocked_equals_unblocked(rng, block_size):
+    s = jnp.asarray(rng.normal(size=(61, 6)), jnp.float32)  # 61 is not a multiple of any block
+    unblocked = row_diameter(s, vocab_axis=0, block_size=61)
+    np.testing.assert_allclose(row_diameter(s, vocab_axis=0, block_size=block_size), unblocked,
+                               rtol=1e-6)
+    np.testing.assert_allclose(unblocked, np_diameter(s, 0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_rows,block_size", [(50304, 1024), (300, 200), (129, 128)])
+def test_block_choice_covers_rows_within_budget(num_rows, block_size):
+    block, num_blocks = _block_rows(num_rows, block_size)
+    assert block <= block_size and block % 64 == 0
+    assert (num_blocks - 1) * block < num_rows <= num_blocks * block
+
+
+def test_rounded_blocks_match_brute_force(rng):
+    s = rng.normal(size=(300, 3))
+    assert _block_rows(300, 200) == (128, 3)  # 2 blocks of 192 would compute more pairs
+    got = row_diameter(jnp.asarray(s, jnp.float32), vocab_axis=0, block_size=200)
+    np.testing.assert_allclose(got, np_diameter(s, 0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("pair", [(3, 5), (16, 40), (48, 49)])
+def test_farthest_pair_within_or_across_blocks(rng, pair):
+    # 50 rows in 16-row blocks: the farthest pair inside the first block (a diagonal block
+    # pair), across blocks, and inside the last, partly padded block.
+    s = rng.normal(size=(50, 4)) * 0.01
+    s[pair[0]] += 5.0
+    s[pair[1]] -= 5.0
+    got = row_diameter(jnp.asarray(s, jnp.float32), vocab_axis=0, block_size=16)
+    np.testing.assert_allclose(got, np_diameter(s, 0), rtol=1e-5)
+
+
+def test_translation_invariant(rng):
+    s = rng.normal(size=(40, 8))
+    shifted = s + 10.0 * rng.normal(size=(1, 8))  # S + 1 c^T
+    d0 = row_diameter(jnp.asarray(s, jnp.float32), vocab_axis=0, block_size=16)
+    d1 = row_diameter(jnp.asarray(shifted, jnp.float32), vocab_axis=0, block_size=16)
+    np.testing.assert_allclose(d1, d0, rtol=1e-5)
+
+
+def test_single_token_and_constant_rows_give_zero(rng):
+    assert float(row_diameter(jnp.ones((1, 5)), vocab_axis=0)) == 0.0
+    assert [float(v) for v in row_diameter_bounds(jnp.ones((5, 1)), vocab_axis=1)] == [0.0, 0.0]
+    constant = jnp.tile(jnp.asarray(rng.normal(size=(1, 4)), jnp.float32), (9, 1))  # G = 1 c^T
+    np.testing.assert_allclose(row_diameter(constant, vocab_axis=0), 0.0, atol=1e-6)
+
+
+def test_under_jit_and_bf16(rng):
+    s = rng.normal(size=(33, 7))
+    jitted = jax.jit(functools.partial(row_diameter, vocab_axis=0, block_size=16))
+    np.testing.assert_allclose(jitted(jnp.asarray(s, jnp.float32)), np_diameter(s, 0), rtol=1e-5)
+    s_bf16 = jnp.asarray(s, jnp.bfloat16)
+    got = row_diameter(s_bf16, vocab_axis=0, block_size=16)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, np_diameter(np.asarray(s_bf16, np.float64), 0), rtol=1e-5)
+    lower, upper = row_diameter_bounds(s_bf16, vocab_axis=0)
+    assert lower.dtype == upper.dtype == jnp.float32
+
+
+def test_dense_layout_is_transpose_and_wrong_axis_differs(rng):
+    s = jnp.asarray(rng.normal(size=(12, 30)), jnp.float32)  # (d, V) Flax kernel
+    np.testing.assert_allclose(row_diameter(s, vocab_axis=1), row_diameter(s.T, vocab_axis=0),
+                               atol=1e-6)
+    chex.assert_trees_all_close(row_diameter_bounds(s, vocab_axis=1),
+                                row_diameter_bounds(s.T, vocab_axis=0), atol=1e-6)
+    assert abs(float(row_diameter(s, vocab_axis=0)) - np_diameter(s, 1)) > 1e-2
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="s must have rank >= 2"):
+        row_diameter(jnp.ones(5), vocab_axis=0)
+    with pytest.raises(TypeError, match="s must have a real floating dtype"):
+        row_diameter(jnp.ones((3, 2), jnp.int32), vocab_axis=0)
+    with pytest.raises(ValueError, match="vocab_axis=2 is out of range"):
+        row_diameter(jnp.ones((3, 2)), vocab_axis=2)
+    with pytest.raises(TypeError, match="vocab_axis must be an int"):
+        row_diameter_bounds(jnp.ones((3, 2)), vocab_axis=None)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        row_diameter(jnp.ones((3, 2)), vocab_axis=0, block_size=0)
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        row_diameter(jnp.ones((3, 2)), vocab_axis=0, block_size=2.5)
+    with pytest.raises(ValueError, match="sweeps must be >= 0"):
+        row_diameter_bounds(jnp.ones((3, 2)), vocab_axis=0, sweeps=-1)
+
+
+# ----- T3: O(Vd) bracket ----------------------------------------------------------------------
+
+_bounds_jit = jax.jit(functools.partial(row_diameter_bounds, vocab_axis=0))
+_bounds0_jit = jax.jit(functools.partial(row_diameter_bounds, vocab_axis=0, sweeps=0))
+
+
+@given(st.sampled_from([(2, 3), (7, 3), (40, 6)]).flatmap(
+        lambda shape: hnp.arrays(np.float32, shape, elements=st.floats(-8, 8, width=32))))
+def test_bracket_holds(s):
+    exact = np_diameter(s, 0)
+    lower, upper = (float(v) for v in _bounds_jit(s))
+    assert lower <= exact * (1 + 1e-5) + 1e-5
+    assert exact <= upper * (1 + 1e-5) + 1e-5
+    # The centroid terms against their numpy formulas.
+    x = np_rows(s, 0)
+    n = np.linalg.norm(x - x.mean(axis=0), axis=1)
+    v = len(n)
+    lower0, upper0 = (float(t) for t in _bounds0_jit(s))
+    np.testing.assert_allclose(upper0, 2 * n.max(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(upper, upper0, rtol=1e-6)
+    centroid_lower = max(n.max(), np.sqrt(2 * v / (v - 1) * np.mean(n**2)))
+    np.testing.assert_allclose(lower0, min(centroid_lower, 2 * n.max()), rtol=1e-5, atol=1e-5)
+    assert lower >= lower0
+
+
+def test_sweeps_reach_exact_diameter_on_two_clusters(rng):
+    # Two tight clusters: the centroid bound is off by ~2x, one double sweep is exact.
+    s = np.concatenate([rng.normal(size=(20, 5)) * 0.01, rng.normal(size=(20, 5)) * 0.01 + 3.0])
+    lower, upper = row_diameter_bounds(jnp.asarray(s, jnp.float32), vocab_axis=0)
+    exact = np_diameter(s, 0)
+    np.testing.assert_allclose(lower, exact, rtol=1e-5)
+    assert upper >= exact
+
+
+# ----- T1: Hilbert distance -------------------------------------------------------------------
+
+
+def test_hilbert_distance_is_logit_range(rng):
+    z = rng.normal(size=(4, 11)) * 3.0
+    delta = rng.normal(size=(4, 11))
+    expected = delta.max(axis=-1) - delta.min(axis=-1)
+    p = jnp.asarray(np_softmax(z), jnp.float32)
+    q = jnp.asarray(np_softmax(z + delta), jnp.float32)
+    np.testing.assert_allclose(hilbert_distance(p, q), expected, rtol=1e-5)
+    # Constants added to either logit vector change nothing; logits=True is exact.
+    zc = jnp.asarray(z + rng.normal(size=(4, 1)) * 50, jnp.float32)
+    zdc = jnp.asarray(z + delta + rng.normal(size=(4, 1)) * 50, jnp.float32)
+    np.testing.assert_allclose(hilbert_distance(zc, zdc, logits=True), expected, rtol=1e-5)
+    # Unnormalised positive vectors: the metric is projective.
+    np.testing.assert_allclose(hilbert_distance(3.0 * p, q), expected, rtol=1e-5)
+    # axis: the (11, 4) layout.
+    np.testing.assert_allclose(hilbert_distance(p.T, q.T, axis=0), expected, rtol=1e-5)
+
+
+def test_hilbert_distance_logits_survive_underflow():
+    z = jnp.asarray([0.0, -200.0, -400.0], jnp.float32)  # softmax underflows to 0 in float32
+    delta = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+    np.testing.assert_allclose(hilbert_distance(z, z + delta, logits=True), 3.0, rtol=1e-6)
+
+
+def test_hilbert_distance_zeros():
+    p = jnp.asarray([0.5, 0.5, 0.0])
+    q = jnp.asarray([0.25, 0.75, 0.0])
+    np.testing.assert_allclose(hilbert_distance(p, q), np.log(2.0) - np.log(2 / 3), rtol=1e-6)
+    assert np.isinf(hilbert_distance(p, jnp.asarray([0.5, 0.25, 0.25])))
+    assert float(hilbert_distance(jnp.zeros(3), jnp.zeros(3))) == 0.0
+    with pytest.raises(TypeError, match="q must have a real floating dtype"):
+        hilbert_distance(p, jnp.asarray([1, 2, 3]))
+    with pytest.raises(ValueError, match="axis=1 is out of range"):
+        hilbert_distance(p, q, axis=1)
+
+
+# ----- T2: worst case over the hidden-state ball (Theorem 1) ---------------------------------
+
+
+@pytest.mark.parametrize("vocab_axis", [0, 1])
+def test_hilbert_perturbation_attains_theorem_1(rng, vocab_axis):
+    v, d, radius = 17, 6, 2.5
+    s = rng.normal(size=(v, d))
+    dists = np_pair_dists(s, 0)
+    a, b = np.unravel_index(np.argmax(dists), dists.shape)
+    h_star = radius * (s[a] - s[b]) / np.linalg.norm(s[a] - s[b])
+    h_rand = rng.normal(size=(3, 50, d))
+    h_rand *= radius * rng.uniform(size=(3, 50, 1)) / np.linalg.norm(h_rand, axis=-1,
+                                                                     keepdims=True)
+    update = jnp.asarray(s if vocab_axis == 0 else s.T, jnp.float32)
+    bound = radius * dists.max()
+    got_star = hilbert_perturbation(update, jnp.asarray(h_star, jnp.float32),
+                                    vocab_axis=vocab_axis)
+    np.testing.assert_allclose(got_star, bound, rtol=1e-5)
+    got = hilbert_perturbation(update, jnp.asarray(h_rand, jnp.float32), vocab_axis=vocab_axis)
+    assert got.shape == (3, 50)
+    logits = h_rand @ s.T
+    np.testing.assert_allclose(got, logits.max(-1) - logits.min(-1), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got) <= bound * (1 + 1e-5))
+    # Lemma 1: it is the softmax's Hilbert change for any head W.
+    w = rng.normal(size=(v, d))
+    p = np_softmax(h_rand @ w.T)
+    q = np_softmax(h_rand @ (w + s).T)
+    np.testing.assert_allclose(got, np.log(p / q).max(-1) - np.log(p / q).min(-1), rtol=1e-4)
+
+
+def test_hilbert_perturbation_bad_input():
+    with pytest.raises(ValueError, match="update must have rank 2"):
+        hilbert_perturbation(jnp.ones((2, 3, 4)), jnp.ones(4), vocab_axis=0)
+    with pytest.raises(ValueError, match="hidden must have last dimension d=3"):
+        hilbert_perturbation(jnp.ones((5, 3)), jnp.ones((2, 5)), vocab_axis=0)
+    with pytest.raises(ValueError, match="vocab_axis=-3 is out of range"):
+        hilbert_perturbation(jnp.ones((5, 3)), jnp.ones(3), vocab_axis=-3)

@@ -1,0 +1,255 @@
+"""Labels by path and the checked partition (rowgeom._labels)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import rowgeom
+from rowgeom._labels import make_labeler, tree_paths
+
+V, D, LAYERS = 64, 16, 2
+
+
+class _Attn(nnx.Module):
+    def __init__(self, rngs):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, nnx.Linear(D, D, use_bias=False, rngs=rngs))
+
+
+class _Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.gate_proj = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(2 * D, D, use_bias=False, rngs=rngs)
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs):
+        self.attn, self.mlp = _Attn(rngs), _Mlp(rngs)
+        self.attn_norm, self.mlp_norm = nnx.RMSNorm(D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
+
+
+class TinyLM(nnx.Module):
+    """The parameter paths of the example model."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.layers = nnx.List([_Block(rngs) for _ in range(LAYERS)])
+        self.final_norm = nnx.RMSNorm(D, rngs=rngs)
+        self.lm_head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+
+def expected_label(path: str) -> str:
+    if path.endswith("scale"):
+        return "vector"
+    if path.startswith("embed/"):
+        return "embedding"
+    if path.startswith("lm_head/"):
+        return "head"
+    assert path.startswith("layers/") and path.endswith("kernel"), path
+    return "hidden"
+
+
+def flat(labels):
+    return {"/".join(p): lab for p, lab in tree_paths(labels)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyLM(nnx.Rngs(0))
+
+
+def test_nnx_variables_pure_and_abstract_trees_get_the_same_labels(model):
+    state = nnx.state(model, nnx.Param)
+    abstract = nnx.state(nnx.eval_shape(lambda: TinyLM(nnx.Rngs(0))), nnx.Param)
+    expected = {p: expected_label(p) for p in flat(nnx.as_pure(state))}
+    assert len(expected) == 2 + LAYERS * 9 + 1 and "layers/1/mlp/down_proj/kernel" in expected
+    for tree in (state, nnx.as_pure(state), abstract):
+        labels = rowgeom.label_params(tree)
+        assert flat(labels) == expected
+    # Labels sit at Variable positions: one label per Variable, no Variable left in the tree.
+    labels = rowgeom.label_params(state)
+    boxed = jax.tree.leaves(labels, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert all(isinstance(x, str) for x in boxed)
+
+
+def test_plain_dict_shape_dtype_structs_and_common_model_names():
+    m = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    llama = {"model": {"embed_tokens": {"embedding": m(V, D)},
+                       "layers": {"0": {"self_attn": {"q_proj": {"kernel": m(D, D)}},
+                                        "input_layernorm": {"weight": m(D)}}},
+                       "norm": {"weight": m(D)}},
+             "lm_head": {"kernel": m(D, V)}}
+    assert flat(rowgeom.label_params(llama)) == {
+        "model/embed_tokens/embedding": "embedding",
+        "model/layers/0/self_attn/q_proj/kernel": "hidden",
+        "model/layers/0/input_layernorm/weight": "vector",
+        "model/norm/weight": "vector",
+        "lm_head/kernel": "head"}
+    # Meta-style names; "output" is a head at the root but BERT's attention/output is hidden.
+    meta = {"tok_embeddings": np.zeros((V, D)), "output": np.zeros((V, D)),
+            "encoder": {"layer": [{"attention": {"output": {"dense": np.zeros((D, D)),
+                                                            "bias": np.zeros(D)}}}]},
+            "scalar": 1.0}
+    assert flat(rowgeom.label_params(meta)) == {
+        "tok_embeddings": "embedding", "output": "head",
+        "encoder/layer/0/attention/output/dense": "hidden",
+        "encoder/layer/0/attention/output/bias": "vector", "scalar": "vector"}
+
+
+def test_linen_params_with_partitioned_boxes():
+    class Lm(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(V, D, name="wte")(ids)
+            init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "mlp"))
+            x = nn.Dense(D, kernel_init=init, name="mlp")(x)
+            return nn.Dense(V, name="lm_head")(x)
+
+    variables = Lm().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+    assert isinstance(variables["params"]["mlp"]["kernel"], nn.Partitioned)
+    assert flat(rowgeom.label_params(variables)) == {
+        "params/wte/embedding": "embedding", "params/mlp/kernel": "hidden",
+        "params/mlp/bias": "vector", "params/lm_head/kernel": "head",
+        "params/lm_head/bias": "vector"}
+
+
+def test_custom_names_and_rules_take_priority():
+    params = {"tok": np.zeros((V, D)), "trunk": {"mix": np.zeros((D, D))},
+              "readout": np.zeros((D, V)), "lm_head": {"kernel": np.zeros((D, V))}}
+    labels = rowgeom.label_params(
+        params, embedding_names={"tok"}, hidden_names={"trunk"}, head_names={"readout"},
+        rules=[(r"^lm_head/", "hidden")])
+    assert flat(labels) == {"tok": "embedding", "trunk/mix": "hidden", "readout": "head",
+                            "lm_head/kernel": "hidden"}
+    # The first matching rule wins; rules are plain re.search over the "/"-joined path.
+    labels = rowgeom.label_params(params, rules=[("mix", "embedding"), ("trunk", "head")],
+                                  default="hidden")
+    assert flat(labels)["trunk/mix"] == "embedding"
+    assert flat(labels)["tok"] == "hidden"  # the explicit default, opted in
+
+
+def test_unlabelled_matrix_raises_naming_its_path_and_the_fixes():
+    params = {"embed": np.zeros((V, D)), "lm_head": np.zeros((D, V)),
+              "Dense_0": {"kernel": np.zeros((D, D))}}
+    with pytest.raises(ValueError, match=r"Dense_0/kernel \(16, 16\)") as err:
+        rowgeom.label_params(params)
+    assert "rules=" in str(err.value) and "default='hidden'" in str(err.value)
+    assert flat(rowgeom.label_params(params, default="hidden"))["Dense_0/kernel"] == "hidden"
+
+
+def test_tied_embedding_needs_a_policy():
+    params = {"wte": np.zeros((V, D)), "wpe": np.zeros((8, D)),
+              "h": [{"attn": {"c_attn": np.zeros((D, 3 * D))}}]}
+    with pytest.raises(ValueError, match="tied") as err:
+        rowgeom.label_params(params)
+    assert "wte" in str(err.value)
+    as_embedding = flat(rowgeom.label_params(params, tied="embedding"))
+    assert as_embedding == {"wte": "embedding", "wpe": "embedding", "h/0/attn/c_attn": "hidden"}
+    # tied="head": the token table (not the position table) is trained by the head optimizer.
+    as_head = flat(rowgeom.label_params(params, tied="head"))
+    assert as_head == {"wte": "head", "wpe": "embedding", "h/0/attn/c_attn": "hidden"}
+    # An ambiguous pair of tables needs a rule; the rule-labelled table is then the tied head.
+    two = {"embed_a": {"embedding": np.zeros((V, D))}, "embed_b": {"embedding": np.zeros((V, D))}}
+    with pytest.raises(ValueError, match="several embedding tables"):
+        rowgeom.label_params(two, tied="head")
+    ruled = rowgeom.label_params(two, tied="head", rules=[("embed_b", "head")])
+    assert flat(ruled) == {"embed_a/embedding": "embedding", "embed_b/embedding": "head"}
+
+
+def test_tied_policy_contradicting_a_separate_head_raises():
+    params = {"embed": np.zeros((V, D)), "lm_head": np.zeros((D, V))}
+    for tied in ("head", "embedding"):
+        with pytest.raises(ValueError, match="separate head lm_head"):
+            rowgeom.label_params(params, tied=tied)
+    with pytest.raises(ValueError, match="tied must be one of"):
+        rowgeom.label_params(params, tied="yes")
+    with pytest.raises(ValueError, match="no embedding table"):
+        rowgeom.label_params({"h": np.zeros((D, D))}, tied="head")
+
+
+def test_bad_rules_and_names_are_reported():
+    with pytest.raises(ValueError, match=r"rules\[0\] has an invalid regex"):
+        rowgeom.label_params({}, rules=[("(", "hidden")])
+    with pytest.raises(TypeError, match=r"rules\[0\] must be a \(regex, label\) pair"):
+        rowgeom.label_params({}, rules=["hidden"])
+    with pytest.raises(TypeError, match="hidden_names must be a collection"):
+        rowgeom.label_params({}, hidden_names="mlp")
+
+
+def _scales():
+    # A distinct, recognisable step per label: update = -k * gradient.
+    return {lab: optax.scale(-float(k)) for k, lab in enumerate(rowgeom.LABELS, start=1)}
+
+
+def _expected_new_params(state, labels):
+    ks = {lab: float(k) for k, lab in enumerate(rowgeom.LABELS, start=1)}
+    table = flat(labels)
+    return {p: np.asarray(x) - ks[table[p]] for p, x in flat(nnx.as_pure(state)).items()}
+
+
+@pytest.mark.parametrize("form", ["prefix", "boxed", "dict", "callable", "partial"])
+def test_partition_by_label_in_nnx_optimizer(form):
+    model = TinyLM(nnx.Rngs(1))
+    state = nnx.state(model, nnx.Param)
+    labels = rowgeom.label_params(state)
+    expected = _expected_new_params(state, labels)
+    labels = {
+        "prefix": labels,  # strings at Variable positions
+        # strings inside Variables, as jax.tree.map over the state without is_leaf gives
+        "boxed": jax.tree.unflatten(jax.tree.structure(state), jax.tree.leaves(labels)),
+        "dict": nnx.to_pure_dict(labels),  # a plain dict, not an nnx.State
+        "callable": make_labeler(),
+        "partial": functools.partial(rowgeom.label_params),
+    }[form]
+    if form == "boxed":
+        assert isinstance(labels["lm_head"]["kernel"], nnx.Variable)
+    optimizer = nnx.Optimizer(model, rowgeom.partition_by_label(_scales(), labels),
+                              wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+        optimizer.update(model, grads)
+
+    step(model, optimizer)
+    got = flat(nnx.as_pure(nnx.state(model, nnx.Param)))
+    assert got.keys() == expected.keys()
+    for path in expected:
+        np.testing.assert_allclose(got[path], expected[path], rtol=1e-6, err_msg=path)
+
+
+def test_plain_optax_partition_breaks_where_partition_by_label_does_not():
+    """Why the wrapper exists: optax.partition matches labels by tree structure."""
+    model = TinyLM(nnx.Rngs(2))
+    state = nnx.state(model, nnx.Param)
+    as_dict = nnx.to_pure_dict(rowgeom.label_params(state))
+    tx = optax.partition(_scales(), as_dict)
+    with pytest.raises(ValueError, match="structure"):
+        tx.init(state)  # dict labels vs nnx.State params
+    tx = rowgeom.partition_by_label(_scales(), as_dict)
+    opt_state = tx.init(state)
+    grads = jax.tree.map(jnp.ones_like, nnx.as_pure(state))
+    updates, _ = jax.jit(tx.update)(grads, nnx.as_pure(opt_state), nnx.as_pure(state))
+    assert float(updates["lm_head"]["kernel"][0, 0]) == -2.0  # "head" is label 2
+
+
+def test_partition_by_label_reports_missing_transforms_and_labels():
+    params = {"embed": np.zeros((V, D)), "lm_head": {"kernel": np.zeros((D, V))},
+              "norm": np.zeros(D)}
+    labels = rowgeom.label_params(params)
+    txs = _scales()
+    del txs["head"], txs["vector"]
+    with pytest.raises(ValueError, match=r"'head' \(used by lm_head/kernel\).*'vector'"):
+        rowgeom.partition_by_label(txs, labels).init(params)
+    with pytest.raises(ValueError, match="no label for parameter.*norm"):
+        rowgeom.partition_by_label(_scales(), {"embed": "embedding", "lm_head": "head"}).init(
+            params)
+    with pytest.raises(TypeError, match=r"transforms\['head'\] must be an optax"):
+        rowgeom.partition_by_label({"head": 1.0}, labels)

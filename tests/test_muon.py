@@ -1,0 +1,255 @@
+"""muon_orthogonalize: matrices of every layout, grouping, scaling, optax integration, errors."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rowgeom import MuonDimensionNumbers, muon_orthogonalize, newton_schulz, ns_coefficients
+
+KELLER_TABLE = ns_coefficients("keller", 5)
+
+
+def ns_reference(g, table=KELLER_TABLE, eps=1e-7):
+    """fp64 Newton–Schulz on one matrix (same iteration, independent code)."""
+    x = np.asarray(g, np.float64)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (np.linalg.norm(x) + eps)
+    for a, b, c in table:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def randn(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def apply(tx, updates):
+    return tx.update(updates, tx.init(updates))[0]
+
+
+@pytest.mark.parametrize("scale, factor", [
+    (None, lambda m, n: 1.0),
+    ("none", lambda m, n: 1.0),
+    ("rms", lambda m, n: 0.3 * math.sqrt(max(m, n))),
+    ("spectral", lambda m, n: math.sqrt(n / m)),
+    ("keller", lambda m, n: math.sqrt(max(1.0, n / m))),
+])
+def test_rank2_default_and_scales(rng, scale, factor):
+    g = {"wide": randn(rng, 8, 24), "tall": randn(rng, 24, 8)}
+    out = apply(muon_orthogonalize(scale=scale, rms_scale=0.3), g)
+    for k, x in g.items():
+        m, n = x.shape  # reduction axis 0 (fan-in), output axis 1 (fan-out)
+        np.testing.assert_allclose(out[k], factor(m, n) * ns_reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_scale_gives_target_rms(rng):
+    g = {"w": randn(rng, 16, 64)}
+    out = apply(muon_orthogonalize(ns_coeffs="polar_express", ns_steps=8, rms_scale=0.2), g)
+    # With 8 Polar Express steps the polar factor is near exact, so the RMS is ~rms_scale.
+    np.testing.assert_allclose(jnp.sqrt(jnp.mean(out["w"] ** 2)), 0.2, rtol=1e-3)
+
+
+def test_sign_is_kept(rng):
+    g = {"w": randn(rng, 8, 24)}
+    tx = muon_orthogonalize()
+    chex.assert_trees_all_close(apply(tx, jax.tree.map(jnp.negative, g)),
+                                jax.tree.map(jnp.negative, apply(tx, g)), atol=1e-6)
+    # Positive alignment with the incoming update, as for optax scale_by_* transforms.
+    assert float(jnp.sum(apply(tx, g)["w"] * g["w"])) > 0
+
+
+def test_stacked_layers_scale_per_matrix(rng):
+    g = randn(rng, 3, 8, 20)  # (L, in, out)
+    tx = muon_orthogonalize(dimension_numbers=MuonDimensionNumbers(1, 2))
+    out = apply(tx, {"w": g})["w"]
+    single = muon_orthogonalize()
+    for layer in range(3):
+        np.testing.assert_allclose(out[layer], apply(single, {"w": g[layer]})["w"], atol=1e-6)
+        np.testing.assert_allclose(out[layer], 0.2 * math.sqrt(20) * ns_reference(g[layer]),
+                                   atol=1e-5)
+
+
+def test_grouping_equals_per_leaf(rng):
+    g = {"a": randn(rng, 8, 24), "b": randn(rng, 8, 24), "c": randn(rng, 24, 8),
+         "d": randn(rng, 12, 12), "stack": randn(rng, 2, 8, 24)}
+    dims = {"a": MuonDimensionNumbers(), "b": MuonDimensionNumbers(), "c": MuonDimensionNumbers(),
+            "d": MuonDimensionNumbers(), "stack": MuonDimensionNumbers(1, 2)}
+    tx = muon_orthogonalize(scale="spectral", dimension_numbers=dims)
+    grouped = jax.jit(tx.update)(g, tx.init(g))[0]
+    for k, x in g.items():
+        alone = muon_orthogonalize(scale="spectral", dimension_numbers=dims[k])
+        np.testing.assert_allclose(grouped[k], apply(alone, {k: x})[k], atol=2e-6)
+    np.testing.assert_allclose(grouped["c"], math.sqrt(8 / 24) * ns_reference(g["c"]),
+                               atol=1e-5)
+
+
+def test_per_head_dimension_numbers(rng):
+    d, heads, head_dim = 16, 3, 8
+    g = randn(rng, d, heads, head_dim)
+    per_head = apply(muon_orthogonalize(
+            dimension_numbers=MuonDimensionNumbers((0,), (2,))), {"q": g})["q"]
+    for h in range(heads):
+        np.testing.assert_allclose(per_head[:, h, :],
+                                   0.2 * math.sqrt(16) * ns_reference(g[:, h, :]), atol=1e-5)
+    fused = apply(muon_orthogonalize(
+            dimension_numbers=MuonDimensionNumbers(0, (1, 2))), {"q": g})["q"]
+    manual = 0.2 * math.sqrt(24) * ns_reference(g.reshape(d, heads * head_dim))
+    np.testing.assert_allclose(fused, manual.reshape(d, heads, head_dim), atol=1e-5)
+    # Negative axes and output-before-reduction layouts (an output projection (H, Dh, d)).
+    o = randn(rng, heads, head_dim, d)
+    out = apply(muon_orthogonalize(
+            dimension_numbers=MuonDimensionNumbers((-3, -2), -1)), {"o": o})["o"]
+    manual = 0.2 * math.sqrt(24) * ns_reference(o.reshape(heads * head_dim, d))
+    np.testing.assert_allclose(out, manual.reshape(heads, head_dim, d), atol=1e-5)
+
+
+def test_none_leaves_and_none_dimension_numbers_pass_through(rng):
+    g = {"w": randn(rng, 8, 12), "bias": randn(rng, 12), "missing": None,
+         "block": {"x": randn(rng, 4, 4, 4), "y": randn(rng, 5)}}
+    dims = {"w": MuonDimensionNumbers(), "bias": None, "missing": MuonDimensionNumbers(),
+            "block": None}  # a prefix: None covers the whole block
+    out = apply(muon_orthogonalize(dimension_numbers=dims), g)
+    assert out["missing"] is None
+    for path in (("bias",), ("block", "x"), ("block", "y")):
+        a, b = g, out
+        for key in path:
+            a, b = a[key], b[key]
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(out["w"], 0.2 * math.sqrt(12) * ns_reference(g["w"]), atol=1e-5)
+
+
+def test_callable_dimension_numbers(rng):
+    g = {"w": randn(rng, 8, 12), "stack": randn(rng, 2, 8, 12), "b": randn(rng, 12)}
+    rule = lambda tree: jax.tree.map(
+            lambda x: MuonDimensionNumbers(x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else None, tree)
+    out = apply(muon_orthogonalize(dimension_numbers=rule), g)
+    np.testing.assert_array_equal(out["b"], g["b"])
+    single = muon_orthogonalize()
+    np.testing.assert_allclose(out["w"], apply(single, {"w": g["w"]})["w"], atol=1e-6)
+    for layer in range(2):
+        np.testing.assert_allclose(out["stack"][layer],
+                                   apply(single, {"w": g["stack"][layer]})["w"], atol=1e-6)
+
+
+def test_same_shape_leaves_share_one_newton_schulz(rng):
+    """Grouping: 3 leaves of one (oriented) shape run one batched iteration, not three."""
+    g = {"a": randn(rng, 8, 24), "b": randn(rng, 8, 24), "c": randn(rng, 24, 8)}
+    tx = muon_orthogonalize()
+    jaxpr = jax.make_jaxpr(tx.update)(g, optax.EmptyState())
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 * 5  # three products per step, five steps, one group
+    assert all(e.outvars[0].aval.shape[0] == 3 for e in dots)
+
+
+def test_inside_optax_partition_with_masked_nodes(rng):
+    params = {"h": randn(rng, 8, 12), "stack": randn(rng, 2, 12, 8), "bias": randn(rng, 8)}
+    labels = {"h": "muon", "stack": "muon", "bias": "sgd"}
+    dims = {"h": MuonDimensionNumbers(), "stack": MuonDimensionNumbers(1, 2), "bias": None}
+    tx = optax.partition({"muon": muon_orthogonalize(dimension_numbers=dims),
+                          "sgd": optax.scale(-1.0)}, labels)
+    state = tx.init(params)
+    out, _ = jax.jit(tx.update)(params, state, params)
+    np.testing.assert_array_equal(out["bias"], -params["bias"])
+    np.testing.assert_allclose(out["h"], 0.2 * math.sqrt(12) * ns_reference(params["h"]),
+                               atol=1e-5)
+    np.testing.assert_allclose(out["stack"][0], 0.2 * math.sqrt(12) *
+                               ns_reference(params["stack"][0]), atol=1e-5)
+
+
+def test_jit_compiles_once_and_eval_shape_init(rng):
+    params = {"a": randn(rng, 8, 12), "b": randn(rng, 12, 8)}
+    tx = muon_orthogonalize(ns_coeffs="polar_express")
+    state = jax.eval_shape(tx.init, params)
+    assert isinstance(state, optax.EmptyState)
+    traces = []
+
+    def step(updates, state):
+        traces.append(1)
+        return tx.update(updates, state)
+
+    step = jax.jit(step)
+    first, _ = step(params, tx.init(params))
+    second, _ = step(jax.tree.map(lambda x: 2 * x, params), tx.init(params))
+    assert len(traces) == 1
+    chex.assert_trees_all_close(first, second, atol=1e-5)  # scale invariance
+
+
+def test_bf16_compute_dtype_and_mixed_leaf_dtypes(rng):
+    g = {"f32": randn(rng, 16, 32), "bf16": randn(rng, 16, 32).astype(jnp.bfloat16)}
+    ref = apply(muon_orthogonalize(), {"f32": g["f32"]})["f32"]
+    out = jax.jit(muon_orthogonalize(compute_dtype=jnp.bfloat16).update)(g, optax.EmptyState())[0]
+    assert out["f32"].dtype == jnp.float32 and out["bf16"].dtype == jnp.bfloat16
+    rel = float(jnp.linalg.norm(out["f32"] - ref) / jnp.linalg.norm(ref))
+    assert rel < 0.05
+    np.testing.assert_allclose(out["bf16"].astype(jnp.float32),
+                               apply(muon_orthogonalize(), {"x": g["bf16"].astype(jnp.float32)})[
+                                       "x"], atol=0.1)
+
+
+def test_zero_update_stays_zero():
+    out = apply(muon_orthogonalize(), {"w": jnp.zeros((6, 9))})
+    np.testing.assert_array_equal(out["w"], 0.0)
+
+
+def test_inject_hyperparams(rng):
+    g = {"w": randn(rng, 8, 12)}
+    tx = optax.inject_hyperparams(muon_orthogonalize, static_args=("ns_steps",))(rms_scale=0.2)
+    state = tx.init(g)
+    step = jax.jit(tx.update)
+    first, state = step(g, state)
+    state.hyperparams["rms_scale"] = jnp.asarray(0.4)
+    second, _ = step(g, state)
+    np.testing.assert_allclose(second["w"], 2 * first["w"], rtol=1e-6)
+    # ns_steps is a static loop count: injecting it (the default for ints) fails clearly.
+    bad = optax.inject_hyperparams(muon_orthogonalize)()
+    with pytest.raises(TypeError, match="static_args"):
+        jax.jit(bad.update)(g, bad.init(g))
+
+
+@pytest.mark.parametrize("kwargs, updates, exc, match", [
+    ({}, {"w": jnp.ones((2, 3, 4))}, ValueError, r"\['w'\].*dimension_numbers"),
+    ({}, {"v": jnp.ones(4)}, ValueError, r"\['v'\].*dimension_numbers"),
+    ({}, {"w": jnp.ones((3, 4), jnp.int32)}, TypeError, r"\['w'\].*int32"),
+    ({"dimension_numbers": MuonDimensionNumbers(0, 0)}, {"w": jnp.ones((3, 4))}, ValueError,
+     "distinct"),
+    ({"dimension_numbers": MuonDimensionNumbers(0, 2)}, {"w": jnp.ones((3, 4))}, ValueError,
+     "output_axis.*out of range"),
+    ({"dimension_numbers": MuonDimensionNumbers((), 1)}, {"w": jnp.ones((3, 4))}, ValueError,
+     "reduction_axis"),
+    ({"dimension_numbers": {"w": (0, 1)}}, {"w": jnp.ones((3, 4))}, ValueError,
+     "dimension_numbers"),
+])
+def test_bad_updates_errors(kwargs, updates, exc, match):
+    tx = muon_orthogonalize(**kwargs)
+    with pytest.raises(exc, match=match):
+        tx.update(updates, optax.EmptyState())
+    with pytest.raises(exc, match=match):  # reported at init already
+        tx.init(updates)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"ns_coeffs": "newton"}, ValueError, "ns_coeffs"),
+    ({"ns_coeffs": np.ones((4, 3))}, ValueError, "ns_coeffs"),
+    ({"ns_steps": 0}, ValueError, "ns_steps"),
+    ({"scale": "adaptive"}, ValueError, "scale"),
+    ({"rms_scale": -1.0}, ValueError, "rms_scale"),
+    ({"eps": -1e-7}, ValueError, "eps"),
+    ({"compute_dtype": jnp.int32}, TypeError, "compute_dtype"),
+])
+def test_bad_options_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        muon_orthogonalize(**kwargs)
+
+
+def test_matches_newton_schulz_on_batch(rng):
+    g = randn(rng, 4, 8, 12)
+    out = apply(muon_orthogonalize(scale=None, dimension_numbers=MuonDimensionNumbers(1, 2)),
+                {"w": g})["w"]
+    np.testing.assert_allclose(out, newton_schulz(g), atol=1e-6)

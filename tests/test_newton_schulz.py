@@ -1,0 +1,225 @@
+"""Newton–Schulz orthogonalization against numpy fp64 references (SVD, an in-order loop)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from optax.contrib import _muon as optax_muon
+
+from rowgeom import newton_schulz, ns_coefficients
+
+KELLER = (3.4445, -4.7750, 2.0315)
+# Documented bands (module docstring) for inputs whose normalised singular values are not tiny.
+BANDS = {"keller": (0.681, 1.135), "polar_express": (0.858, 1.142)}
+NORM_SCALE = {"keller": 1.0, "polar_express": 1.02}
+# Distinct rows, so applying them in another order gives another result.
+TABLE = np.array([[3.4445, -4.7750, 2.0315],
+                  [2.0, -1.5, 0.5],
+                  [3.0, -3.2, 1.2],
+                  [1.875, -1.25, 0.375],
+                  [1.5, -0.5, 0.0]])
+
+
+def ns_reference(g, table, *, norm_scale=1.0, eps=1e-7):
+    """fp64 Newton–Schulz applying the rows of `table` in order (last two axes)."""
+    x = np.asarray(g, np.float64)
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = np.swapaxes(x, -1, -2)
+    x = x / (norm_scale * np.linalg.norm(x, axis=(-2, -1), keepdims=True) + eps)
+    for a, b, c in np.asarray(table, np.float64):
+        gram = x @ np.swapaxes(x, -1, -2)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return np.swapaxes(x, -1, -2) if tall else x
+
+
+def gaussian(rng, shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# --- coefficient tables ---------------------------------------------------------------------
+
+
+def test_ns_coefficients_presets_and_tables():
+    keller = ns_coefficients("keller", 5)
+    assert keller.shape == (5, 3) and keller.dtype == np.float64
+    np.testing.assert_array_equal(keller, np.tile(KELLER, (5, 1)))
+
+    pe = ns_coefficients("polar_express", 5)
+    assert pe.shape == (5, 3)
+    np.testing.assert_array_equal(pe[0], [8.156554524902461, -22.48329292557795,
+                                          15.878769915207462])
+    np.testing.assert_array_equal(pe[4], [2.3465413258596377, -1.7097828382687081,
+                                          0.42323551169305323])
+    np.testing.assert_array_equal(ns_coefficients("polar_express", 3), pe[:3])
+    pe7 = ns_coefficients("polar_express", 7)
+    np.testing.assert_array_equal(pe7[:5], pe)
+    np.testing.assert_array_equal(pe7[5:], [[1.875, -1.25, 0.375]] * 2)
+    # The steps past 5 use a polynomial with fixed point 1.
+    np.testing.assert_allclose(pe7[5].sum(), 1.0)
+
+    np.testing.assert_array_equal(ns_coefficients((1.0, 2.0, 3.0), 4), [[1.0, 2.0, 3.0]] * 4)
+    np.testing.assert_array_equal(ns_coefficients(TABLE, 5), TABLE)
+
+
+@pytest.mark.parametrize("coeffs, steps, exc, match", [
+    ("standard", 5, ValueError, "ns_coeffs"),
+    (TABLE, 4, ValueError, r"\(4, 3\)"),
+    (TABLE[:, :2], 5, ValueError, "shape"),
+    ((1.0, 2.0), 5, ValueError, "shape"),
+    ((1.0, np.nan, 2.0), 5, ValueError, "finite"),
+    ("keller", 0, ValueError, "ns_steps"),
+    ("keller", 2.5, TypeError, "ns_steps"),
+    ("keller", True, TypeError, "ns_steps"),
+    (object(), 5, TypeError, "ns_coeffs"),
+])
+def test_ns_coefficients_errors(coeffs, steps, exc, match):
+    with pytest.raises(exc, match=match):
+        ns_coefficients(coeffs, steps)
+    with pytest.raises(exc, match=match):
+        newton_schulz(jnp.ones((2, 3)), steps=steps, coeffs=coeffs)
+
+
+# --- the polar factor -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", [(24, 96), (96, 24)])
+def test_singular_values_in_documented_band(rng, preset, shape):
+    """Output = U f(Σ) Vᵀ with the input's singular vectors and f(σ) inside the preset's band."""
+    g = gaussian(rng, shape)
+    out = np.asarray(jax.jit(lambda x: newton_schulz(x, coeffs=preset))(g), np.float64)
+    lo, hi = BANDS[preset]
+    s_out = np.linalg.svd(out, compute_uv=False)
+    assert lo <= s_out.min() and s_out.max() <= hi, (s_out.min(), s_out.max())
+    # Same singular vectors: Uᵀ out V is diagonal.
+    u, _, vt = np.linalg.svd(g.astype(np.float64), full_matrices=False)
+    core = u.T @ out @ vt.T
+    np.testing.assert_allclose(core - np.diag(np.diag(core)), 0, atol=2e-5)
+    # And the whole iteration equals the fp64 reference.
+    table = ns_coefficients(preset, 5)
+    np.testing.assert_allclose(out, ns_reference(g, table, norm_scale=NORM_SCALE[preset]),
+                               atol=2e-5)
+
+
+def test_custom_table_applied_in_order(rng):
+    g = gaussian(rng, (16, 40))
+    out = np.asarray(newton_schulz(g, steps=5, coeffs=TABLE))
+    np.testing.assert_allclose(out, ns_reference(g, TABLE), atol=1e-5)
+    # The order matters, so the check above would catch a reordering or a wrong slice.
+    assert np.abs(ns_reference(g, TABLE[::-1]) - ns_reference(g, TABLE)).max() > 1e-2
+
+
+def test_matches_optax_orthogonalize(rng):
+    g = jnp.asarray(gaussian(rng, (2, 16, 40)))  # a batch of two matrices
+    ours = newton_schulz(g, coeffs="keller", eps=1e-7)
+    dims = optax_muon.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    theirs = optax_muon.orthogonalize_via_newton_schulz(
+            g, jnp.asarray(KELLER), 5, eps=1e-7, dimension_numbers=dims)
+    chex.assert_trees_all_close(ours, theirs, atol=2e-6)
+    # Tall input goes through the transposed path in both.
+    chex.assert_trees_all_close(
+            newton_schulz(g[0].T, coeffs=KELLER),
+            optax_muon.orthogonalize_via_newton_schulz(g[0].T, jnp.asarray(KELLER), 5,
+                                                       eps=1e-7),
+            atol=2e-6)
+
+
+@pytest.mark.skipif(optax.__version__ != "0.2.8", reason="documents optax 0.2.8 behaviour")
+def test_optax_028_table_length_handling(rng):
+    """What `ns_coefficients` documents about optax 0.2.8's handling of an (n, 3) table."""
+    g = jnp.asarray(gaussian(rng, (16, 40)))
+    dims = {"w": optax_muon.MuonDimensionNumbers()}
+    rows = tuple(map(tuple, TABLE))
+
+    def optax_update(ns_steps):
+        tx = optax.contrib.scale_by_muon(ns_coeffs=rows, ns_steps=ns_steps, beta=0.0,
+                                         nesterov=False, eps=1e-7, weight_dimension_numbers=dims)
+        return np.asarray(tx.update({"w": g}, tx.init({"w": g}))[0]["w"])
+
+    # Matching length: rows in order, like ours.
+    np.testing.assert_allclose(optax_update(5), ns_reference(g, TABLE), atol=1e-5)
+    # Fewer steps than rows: rejected, with a message saying the opposite.
+    with pytest.raises(ValueError, match="Not enough coeffs"):
+        optax_update(3)
+    # More steps than rows: ns_steps is silently ignored (5 steps run, not 7).
+    seven = np.concatenate([TABLE, [KELLER, KELLER]])
+    np.testing.assert_allclose(optax_update(7), ns_reference(g, TABLE), atol=1e-5)
+    assert np.abs(optax_update(7) - ns_reference(g, seven)).max() > 1e-2
+
+
+@pytest.mark.parametrize("preset", ["keller", "polar_express"])
+def test_zero_sum_is_preserved_T9(rng, preset):
+    """Spec T9: 1ᵀG = 0 over the token axis gives 1ᵀ polar = 0 and D(polar) <= √2 ||polar||₂."""
+    for shape, tol in [((48, 16), 1e-5), ((16, 48), 1e-4)]:
+        g = rng.standard_normal(shape)
+        g = (g - g.mean(axis=0)).astype(np.float32)
+        out = np.asarray(newton_schulz(g, coeffs=preset), np.float64)
+        # V <= d: 1 spans a zero singular direction; its fp32 residual (~1e-7) is amplified by
+        # the schedule's slope at 0 (about 5e2..1e3), hence the looser tolerance there.
+        assert np.abs(out.sum(axis=0)).max() <= tol
+        diffs = out[:, None, :] - out[None, :, :]
+        diameter = np.sqrt((diffs**2).sum(-1)).max()
+        assert diameter <= np.sqrt(2) * np.linalg.norm(out, 2) * (1 + 1e-5)
+
+
+def test_zero_input_gives_zero_not_nan(rng):
+    for eps in (1e-7, 0.0):
+        z = newton_schulz(jnp.zeros((3, 5)), eps=eps)
+        np.testing.assert_array_equal(z, 0.0)
+    # A zero matrix in a batch does not disturb its neighbour.
+    g = np.stack([np.zeros((6, 10), np.float32), gaussian(rng, (6, 10))])
+    out = np.asarray(newton_schulz(g))
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_allclose(out[1], ns_reference(g[1], ns_coefficients("keller", 5)),
+                               atol=1e-5)
+
+
+def test_leading_axes_are_a_batch(rng):
+    g = gaussian(rng, (2, 3, 8, 12))
+    out = np.asarray(newton_schulz(g))
+    table = ns_coefficients("keller", 5)
+    for i in range(2):
+        for j in range(3):
+            np.testing.assert_allclose(out[i, j], ns_reference(g[i, j], table), atol=1e-5)
+
+
+def test_bf16_compute_dtype(rng):
+    g = jnp.asarray(gaussian(rng, (24, 64)))
+    ref = newton_schulz(g)
+    out = jax.jit(lambda x: newton_schulz(x, compute_dtype=jnp.bfloat16))(g)
+    assert out.dtype == jnp.float32
+    # bf16 keeps ~3 significant digits and 5 expanding steps amplify rounding: a few % relative.
+    np.testing.assert_allclose(out, ref, atol=0.05)
+    assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 0.05
+    out16 = newton_schulz(g.astype(jnp.bfloat16), compute_dtype=jnp.bfloat16)
+    assert out16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out16.astype(jnp.float32), ref, atol=0.06)
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match="x must have a real floating dtype"):
+        newton_schulz(jnp.ones((3, 4), jnp.int32))
+    with pytest.raises(ValueError, match="x must have rank >= 2"):
+        newton_schulz(jnp.ones(4))
+    with pytest.raises(TypeError, match="compute_dtype"):
+        newton_schulz(jnp.ones((3, 4)), compute_dtype=jnp.int8)
+
+
+_jitted_keller = jax.jit(lambda x: newton_schulz(x, coeffs="keller"))
+_Q = np.linalg.qr(np.random.default_rng(1).standard_normal((12, 12)))[0].astype(np.float32)
+
+
+@given(seed=st.integers(0, 2**31 - 1), log_scale=st.floats(-3.0, 3.0))
+def test_invariances(seed, log_scale):
+    """polar(a G) = polar(G) for a > 0, polar(-G) = -polar(G), polar(Q G) = Q polar(G)."""
+    g = np.random.default_rng(seed).standard_normal((12, 30)).astype(np.float32)
+    base = np.asarray(_jitted_keller(g))
+    scaled = np.asarray(_jitted_keller(g * np.float32(10.0**log_scale)))
+    np.testing.assert_allclose(scaled, base, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(_jitted_keller(-g)), -base, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(_jitted_keller(_Q @ g)), _Q @ base, atol=2e-5)

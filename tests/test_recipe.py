@@ -1,0 +1,308 @@
+"""lm_optimizer (rowgeom._recipe) against independent references, in NNX, jit and inject."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import rowgeom
+from rowgeom._labels import tree_paths
+from rowgeom._recipe import ROWNORM_HEAD_LR_MULTIPLIER, STATIC_ARGS, infer_head_vocab_axis
+
+V, D, LAYERS, LR, WD, BETA = 64, 16, 2, 1e-2, 0.1, 0.95
+
+
+class _Attn(nnx.Module):
+    def __init__(self, rngs):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, nnx.Linear(D, D, use_bias=False, rngs=rngs))
+
+
+class _Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.gate_proj = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(2 * D, D, use_bias=False, rngs=rngs)
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs):
+        self.attn, self.mlp = _Attn(rngs), _Mlp(rngs)
+        self.attn_norm, self.mlp_norm = nnx.RMSNorm(D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.attn_norm(x)
+        q, k, v = self.attn.q_proj(h), self.attn.k_proj(h), self.attn.v_proj(h)
+        s = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(D)
+        causal = np.tril(np.ones((x.shape[1], x.shape[1]), bool))[None]
+        p = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1)
+        x = x + self.attn.o_proj(jnp.einsum("bts,bsd->btd", p, v))
+        h = self.mlp_norm(x)
+        return x + self.mlp.down_proj(jax.nn.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+class TinyLM(nnx.Module):
+    """The example model's parameter paths, at test size."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.layers = nnx.List([_Block(rngs) for _ in range(LAYERS)])
+        self.final_norm = nnx.RMSNorm(D, rngs=rngs)
+        self.lm_head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+
+def lm_loss(model, ids):
+    logits = model(ids)[:, :-1]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+IDS = np.random.default_rng(0).integers(0, V, size=(2, 8))
+
+
+def flat(tree):
+    return {"/".join(p): np.asarray(x, np.float64) for p, x in tree_paths(tree)}
+
+
+@pytest.fixture(scope="module")
+def params():
+    """The model's parameters as a plain dict of arrays."""
+    return nnx.to_pure_dict(nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param))
+
+
+def random_grads(params, seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+
+
+def run_steps(tx, params, n=2):
+    """n jitted steps on random gradients; returns [(params_before, grads, updates)], state."""
+    update = jax.jit(tx.update)
+    state, out = tx.init(params), []
+    for i in range(n):
+        grads = random_grads(params, seed=i)
+        updates, state = update(grads, state, params)
+        out.append((params, grads, updates))
+        params = optax.apply_updates(params, updates)
+    assert update._cache_size() == 1  # the second step reuses the first step's compilation
+    return out, state
+
+
+@pytest.fixture(scope="module")
+def default_run(params):
+    """Two steps of the default recipe (one compile shared by the reference tests)."""
+    return run_steps(rowgeom.lm_optimizer(LR), params)
+
+
+def np_rownorm(m, vocab_axis, center=True, eps=1e-8):
+    """Spec §5: centre over tokens, normalise each token row, centre again (fp64)."""
+    x = np.moveaxis(np.asarray(m, np.float64), vocab_axis, 0)
+    if center:
+        x = x - x.mean(axis=0, keepdims=True)
+    u = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), eps)
+    if center:
+        u = u - u.mean(axis=0, keepdims=True)
+    return np.moveaxis(u, 0, vocab_axis)
+
+
+def np_diameter(s, vocab_axis):
+    x = np.moveaxis(np.asarray(s, np.float64), vocab_axis, 0).reshape(s.shape[vocab_axis], -1)
+    return np.sqrt(np.max(((x[:, None] - x[None]) ** 2).sum(-1)))
+
+
+# ---------------------------------------------------------------- the head geometry, numerically
+
+
+def test_rownorm_head_step_equals_the_spec_reference(default_run):
+    steps, _ = default_run
+    head_lr, mom = ROWNORM_HEAD_LR_MULTIPLIER * LR, 0.0
+    for before, grads, updates in steps:
+        w, g = flat(before)["lm_head/kernel"], flat(grads)["lm_head/kernel"]
+        mom = BETA * mom + (1 - BETA) * g  # EMA momentum, before the normalisation
+        expected = -head_lr * (np_rownorm(mom, vocab_axis=1) + WD * w)
+        got = flat(updates)["lm_head/kernel"]
+        np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-7)
+        # The tokens of a (d, V) kernel are its columns: the wrong axis is far off.
+        wrong = -head_lr * (np_rownorm(mom, vocab_axis=0) + WD * w)
+        assert np.abs(got - wrong).max() > 1e-3
+        # Without weight decay every token column moves by at most head_lr (radius r = lr).
+        assert np_diameter(got + head_lr * WD * w, 1) <= 2 * head_lr * (1 + 1e-5)
+
+
+def test_hidden_step_is_muon_of_the_nesterov_momentum(default_run):
+    steps, _ = default_run
+    orthogonalize = rowgeom.muon_orthogonalize().update
+    buf = 0.0
+    for before, grads, updates in steps:
+        path = "layers/1/mlp/gate_proj/kernel"
+        w, g = flat(before)[path], flat(grads)[path]
+        buf = BETA * buf + g  # optax.trace, Nesterov: g + beta * buf
+        polar, _ = orthogonalize({"w": jnp.asarray(g + BETA * buf, jnp.float32)},
+                                 optax.EmptyState())
+        expected = -LR * (np.asarray(polar["w"], np.float64) + WD * w)
+        np.testing.assert_allclose(flat(updates)[path], expected, rtol=2e-5, atol=1e-7)
+        # RMS-matched Muon: the direction has RMS 0.2 (up to Newton-Schulz's band).
+        assert 0.1 < np.sqrt(np.mean(np.asarray(polar["w"]) ** 2)) < 0.3
+
+
+def test_embeddings_and_vectors_get_adamw(params, default_run):
+    steps, _ = default_run
+    cases = {"embed/embedding": optax.adamw(LR, b1=0.9, b2=0.95, eps=1e-8, weight_decay=WD),
+             "layers/0/attn_norm/scale": optax.adamw(LR, b1=0.9, b2=0.95, eps=1e-8,
+                                                     weight_decay=0.0)}
+    for path, adamw in cases.items():
+        state = adamw.init({"p": jnp.asarray(flat(params)[path], jnp.float32)})
+        for before, grads, updates in steps:
+            ref, state = adamw.update({"p": jnp.asarray(flat(grads)[path], jnp.float32)}, state,
+                                      {"p": jnp.asarray(flat(before)[path], jnp.float32)})
+            np.testing.assert_allclose(flat(updates)[path], ref["p"], rtol=1e-5, atol=1e-8)
+
+
+def check_bracket(stats, head_update):
+    """The recorded O(Vd) bracket holds the exact diameter of the real head step."""
+    lower, upper = (float(jax.tree.leaves(x)[0]) for x in (stats.lower, stats.upper))
+    exact = np_diameter(np.asarray(head_update), vocab_axis=1)
+    assert 0 < lower <= exact * (1 + 1e-5) and exact <= upper * (1 + 1e-5)
+
+
+def test_diagnostics_record_the_last_head_step(default_run):
+    steps, state = default_run
+    check_bracket(rowgeom.read_row_diameter(state), flat(steps[-1][2])["lm_head/kernel"])
+
+
+def test_tied_head_is_uncentred_rownorm_on_the_table_rows():
+    rng = np.random.default_rng(3)
+    params = {"wte": {"embedding": jnp.asarray(rng.normal(size=(V, D)), jnp.float32)},
+              "h": {"0": {"mlp": {"c_fc": jnp.asarray(rng.normal(size=(D, D)), jnp.float32)}}}}
+    with pytest.raises(ValueError, match="tied"):
+        rowgeom.lm_optimizer(LR).init(params)
+    steps, _ = run_steps(rowgeom.lm_optimizer(LR, tied="head"), params, n=1)
+    before, grads, updates = steps[0]
+    w, g = flat(before)["wte/embedding"], flat(grads)["wte/embedding"]
+    expected = -ROWNORM_HEAD_LR_MULTIPLIER * LR * (
+        np_rownorm((1 - BETA) * g, vocab_axis=0, center=False) + WD * w)
+    np.testing.assert_allclose(flat(updates)["wte/embedding"], expected, rtol=2e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- frameworks and transformations
+
+
+def train_step(model, optimizer, ids):
+    loss, grads = nnx.value_and_grad(lm_loss)(model, ids)
+    return loss, optimizer.update(model, grads)
+
+
+@pytest.mark.parametrize("head", ["rownorm", "adamw", "muon"])
+def test_nnx_optimizer_steps_under_nnx_jit(head):
+    model = TinyLM(nnx.Rngs(1))
+    before = flat(nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(LR, head=head), wrt=nnx.Param)
+    step = nnx.jit(train_step)
+    losses = []
+    for _ in range(3):
+        loss, updates = step(model, optimizer, IDS)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    after = flat(nnx.state(model, nnx.Param))
+    assert all(not np.allclose(after[p], before[p]) for p in before)
+    # Every head is tracked, so experiments can compare their diameters.
+    check_bracket(rowgeom.read_row_diameter(optimizer.opt_state),
+                  flat(updates)["lm_head/kernel"])
+
+
+def test_inject_hyperparams_scales_every_group_linearly(params):
+    tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=LR)
+    state = tx.init(params)
+    assert {"learning_rate", "momentum", "head_momentum", "weight_decay"} <= set(
+        state.hyperparams)
+    assert "ns_steps" not in state.hyperparams  # None by default: never injected
+    grads, update = random_grads(params, 0), jax.jit(tx.update)
+    u1, state1 = update(grads, state, params)
+    hyperparams = {**state.hyperparams, "learning_rate": jnp.float32(2 * LR)}
+    doubled = state._replace(hyperparams=hyperparams)
+    u2, _ = update(grads, doubled, params)
+    for path, x in flat(u1).items():
+        np.testing.assert_allclose(flat(u2)[path], 2 * x, rtol=1e-5, atol=1e-9, err_msg=path)
+    # Same compiled function for the next step (hyperparameters are arrays, not constants).
+    update(grads, state1, params)
+    assert update._cache_size() == 1
+
+
+def test_inject_hyperparams_static_args(params):
+    with pytest.raises(TypeError, match="ns_steps must be a Python int.*static_args"):
+        optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=LR, ns_steps=3).init(params)
+    tx = optax.inject_hyperparams(rowgeom.lm_optimizer, static_args=STATIC_ARGS)(
+        learning_rate=LR, ns_steps=3, head_vocab_axis=1, labels=rowgeom.label_params)
+    state = tx.init(params)
+    assert not set(STATIC_ARGS) & set(state.hyperparams)
+    # A callable `labels` not listed in static_args is mistaken for a schedule: caught.
+    with pytest.raises(TypeError, match="labels must be.*static_args"):
+        optax.inject_hyperparams(rowgeom.lm_optimizer)(
+            learning_rate=LR, labels=rowgeom.label_params).init(params)
+
+
+def test_schedules_per_group(default_run):
+    sched = lambda count: LR * (1.0 + count)  # doubles from step 0 to step 1
+    embed_sched = lambda count: LR * (3.0 - count)
+    tx = rowgeom.lm_optimizer(sched, embedding_learning_rate=embed_sched)
+    # The head's derived rate (5x) is a schedule too; the embedding follows its own.
+    factor = lambda path, i: 3.0 - i if path == "embed/embedding" else 1.0 + i
+    params = default_run[0][0][0]
+    state, update = tx.init(params), jax.jit(tx.update)
+    # Replay the default run: same params and gradients, so only the rates differ.
+    for i, (before, grads, const) in enumerate(default_run[0]):
+        updates, state = update(grads, state, before)
+        for path, x in flat(const).items():
+            np.testing.assert_allclose(flat(updates)[path], factor(path, i) * x,
+                                       rtol=1e-5, atol=1e-9, err_msg=f"{path} step {i}")
+
+
+# ---------------------------------------------------------------- labels, axes and errors
+
+
+def test_optax_contrib_muon_sends_embedding_and_head_to_muon_but_lm_optimizer_does_not(params):
+    """Regression: optax's default 2-D rule is the defect rowgeom's labels exist to avoid."""
+
+    def holds(state, group):  # which blocks have state (so a step) in this group
+        return {name for path, _ in tree_paths(state.inner_states[group])
+                for name in ("embed", "layers", "lm_head") if name in path}
+
+    assert holds(optax.contrib.muon(LR).init(params), "muon") == {"embed", "layers", "lm_head"}
+    ours = rowgeom.lm_optimizer(LR).init(params)
+    assert holds(ours, "hidden") == {"layers"}
+    assert holds(ours, "head") == {"lm_head"}
+    assert holds(ours, "embedding") == {"embed"}
+
+
+def test_head_vocab_axis_inference():
+    assert infer_head_vocab_axis(("lm_head", "kernel"), (D, V)) == 1
+    assert infer_head_vocab_axis(("wte", "embedding"), (V, D)) == 0
+    assert infer_head_vocab_axis(("lm_head", "weight"), (V, D)) == 0
+    for path, shape in ((("output", "w"), (D, V)), (("lm_head", "kernel"), (D, 2, V))):
+        with pytest.raises(ValueError, match="head_vocab_axis"):
+            infer_head_vocab_axis(path, shape)
+    params = {"embed": np.zeros((V, D), np.float32), "output": {"w": np.zeros((D, V), np.float32)}}
+    with pytest.raises(ValueError, match="output/w"):
+        rowgeom.lm_optimizer(LR).init(params)
+    steps, _ = run_steps(rowgeom.lm_optimizer(LR, head_vocab_axis=1, track_head=False),
+                         params, n=1)
+    got = flat(steps[0][2])["output/w"]
+    assert np.abs(got.sum(axis=1)).max() < 1e-5  # centred over the given vocab axis
+
+
+def test_bad_arguments_name_the_parameter():
+    with pytest.raises(ValueError, match="head must be one of"):
+        rowgeom.lm_optimizer(LR, head="sgd")
+    with pytest.raises(ValueError, match="tied must be"):
+        rowgeom.lm_optimizer(LR, tied=True)
+    with pytest.raises(TypeError, match="head_vocab_axis must be a Python int"):
+        rowgeom.lm_optimizer(LR, head_vocab_axis=jnp.asarray(1))
+    with pytest.raises(TypeError, match="labels must be"):
+        rowgeom.lm_optimizer(LR, labels="hidden")

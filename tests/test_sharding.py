@@ -1,0 +1,55 @@
+"""T12 and the communication contract on 8 simulated CPU devices.
+
+The checks run in a subprocess because XLA_FLAGS must be set before jax is imported.
+"""
+
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).with_name("_sharded_checks.py")
+V, D = 512, 64
+
+
+@functools.lru_cache(maxsize=1)
+def _results():
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", ["table", "kernel"])
+def test_vocab_sharded_rownorm_matches_unsharded(axis_type, layout):
+    res = _results()[axis_type]
+    assert res[f"rownorm_{layout}_diff"] <= 1e-6
+    assert res[f"diameter_{layout}_diff"] <= 1e-5
+    assert res[f"bounds_{layout}_diff"] <= 1e-5
+    assert res[f"rownorm_{layout}_sharding"] == ("P('vocab', None)" if layout == "table"
+                                                 else "P(None, 'vocab')")
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", ["table", "kernel"])
+def test_head_update_moves_only_vectors(axis_type, layout):
+    """Only reductions of d- or V-sized vectors cross devices: never the (V, d) head itself."""
+    found = _results()[axis_type][f"rownorm_{layout}_collectives"]
+    assert found, "expected the vocabulary means to need an all-reduce across shards"
+    assert any(op == "all-reduce" for op, _ in found), found
+    for op, shape in found:
+        dims = [int(n) for n in shape.split("[")[1].split("]")[0].split(",") if n]
+        # A vector (at most one non-unit dimension, at most max(V, d) long), never a matrix.
+        is_vector = len([n for n in dims if n > 1]) <= 1 and max(dims, default=1) <= max(V, D)
+        assert is_vector, (op, shape)
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_sharded_muon_matches_unsharded(axis_type):
+    res = _results()[axis_type]
+    assert res["muon_stack_diff"] <= 1e-5
+    assert res["muon_mat_diff"] <= 1e-5
