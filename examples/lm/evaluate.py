@@ -1,0 +1,96 @@
+"""Evaluation: validation loss and the geometry of the last head update as the softmax sees it.
+
+Two head changes are measured (spec §6, "Weight decay in diagnostics"):
+
+- the *full head change* `ΔW = W_new - W_old`, including decoupled weight decay: this is what the
+  softmax sees. Reported as `head_diameter`, `hilbert_rms`, `hilbert_max`, `hilbert_tightness`.
+- the *head step* `-lr·U` (the optimizer's direction scaled by the head learning rate, without the
+  decay term): `ΔW + lr·wd·W_old` under the decoupled-decay convention of spec §5
+  (`W ← (1 - lr·wd)·W - lr·U`). Reported as `head_step_diameter`, `head_step_hilbert_rms`, ... For
+  projected RowNorm, `head_step_diameter <= 2·lr` (every token row moves at most `lr`).
+  Without weight decay the two coincide.
+
+For each: the row diameter `D` (exact, `rowgeom.row_diameter`, when `V·d` is at most
+`exact_diameter_max_elements`, otherwise the upper end of the O(Vd) bracket
+`rowgeom.row_diameter_bounds`, also reported as `*_diameter_lower` / `*_diameter_upper`), and the
+empirical Hilbert perturbation `δ_n = range_v((ΔW·h_n)_v)` (`rowgeom.hilbert_perturbation`, exact by
+Lemma 1 of arXiv 2608.22253) over the final hidden states `h_n` of a fixed batch of validation
+sequences: RMS and max over n, and the tightness `max_n δ_n / (||h_n||·D)`, which is at most 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import rowgeom
+
+
+def cross_entropy(logits, targets):
+    """Mean next-token cross entropy in fp32."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets).mean()
+
+
+def make_val_loss(graphdef, *, out_sharding):
+    """Jitted (params, rest, inputs, targets) -> mean cross entropy of one validation batch."""
+
+    def val_loss(params, rest, inputs, targets):
+        model = nnx.merge(graphdef, params, rest)
+        return cross_entropy(model(inputs), targets)
+
+    return jax.jit(val_loss, out_shardings=out_sharding)
+
+
+def _diameter(delta, *, vocab_axis, exact: bool):
+    lower, upper = rowgeom.row_diameter_bounds(delta, vocab_axis=vocab_axis)
+    d = rowgeom.row_diameter(delta, vocab_axis=vocab_axis) if exact else upper
+    return d, lower, upper
+
+
+def _hilbert(delta, hidden, diameter, *, vocab_axis):
+    delta_n = rowgeom.hilbert_perturbation(delta, hidden, vocab_axis=vocab_axis)
+    bound = jnp.linalg.norm(hidden, axis=-1) * diameter
+    tight = jnp.where(bound > 0, delta_n / jnp.where(bound > 0, bound, 1.0), 0.0)
+    return jnp.sqrt(jnp.mean(jnp.square(delta_n))), jnp.max(delta_n), jnp.max(tight)
+
+
+def head_diagnostics(delta, head_old, hidden, head_lr, head_wd, *, vocab_axis: int, exact: bool):
+    """Diameters and Hilbert perturbations of the full change `delta` and of the head step.
+
+    delta, head_old: head matrices (vocabulary along `vocab_axis`); hidden: (N, d) final hidden
+    states; head_lr, head_wd: the head's learning rate for that update and its decoupled weight
+    decay.
+    """
+    hidden = hidden.astype(jnp.float32)
+    delta = delta.astype(jnp.float32)
+    step = delta + (head_lr * head_wd) * head_old.astype(jnp.float32)
+    out = {}
+    for prefix, change in (("head", delta), ("head_step", step)):
+        d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
+        rms, mx, tight = _hilbert(change, hidden, d, vocab_axis=vocab_axis)
+        name = "hilbert" if prefix == "head" else "head_step_hilbert"
+        out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
+                f"{prefix}_diameter_upper": upper, f"{name}_rms": rms, f"{name}_max": mx,
+                f"{name}_tightness": tight}
+    return out
+
+
+def make_head_probe(graphdef, head_matrix, *, exact: bool, out_sharding):
+    """Jitted (params, rest, head_old, inputs, head_lr, head_wd) -> dict of head diagnostics.
+
+    The final hidden states of `inputs` under the current (updated) model probe the change between
+    `head_old` (the head before the last optimizer update) and the current head.
+    """
+
+    def probe(params, rest, head_old, inputs, head_lr, head_wd):
+        model = nnx.merge(graphdef, params, rest)
+        _, hidden = model(inputs, return_hidden=True)
+        head_new, vocab_axis = head_matrix(model)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        return head_diagnostics(head_new - head_old, head_old, hidden, head_lr, head_wd,
+                                vocab_axis=vocab_axis, exact=exact)
+
+    return jax.jit(probe, out_shardings=out_sharding)

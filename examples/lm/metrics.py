@@ -1,0 +1,140 @@
+"""Metric sinks: DIR/metrics.jsonl, TensorBoard event files, and a PNG plot of the curves.
+
+`metrics.jsonl` holds one JSON object per line with at least `step` and `train_loss`; evaluation
+lines add `val_loss`, `head_diameter`, `hilbert_rms`, ... (see evaluate.py). Floats are written with
+`repr`, which round-trips exactly, and the file holds only values that are a deterministic function
+of the run (no wall-clock times), so an interrupted-and-resumed run writes the same bytes as an
+uninterrupted one. Throughput (tokens/s, step time) goes to TensorBoard and the progress bar only.
+
+Only process 0 writes; other processes get a writer whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOT_FILE = "metrics.png"
+
+
+def _plain(value):
+    """JSON-ready Python scalars (numpy/JAX scalars -> float/int, exactly)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)) or getattr(value, "shape", None) == ():
+        return float(value)
+    return value
+
+
+def read_metrics(workdir: str | Path) -> list[dict]:
+    path = Path(workdir) / METRICS_FILE
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+    """Appends metric records to jsonl and TensorBoard; `enabled=False` makes every call a no-op."""
+
+    def __init__(self, workdir: str | Path, *, enabled: bool = True):
+        self.workdir = Path(workdir)
+        self.enabled = enabled
+        self._tb = None
+        if enabled:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records with step > `step`: they belong to steps a resumed run is about to redo."""
+        if not self.enabled:
+            return
+        path = self.workdir / METRICS_FILE
+        if not path.exists():
+            return
+        with path.open() as f:
+            lines = [ln for ln in f if ln.strip()]
+        kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
+        if len(kept) != len(lines):
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+
+    def _tensorboard(self):
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR))
+        return self._tb
+
+    def write(self, record: dict, *, extra_scalars: dict | None = None) -> None:
+        """Append `record` (with a `step`) to jsonl; log it and `extra_scalars` to TensorBoard."""
+        if not self.enabled:
+            return
+        record = {k: _plain(v) for k, v in record.items()}
+        step = record["step"]
+        with (self.workdir / METRICS_FILE).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        tb = self._tensorboard()
+        for key, value in {**record, **(extra_scalars or {})}.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                tb.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def plot(self) -> Path | None:
+        """Write DIR/metrics.png: losses, head diameters and Hilbert perturbations against step."""
+        if not self.enabled:
+            return None
+        return plot_metrics(read_metrics(self.workdir), self.workdir / PLOT_FILE)
+
+
+def _series(records, key):
+    pts = [(r["step"], r[key]) for r in records
+           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_metrics(records: list[dict], path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("loss", [("train_loss", "train"), ("val_loss", "validation")], False),
+        ("head row diameter", [("head_diameter", "D(ΔW), full change"),
+                               ("head_step_diameter", "D(step), no decay"),
+                               ("head_diameter_upper", "O(Vd) upper bound")], True),
+        ("Hilbert perturbation (RMS over held-out h)",
+         [("hilbert_rms", "full change"), ("head_step_hilbert_rms", "step, no decay")], True),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), constrained_layout=True)
+    for ax, (title, keys, log) in zip(axes, panels, strict=True):
+        for key, label in keys:
+            xs, ys = _series(records, key)
+            if xs:
+                ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
+        if log and any(ln.get_ydata().size and min(ln.get_ydata()) > 0 for ln in ax.get_lines()):
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.get_lines():
+            ax.legend()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

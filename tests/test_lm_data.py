@@ -1,0 +1,313 @@
+"""The example LM's data (examples/lm/data.py): corpus listing and split, the cached BPE, token
+shards and their validation, and the batch sampler."""
+
+import json as json_module
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples.lm import data
+
+# A small real corpus: the standard library's `json` package (5 files, ~50 KB) tokenizes in well
+# under a second, where the whole standard library would take several.
+JSON_PACKAGE = Path(json_module.__file__).parent
+VOCAB = 320
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for f in sorted(JSON_PACKAGE.glob("*.py")):
+        shutil.copy(f, root / f.name)
+    return root
+
+
+@pytest.fixture
+def counted_training(monkeypatch) -> list:
+    """Record each call of data.train_tokenizer (what prepare_tokens does on a cache miss)."""
+    calls, train = [], data.train_tokenizer
+
+    def counting(texts, vocab_size):
+        calls.append(vocab_size)
+        return train(texts, vocab_size)
+
+    monkeypatch.setattr(data, "train_tokenizer", counting)
+    return calls
+
+
+def _cache_dir(workdir: Path, vocab_size: int) -> Path:
+    (cache,) = (workdir / "tokens").glob(f"*-v{vocab_size}-*")
+    return cache
+
+
+def _decode_documents(tokens, cache: Path) -> list[str]:
+    """Token stream -> documents, with the cached tokenizer (EOS closes every document)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(cache / "tokenizer.json"))
+    eos = tokenizer.token_to_id(data.EOS)
+    ids = np.asarray(tokens)
+    assert ids[-1] == eos
+    ends = np.flatnonzero(ids == eos)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(ids[s:e].tolist()) for s, e in zip(starts, ends, strict=True)]
+
+
+# --------------------------------------------------------------------------- corpus and split
+
+
+def test_stdlib_source_files_are_sorted_library_sources_without_tests():
+    files = data.stdlib_source_files()
+    assert files == sorted(files) and len(set(files)) == len(files)
+    assert all(f.suffix == ".py" and f.is_file() for f in files)
+    assert JSON_PACKAGE / "decoder.py" in files
+    for f in files:
+        assert not {"test", "tests", "idle_test", "site-packages"} & set(f.parts), f
+        assert not f.name.startswith("test_"), f
+    assert sum(f.stat().st_size for f in files) > 2**20  # the library, not a stub of it
+
+
+def test_split_files_is_deterministic_disjoint_and_complete(rng):
+    files = data.stdlib_source_files()
+    train, val = data.split_files(files, val_fraction=0.05)
+    shuffled = [files[i] for i in rng.permutation(len(files))]
+    assert data.split_files(shuffled, val_fraction=0.05) == (train, val)  # order-independent
+    assert not set(train) & set(val) and sorted(train + val) == files
+    assert len(val) == round(0.05 * len(files))
+    assert len({f.parent for f in val}) > 1  # spread over the library, not one package
+    assert data.split_files(files[:2], val_fraction=0.05) == ([files[0]], [files[1]])
+    with pytest.raises(ValueError, match="at least 2 files"):
+        data.split_files(files[:1])
+    with pytest.raises(ValueError, match="val_fraction"):
+        data.split_files(files, val_fraction=1.0)
+
+
+# --------------------------------------------------------------------------- tokenizer + cache
+
+
+def test_text_directory_is_tokenized_losslessly_by_file(corpus, tmp_path):
+    splits = data.prepare_tokens(source=corpus, workdir=tmp_path / "work", vocab_size=VOCAB)
+    assert splits.vocab_size == VOCAB
+    for tokens in (splits.train, splits.val):
+        assert tokens.dtype == np.uint16 and tokens.ndim == 1
+        assert 0 <= tokens.min() and tokens.max() < VOCAB
+    train_files, val_files = data.split_files(sorted(corpus.glob("*.py")))
+    cache = _cache_dir(tmp_path / "work", VOCAB)
+    assert _decode_documents(splits.train, cache) == [f.read_text() for f in train_files]
+    assert _decode_documents(splits.val, cache) == [f.read_text() for f in val_files]
+    chars = sum(f.stat().st_size for f in train_files)
+    assert chars / len(splits.train) > 1.4  # 63 merges already compress (1 byte per token without)
+
+
+def test_cache_is_reused_and_invalidated(corpus, tmp_path, counted_training):
+    work = tmp_path / "work"
+    first = data.prepare_tokens(source=corpus, workdir=work, vocab_size=VOCAB)
+    again = data.prepare_tokens(source=corpus, workdir=work, vocab_size=VOCAB)
+    assert counted_training == [VOCAB]  # not retrained
+    np.testing.assert_array_equal(again.train, first.train)
+
+    other = data.prepare_tokens(source=corpus, workdir=work, vocab_size=VOCAB + 64)
+    other_train = np.array(other.train)  # a copy: the memmap would fault once the file is cut
+    del other
+    assert counted_training == [VOCAB, VOCAB + 64]  # the vocabulary size is part of the key
+    assert other_train.max() >= VOCAB  # it did use the larger vocabulary
+    data.prepare_tokens(source=corpus, workdir=work, vocab_size=VOCAB)
+    assert len(counted_training) == 2  # the first cache is still valid
+
+    cache = _cache_dir(work, VOCAB + 64)  # damage a cache: it is rebuilt, not trusted
+    with open(cache / "train.bin", "r+b") as f:
+        f.truncate(100)
+    rebuilt = data.prepare_tokens(source=corpus, workdir=work, vocab_size=VOCAB + 64)
+    assert len(counted_training) == 3
+    np.testing.assert_array_equal(rebuilt.train, other_train)  # training is deterministic
+
+    with open(corpus / "tool.py", "a") as f:  # an edited source file
+        f.write("# one more line\n")
+    edited = data.prepare_tokens(source=corpus, workdir=work, vocab_size=VOCAB)
+    assert len(counted_training) == 4
+    assert len(edited.train) + len(edited.val) > len(first.train) + len(first.val)
+
+
+def test_single_text_file_is_split_by_lines(corpus, tmp_path):
+    text = (corpus / "decoder.py").read_text()
+    splits = data.prepare_tokens(source=corpus / "decoder.py", workdir=tmp_path / "w",
+                                 vocab_size=VOCAB, val_fraction=0.1)
+    cache = _cache_dir(tmp_path / "w", VOCAB)
+    (train,), (val,) = _decode_documents(splits.train, cache), _decode_documents(splits.val, cache)
+    assert train + val == text
+    lines = text.splitlines(keepends=True)
+    assert val == "".join(lines[-round(0.1 * len(lines)):])
+
+
+def test_text_source_errors_name_the_file(corpus, tmp_path):
+    (corpus / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8"):
+        data.prepare_tokens(source=corpus, workdir=tmp_path / "w", vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="does not exist"):
+        data.prepare_tokens(source=tmp_path / "missing", workdir=tmp_path / "w", vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="at least 257"):
+        data.train_tokenizer(["abc"], 100)
+
+
+def test_work_directory_inside_the_source_is_not_corpus(corpus, counted_training):
+    first = data.prepare_tokens(source=corpus, workdir=corpus / "work", vocab_size=VOCAB)
+    second = data.prepare_tokens(source=corpus, workdir=corpus / "work", vocab_size=VOCAB)
+    assert len(counted_training) == 1  # its own cache files did not change the fingerprint
+    np.testing.assert_array_equal(first.val, second.val)
+
+
+# --------------------------------------------------------------------------- shards
+
+
+@pytest.mark.parametrize("high, dtype", [(65535, np.uint16), (70000, np.uint32)])
+def test_shard_round_trip(tmp_path, rng, high, dtype):
+    tokens = rng.integers(0, high + 1, size=1001)
+    tokens[0] = high
+    path = data.write_shard(tmp_path / "train.bin", tokens)
+    shard = data.read_shard(path)
+    assert isinstance(shard, np.memmap) and shard.dtype == dtype and not shard.flags.writeable
+    np.testing.assert_array_equal(shard, tokens)
+    assert path.stat().st_size == 32 + tokens.size * np.dtype(dtype).itemsize
+    assert [p.name for p in tmp_path.iterdir()] == ["train.bin"]  # no temporary left behind
+
+
+def _corrupt(path: Path, how: str) -> str:
+    raw = bytearray(path.read_bytes())
+    if how == "truncated header":
+        path.write_bytes(raw[:20])
+        return "truncated"
+    if how == "wrong magic":
+        raw[:8] = b"NOTTOKEN"
+        path.write_bytes(raw)
+        return "not a rowgeom token shard"
+    if how == "wrong dtype code":
+        raw[12:16] = struct.pack("<I", 7)
+        path.write_bytes(raw)
+        return "unknown dtype code 7"
+    if how == "wrong version":
+        raw[8:12] = struct.pack("<I", 2)
+        path.write_bytes(raw)
+        return "version 2"
+    if how == "truncated tokens":
+        path.write_bytes(raw[:-3])
+        return "header says 100 uint16 tokens"
+    if how == "trailing bytes":
+        path.write_bytes(raw + b"\0\0")
+        return "header says 100 uint16 tokens"
+    if how == "wrong length field":
+        raw[16:24] = struct.pack("<Q", 101)
+        path.write_bytes(raw)
+        return "header says 101 uint16 tokens"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated header", "wrong magic", "wrong dtype code",
+                                 "wrong version", "truncated tokens", "trailing bytes",
+                                 "wrong length field"])
+def test_corrupt_shards_raise_a_clear_error_naming_the_file(tmp_path, how):
+    path = data.write_shard(tmp_path / "val_000.bin", np.arange(100))
+    reason = _corrupt(path, how)
+    with pytest.raises(ValueError, match="val_000.bin") as error:
+        data.read_shard(path)
+    assert reason in str(error.value)
+
+
+def test_write_shard_rejects_what_it_cannot_store(tmp_path):
+    for bad in (np.array([1, -1]), np.zeros((2, 2), int), np.array([0.5]), np.array([], int),
+                np.array([2**32])):
+        with pytest.raises(ValueError, match="write_shard"):
+            data.write_shard(tmp_path / "x.bin", bad)
+
+
+def test_shard_directory_is_memory_mapped_and_validated(tmp_path, rng):
+    parts = [rng.integers(0, 1000, size=n) for n in (50, 7, 80)]
+    for i, part in enumerate(parts):
+        data.write_shard(tmp_path / f"train_{i:03d}.bin", part)
+    data.write_shard(tmp_path / "val_000.bin", np.arange(40))
+    splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=1000)
+    assert isinstance(splits.val, np.memmap)
+    assert isinstance(splits.train, data.ShardedTokens) and len(splits.train) == 137
+    whole = np.concatenate(parts)
+    np.testing.assert_array_equal(np.asarray(splits.train), whole)
+    for a, b in [(0, 137), (45, 60), (50, 57), (55, 100), (136, 200), (10, 10)]:
+        np.testing.assert_array_equal(splits.train[a:b], whole[a:b])
+    assert not (tmp_path / "w").exists()  # no tokenizer, no cache
+
+    with pytest.raises(ValueError, match=r"train_\d+\.bin holds token id \d+, which is not"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=int(whole.max()))
+    os.remove(tmp_path / "val_000.bin")
+    with pytest.raises(ValueError, match=r"no val\*\.bin"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=1000)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def test_batch_sampler_is_a_pure_function_of_seed_and_step():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    sampler = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
+    inputs, targets = sampler.get(5)
+    assert inputs.shape == targets.shape == (8, 16)
+    assert inputs.dtype == targets.dtype == np.int32
+    # arange tokens: every row is a contiguous window, and targets are inputs shifted by one.
+    np.testing.assert_array_equal(np.diff(inputs, axis=1), 1)
+    np.testing.assert_array_equal(targets, inputs + 1)
+    assert inputs.min() >= 0 and targets.max() <= 9_999
+    fresh = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
+    np.testing.assert_array_equal(fresh.get(5)[0], inputs)  # resuming replays the same batch
+    assert not np.array_equal(sampler.get(6)[0], inputs)
+    assert not np.array_equal(data.BatchSampler(tokens, batch_size=8, seq_len=16,
+                                                seed=4).get(5)[0], inputs)
+
+
+def test_process_shares_partition_the_global_batch(rng):
+    tokens = rng.integers(0, 500, size=5_000).astype(np.uint16)
+    full = data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0).get(2)
+    shares = [data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0, process_index=i,
+                                process_count=3).get(2) for i in range(3)]
+    assert all(s[0].shape == (4, 8) for s in shares)
+    for k in (0, 1):
+        np.testing.assert_array_equal(np.concatenate([s[k] for s in shares]), full[k])
+
+
+def test_batch_sampler_reads_sharded_tokens_like_the_concatenation(tmp_path, rng):
+    parts = [rng.integers(0, 500, size=n) for n in (30, 5, 40)]
+    shards = [data.read_shard(data.write_shard(tmp_path / f"t{i}.bin", p))
+              for i, p in enumerate(parts)]
+    a = data.BatchSampler(data.ShardedTokens(shards), batch_size=16, seq_len=9, seed=1).get(0)
+    b = data.BatchSampler(np.concatenate(parts), batch_size=16, seq_len=9, seed=1).get(0)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_batch_sampler_validation():
+    tokens = np.arange(100)
+    with pytest.raises(ValueError, match="not divisible by process_count"):
+        data.BatchSampler(tokens, batch_size=6, seq_len=4, seed=0, process_count=4)
+    with pytest.raises(ValueError, match="process_index 2 is not in"):
+        data.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, process_index=2,
+                          process_count=2)
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        data.BatchSampler(tokens, batch_size=4, seq_len=100, seed=0)
+    with pytest.raises(ValueError, match="process_count must be >= 1"):
+        data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, process_count=0)
+    sampler = data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, vocab_size=50)
+    with pytest.raises(ValueError, match="vocab_size 50"):
+        [sampler.get(step) for step in range(5)]  # ids reach 99
+
+
+def test_default_source_is_the_standard_library(tmp_path, monkeypatch):
+    # The full library takes seconds to tokenize; the code path is the same for a part of it.
+    files = [f for f in data.stdlib_source_files() if f.parent == JSON_PACKAGE]
+    monkeypatch.setattr(data, "stdlib_source_files", lambda: files)
+    splits = data.prepare_tokens(workdir=tmp_path, vocab_size=VOCAB)
+    cache = _cache_dir(tmp_path, VOCAB)
+    assert cache.name.startswith("stdlib-")
+    train, val = data.split_files(files)
+    assert _decode_documents(splits.val, cache) == [f.read_text() for f in val]
+    assert len(_decode_documents(splits.train, cache)) == len(train)

@@ -1,0 +1,239 @@
+"""End-to-end tests of the example LM trainer (examples/lm/train.py) on the tiny `test` config.
+
+The corpus is a copy of a few small standard-library files, so the BPE trains in well under a
+second; XLA's optimizations are turned off for these tests because compile time dominates.
+"""
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from examples.lm import checkpointing, configs, metrics, train
+from examples.lm import mesh as mesh_lib
+
+STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, and the final one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compile():
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~30 small stdlib modules as a text-directory corpus, and a shared tokenizer cache dir."""
+    root = tmp_path_factory.mktemp("lm")
+    src = Path(os.__file__).parent
+    files = sorted((p for p in src.glob("*.py") if 2_000 < p.stat().st_size < 12_000),
+                   key=lambda p: p.name)[:30]
+    assert len(files) >= 20
+    (root / "corpus").mkdir()
+    for f in files:
+        shutil.copy(f, root / "corpus" / f.name)
+    return root
+
+
+def _cfg(corpus, **overrides):
+    base = configs.get_config("test")
+    return dataclasses.replace(base, data_source=str(corpus / "corpus"),
+                               data_dir=str(corpus / "tokens"), save_every=3, **overrides)
+
+
+def _lines(workdir):
+    return (Path(workdir) / metrics.METRICS_FILE).read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def baseline(corpus):
+    """An uninterrupted run through the command line: (workdir, stdout)."""
+    workdir = corpus / "baseline"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train.main([
+            "--config", "test", "--workdir", str(workdir), "--no-progress",
+            "--data_source", str(corpus / "corpus"), "--set", f"data_dir={corpus / 'tokens'}",
+            "--save-every", "3"])
+    return workdir, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def interrupted(corpus):
+    """--resume on an empty workdir starts fresh; the run is 'killed' after step 5."""
+    workdir = corpus / "interrupted"
+    out = []
+    train.train(_cfg(corpus), workdir, resume=True, stop_after=5, progress=False,
+                print_fn=out.append)
+    return workdir, out
+
+
+def test_cli_overrides_parse():
+    cfg = configs.parse_config(["--config", "test", "--d_model", "48", "--set", "num_layers=3",
+                                "--set", "grad_clip=none", "--tied-embeddings", "true",
+                                "--head", "adamw", "--save-every", "7"])
+    assert (cfg.d_model, cfg.num_layers, cfg.grad_clip, cfg.tied_embeddings) == (48, 3, None, True)
+    assert (cfg.head, cfg.save_every) == ("adamw", 7)
+    assert cfg.vocab_size == configs.get_config("test").vocab_size  # untouched fields kept
+    assert configs.parse_config([]) == configs.get_config(configs.DEFAULT_CONFIG)
+    for argv, match in ((["--set", "d_model=abc"], "d_model expects int"),
+                        (["--set", "nope=1"], "unknown config field 'nope'"),
+                        (["--set", "d_model"], "NAME=VALUE"),
+                        (["--head", "sgd"], "head must be one of"),
+                        (["--d_model", "30", "--num_heads", "4"], "divisible by num_heads")):
+        with pytest.raises(ValueError, match=match):
+            configs.parse_config(argv)
+
+
+def test_mesh_helpers():
+    assert mesh_lib.mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
+    assert mesh_lib.mesh_shape(1, -1, 1, 8) == (1, 8, 1)
+    for sizes, match in (((3, 2, 1), "needs 6 devices"), ((-1, -1, 1), "at most one"),
+                         ((-1, 3, 1), "not divisible by 3"), ((0, 8, 1), "positive or -1")):
+        with pytest.raises(ValueError, match=match):
+            mesh_lib.mesh_shape(*sizes, 8)
+    fake = types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 2})
+    P = jax.sharding.PartitionSpec
+    # An axis that does not divide its dimension is dropped (that dimension is replicated).
+    assert mesh_lib.fit_spec((6, 8), P("fsdp", "tensor"), fake) == P(None, "tensor")
+    fitted = mesh_lib.fit_spec((16, 3), P(("data", "fsdp"), "tensor"), fake)
+    assert fitted == P(("data", "fsdp"), None)
+    assert mesh_lib.fit_spec((4, 4), P(("fsdp", "data")), fake) == P("fsdp", None)
+    assert mesh_lib.fit_spec((5,), P(None), fake) == P(None)
+
+
+def test_schedules_end_at_min_lr():
+    for name in configs.SCHEDULES:
+        cfg = dataclasses.replace(configs.get_config("test"), schedule=name, steps=20,
+                                  warmup_steps=4, min_lr_ratio=0.1)
+        lr = [float(train.lr_schedule(1.0, cfg)(t)) for t in range(cfg.steps)]
+        np.testing.assert_allclose(lr[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
+        np.testing.assert_allclose(lr[-1], 0.1, rtol=1e-6)
+        assert all(a >= b - 1e-7 for a, b in zip(lr[3:], lr[4:], strict=False))  # no increase
+
+
+def test_training_smoke(baseline):
+    workdir, stdout = baseline
+    records = [json.loads(line) for line in _lines(workdir)]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    losses = [r["train_loss"] for r in records]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    for r in records:
+        assert all(math.isfinite(v) for v in r.values()), r
+    for r in evals:
+        lr = r["head_learning_rate"]
+        # Projected RowNorm moves each token row by at most lr (spec §5): D(step) <= 2 lr. This
+        # also checks the step is told apart from the weight-decayed change (which exceeds it).
+        assert 0 < r["head_step_diameter"] <= 2 * lr * (1 + 1e-5)
+        assert r["head_diameter"] != r["head_step_diameter"]
+        # rowgeom.track_row_diameter's O(Vd) bracket of the full change holds the exact value.
+        assert r["tracked_lower"] <= r["head_diameter"] * (1 + 1e-5)
+        assert r["head_diameter"] <= r["tracked_upper"] * (1 + 1e-5)
+        np.testing.assert_allclose(r["tracked_upper"], r["head_diameter_upper"], rtol=1e-5)
+        for prefix in ("hilbert", "head_step_hilbert"):
+            assert 0 < r[f"{prefix}_rms"] <= r[f"{prefix}_max"]
+            assert r[f"{prefix}_tightness"] <= 1 + 1e-5  # Lemma 1: delta_n <= ||h_n|| D
+    assert (workdir / metrics.PLOT_FILE).stat().st_size > 1000
+    assert list((workdir / metrics.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+    assert checkpointing.Checkpointer(workdir / "checkpoints").latest_step() == STEPS
+    last = stdout.strip().splitlines()[-1]
+    assert last == train.summary_line(evals[-1]) and last.startswith(f"final step {STEPS}:")
+
+
+def test_full_precision_floats(baseline):
+    """Every float in metrics.jsonl round-trips exactly (repr), e.g. the fp32 losses."""
+    for line in _lines(baseline[0]):
+        record = json.loads(line)
+        assert json.dumps(record) == line
+        assert all(float(np.float32(v)) == v for k, v in record.items() if k.endswith("loss"))
+
+
+def test_resume_is_bit_identical(baseline, corpus, interrupted):
+    workdir, out = interrupted
+    assert any("starting fresh" in line for line in out)
+    assert len(_lines(workdir)) == 5  # steps 4 and 5 were logged after the checkpoint at 3
+    # A save killed midway leaves a temporary directory: it must be ignored.
+    ckdir = workdir / "checkpoints"
+    shutil.copytree(ckdir / "3", ckdir / "5.orbax-checkpoint-tmp-1234")
+    assert checkpointing.Checkpointer(ckdir).latest_step() == 3
+    resumed = corpus / "resumed"
+    shutil.copytree(workdir, resumed)
+    out = []
+    train.train(_cfg(corpus), resumed, resume=True, progress=False, print_fn=out.append)
+    assert any("resumed from step 3" in line for line in out)
+    assert _lines(resumed) == _lines(baseline[0])
+
+
+def test_refuses_mismatched_workdir(baseline, corpus):
+    quiet = lambda *a: None
+    with pytest.raises(ValueError, match="--resume"):
+        train.train(_cfg(corpus), baseline[0], progress=False, print_fn=quiet)
+    with pytest.raises(ValueError, match=r"cannot resume.*'d_model': \(32, 64\)"):
+        train.train(_cfg(corpus, d_model=64), baseline[0], resume=True, progress=False,
+                    print_fn=quiet)
+
+
+_EIGHT_DEVICES = textwrap.dedent("""
+    import dataclasses, json, sys
+    import jax
+    assert jax.device_count() == 8, jax.devices()
+    from examples.lm import configs, mesh, train
+    cfg = dataclasses.replace(configs.get_config("test"), data_source=sys.argv[1],
+                              data_dir=sys.argv[2], save_every=3, mesh_data=2, mesh_fsdp=2,
+                              mesh_tensor=2)
+    quiet = lambda *a: None
+    train.train(cfg, sys.argv[3], progress=False, print_fn=quiet)
+    train.train(cfg, sys.argv[4], resume=True, progress=False, print_fn=print)
+    t = train.Trainer(cfg, mesh.make_mesh(2, 2, 2))
+    specs = {k: list(t.shardings["params"][k][n].spec)
+             for k, n in (("lm_head", "kernel"), ("embed", "embedding"))}
+    # optimizer-state leaves sharded like the head (its EMA momentum)
+    head = t.shardings["params"]["lm_head"]["kernel"]
+    specs["opt_like_head"] = sum(s == head for s in jax.tree.leaves(t.shardings["opt_state"]))
+    print(json.dumps(specs))
+""")
+
+
+def test_eight_devices_match_one(baseline, corpus, interrupted):
+    """8 simulated devices (data=2, fsdp=2, tensor=2): a fresh run, and a resume from the 1-device
+    checkpoint at step 3, both match the 1-device run."""
+    fresh, moved = corpus / "eight", corpus / "eight_resumed"
+    shutil.copytree(interrupted[0], moved)
+    shutil.rmtree(moved / "checkpoints" / "5.orbax-checkpoint-tmp-1234", ignore_errors=True)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _EIGHT_DEVICES, str(corpus / "corpus"), str(corpus / "tokens"),
+         str(fresh), str(moved)],
+        env=env, capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert any("resumed from step 3" in line for line in lines)
+    specs = json.loads(lines[-1])
+    assert specs.pop("opt_like_head") >= 1
+    assert specs == {"lm_head": ["fsdp", "tensor"], "embed": ["tensor", "fsdp"]}
+    expected = [json.loads(line) for line in _lines(baseline[0])]
+    for workdir in (fresh, moved):
+        got = [json.loads(line) for line in _lines(workdir)]
+        assert [r.keys() for r in got] == [r.keys() for r in expected]
+        for g, e in zip(got, expected, strict=True):
+            for key in e:
+                np.testing.assert_allclose(g[key], e[key], rtol=2e-4, atol=1e-6,
+                                           err_msg=f"{workdir.name} step {e['step']} {key}")
