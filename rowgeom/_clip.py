@@ -65,6 +65,14 @@ def clip_row_diameter(
     Returns:
       A stateless ``optax.GradientTransformation``. ``None`` and ``optax.MaskedNode`` leaves pass
       through untouched.
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> u = jnp.array([[0.0, 0.0], [3.0, 4.0]])                   # D(u) = 5
+      >>> tx = rowgeom.clip_row_diameter(1.0, vocab_axis=0, exact=True)
+      >>> clipped, _ = tx.update(u, tx.init(u))
+      >>> round(float(rowgeom.row_diameter(clipped, vocab_axis=0)), 4)
+      1.0
     """
     _check_max_diameter(max_diameter)
     if not isinstance(exact, bool):

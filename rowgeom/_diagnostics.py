@@ -22,7 +22,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rowgeom._geometry import _bounds, is_passthrough, map_head_leaves, vocab_axes
+from rowgeom._geometry import (
+    _bounds,
+    _pow2_exponent,
+    _times_pow2,
+    is_passthrough,
+    map_head_leaves,
+    vocab_axes,
+)
 from rowgeom._validation import check_matrix_like
 
 
@@ -32,6 +39,14 @@ class RowDiameterStats(NamedTuple):
     Leaves that are not tracked (``vocab_axis`` ``None``, ``None`` or ``optax.MaskedNode``
     parameters) hold ``None`` / ``MaskedNode`` instead. For a single array the fields are
     scalars.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, rowgeom
+      >>> tx = rowgeom.track_row_diameter(vocab_axis=0)
+      >>> u = jnp.array([[0.0, 0.0], [3.0, 4.0], [1.0, 1.0]])
+      >>> _, state = tx.update(u, tx.init(u))
+      >>> isinstance(state, rowgeom.RowDiameterStats), state._fields
+      (True, ('lower', 'upper', 'row_sum_residual'))
     """
 
     lower: Any
@@ -43,7 +58,10 @@ def _leaf_stats(u, vocab):
     axis = check_matrix_like(u, argname="updates", vocab_axis=vocab)
     lower, upper = _bounds(u, axis=axis, sweeps=2)
     row_sum = jnp.sum(u.astype(jnp.float32), axis=axis)
-    return lower, upper, jnp.sqrt(jnp.sum(jnp.square(row_sum)))
+    # ||row_sum|| on a power-of-two rescaled copy (exact): squares of entries near 1e19 overflow.
+    exponent = _pow2_exponent(row_sum)
+    residual = jnp.sqrt(jnp.sum(jnp.square(_times_pow2(row_sum, -exponent))))
+    return lower, upper, _times_pow2(residual, exponent)
 
 
 def _zero_stats(p, vocab):
@@ -79,6 +97,19 @@ def track_row_diameter(*, vocab_axis) -> optax.GradientTransformation:
       A ``GradientTransformation`` whose state is a ``RowDiameterStats`` of the latest update
       (zeros after ``init``); its structure never changes, so a jitted step compiles once.
       Read it back from any nested optimizer state with ``read_row_diameter``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, rowgeom
+      >>> tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=0),
+      ...                  rowgeom.track_row_diameter(vocab_axis=0))
+      >>> g = jnp.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.5]])
+      >>> _, state = tx.update(g, tx.init(g))
+      >>> stats = rowgeom.read_row_diameter(state)
+      >>> float(stats.lower) <= float(rowgeom.row_diameter(
+      ...     rowgeom.project_rownorm(g, vocab_axis=0), vocab_axis=0)) <= float(stats.upper)
+      True
+      >>> round(float(stats.row_sum_residual), 6)                   # projected: 1ᵀS = 0
+      0.0
     """
 
     def init_fn(params):
@@ -114,6 +145,18 @@ def read_row_diameter(opt_state, which: int | str | None = None) -> RowDiameterS
 
     Raises:
       ValueError: if none is found, or several and ``which`` does not pick exactly one.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, rowgeom
+      >>> params = {"mlp": {"kernel": jnp.zeros((4, 4))}, "lm_head": {"kernel": jnp.zeros((4, 8))}}
+      >>> head = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
+      ...                    rowgeom.track_row_diameter(vocab_axis=1))
+      >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(0.1), "head": head},
+      ...                                 rowgeom.label_params)
+      >>> state = tx.init(params)
+      >>> stats = rowgeom.read_row_diameter(state)   # found inside the partition's state
+      >>> float(stats.upper["lm_head"]["kernel"])    # zeros until the first update
+      0.0
     """
     found = [
         (path, leaf)

@@ -41,6 +41,9 @@ from jax import lax
 from rowgeom._validation import canonical_axis, check_floating, check_matrix_like, check_min_rank
 
 _HIGHEST = lax.Precision.HIGHEST  # accelerators default to reduced-precision matmuls
+# A diameter (or bound) outside [2^-60, 2^60] may have lost D^2 to float32 overflow or underflow;
+# it is then recomputed on rows rescaled by a power of two (exact) so that max|x| is ~1.
+_SAFE_LOG2 = 60
 
 
 def check_int(value, *, argname: str, minimum: int) -> int:
@@ -94,14 +97,52 @@ def _replicated(x: jax.Array) -> jax.Array:
     return x
 
 
+def _pow2(k):
+    """``2.0**k`` as an exact float32 for an integer array ``k`` in ``[-126, 127]``."""
+    return lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _times_pow2(x, k):
+    """``x * 2**k`` exactly (unless the result over/underflows) for integer ``|k| <= 500``:
+    four normal power-of-two factors (``jnp.ldexp`` mishandles subnormals on XLA:CPU)."""
+    k = jnp.clip(jnp.asarray(k, jnp.int32), -500, 500)
+    for parts in (4, 3, 2, 1):
+        piece = k // parts  # floor: the remaining pieces stay within [-126, 127]
+        x = x * _pow2(piece)
+        k = k - piece
+    return x
+
+
+def _pow2_exponent(x):
+    """``e`` with ``max|x| = f * 2**e``, ``f`` in ``[0.5, 1)`` (0 for all-zero or NaN ``x``)."""
+    return jnp.frexp(jnp.max(jnp.abs(x)))[1]
+
+
+def _rescale_rows(x, axis: int):
+    """``(y, e)``: ``x`` centred over `axis` with ``x - xbar = y * 2**e`` and ``max|y|`` in
+    ``[0.5, 1)``. Scaling before centring too keeps ``x_i - xbar`` from overflowing."""
+    e1 = _pow2_exponent(x)
+    y = _times_pow2(x, -e1)
+    y = y - jnp.mean(y, axis=axis, keepdims=True)
+    e2 = _pow2_exponent(y)
+    return _times_pow2(y, -e2), e1 + e2
+
+
+def _out_of_range(d):
+    """True where ``d`` may have over/underflowed in float32 (or is NaN/inf)."""
+    return ~((d < 2.0**_SAFE_LOG2) & (d > 2.0**-_SAFE_LOG2))
+
+
 @functools.partial(jax.jit, static_argnames=("axis", "block_size"))
 def _row_diameter(s, *, axis: int, block_size: int):
     x = _replicated(_token_rows(s, axis))
     num_rows, num_features = x.shape
     if num_rows <= 1:
         return jnp.zeros((), jnp.float32)
-    # Centring keeps sq_i + sq_j - 2<x_i, x_j> from cancelling a large common offset.
-    x = x - jnp.mean(x, axis=0, keepdims=True)
+    # Centring keeps sq_i + sq_j - 2<x_i, x_j> from cancelling a large common offset; the
+    # power-of-two scale (exact, O(Vd) next to the O(V^2 d) scan) keeps D^2 inside float32's
+    # range for any finite input: D^2 of rows near 1e19 would overflow and inf - inf is NaN.
+    x, exponent = _rescale_rows(x, 0)
     sq = jnp.sum(x * x, axis=1)
     block, num_blocks = _block_rows(num_rows, block_size)
     pad = block * num_blocks - num_rows
@@ -120,7 +161,8 @@ def _row_diameter(s, *, axis: int, block_size: int):
 
     pairs = (jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32))
     best, _ = lax.scan(step, jnp.zeros((), jnp.float32), pairs)
-    return jnp.sqrt(jnp.maximum(best, 0.0))  # rounding can make D^2 slightly negative
+    # Rounding can make D^2 slightly negative; NaN (non-finite input) propagates through max.
+    return _times_pow2(jnp.sqrt(jnp.maximum(best, 0.0)), exponent)
 
 
 def row_diameter(s, *, vocab_axis: int, block_size: int = 1024) -> jax.Array:
@@ -130,7 +172,9 @@ def row_diameter(s, *, vocab_axis: int, block_size: int = 1024) -> jax.Array:
     is reduced over a triangular scan of row-block pairs ``i <= j``: ``O(V^2 d)`` time, memory
     ``O(V d + block^2)`` (two float32 copies of the rows and one block of pair distances, never
     a ``V x V`` matrix). ``D^2`` is clamped at 0 before the square root. Computed in float32
-    (matmuls at ``Precision.HIGHEST``) whatever the input dtype; ``V = 1`` gives 0.
+    (matmuls at ``Precision.HIGHEST``) whatever the input dtype; ``V = 1`` gives 0. Rows are
+    rescaled by a power of two (exact), so every finite input gets its true ``D`` (``inf`` only
+    when ``D`` exceeds float32's range); a NaN or inf entry gives NaN.
 
     Args:
       s: update or weight, rank >= 2, floating. Token rows are slices along ``vocab_axis``.
@@ -140,6 +184,17 @@ def row_diameter(s, *, vocab_axis: int, block_size: int = 1024) -> jax.Array:
     Returns:
       Float32 scalar ``D(S)``. By Theorem 1, ``H * D(S)`` is the largest Hilbert-distance change
       of the softmax over hidden states with ``||h|| <= H``.
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0], [1.0, 1.0]])   # (V, d): 3 token rows
+      >>> float(rowgeom.row_diameter(s, vocab_axis=0))
+      5.0
+      >>> float(rowgeom.row_diameter(s.T, vocab_axis=1))        # Flax (d, V) layout
+      5.0
+      >>> shifted = s + jnp.array([[10.0, -2.0]])              # the same vector on every row
+      >>> float(rowgeom.row_diameter(shifted, vocab_axis=0))    # invisible to the softmax
+      5.0
     """
     axis = check_matrix_like(s, argname="s", vocab_axis=vocab_axis)
     block_size = check_int(block_size, argname="block_size", minimum=1)
@@ -178,13 +233,37 @@ def _centroid_sq_dists(x3: jax.Array) -> jax.Array:
 
 
 def _upper_bound(s, axis: int) -> jax.Array:
-    """``2 max_i ||s_i - sbar|| >= D(S)``, O(Vd); 0 for V = 1."""
-    return 2.0 * jnp.sqrt(jnp.max(_centroid_sq_dists(_three_axes(s, axis))))
+    """``2 max_i ||s_i - sbar|| >= D(S)``, O(Vd); 0 for V = 1.
+
+    Recomputed on power-of-two rescaled rows only when the result is outside
+    ``[2^-60, 2^60]`` (squares may have over/underflowed), so the usual case costs one pass.
+    """
+    x3 = _three_axes(s, axis)
+    bound = lambda x: 2.0 * jnp.sqrt(jnp.max(_centroid_sq_dists(x)))
+    fast = bound(x3)
+
+    def rescaled(x):
+        y, exponent = _rescale_rows(x, 1)
+        return _times_pow2(bound(y), exponent)
+
+    return lax.cond(_out_of_range(fast), rescaled, lambda x: fast, x3)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
 def _bounds(s, *, axis: int, sweeps: int):
     x3 = _three_axes(s, axis)
+    fast = _bounds3(x3, sweeps=sweeps)
+    if x3.shape[1] <= 1:
+        return fast
+
+    def rescaled(x):  # squares may have over/underflowed: redo on power-of-two scaled rows
+        y, exponent = _rescale_rows(x, 1)
+        return tuple(_times_pow2(b, exponent) for b in _bounds3(y, sweeps=sweeps))
+
+    return lax.cond(_out_of_range(fast[1]), rescaled, lambda x: fast, x3)
+
+
+def _bounds3(x3, *, sweeps: int):
     num_rows = x3.shape[1]
     if num_rows <= 1:
         zero = jnp.zeros((), jnp.float32)
@@ -224,6 +303,13 @@ def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Arr
       s: rank >= 2 floating array with token rows along ``vocab_axis``.
       vocab_axis: the token axis.
       sweeps: number of farthest-point sweeps (0 keeps only the centroid bounds).
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0], [1.0, 1.0]])
+      >>> lower, upper = rowgeom.row_diameter_bounds(s, vocab_axis=0)
+      >>> round(float(lower), 4), round(float(upper), 4)       # exact D is 5
+      (5.0, 5.7349)
     """
     axis = check_matrix_like(s, argname="s", vocab_axis=vocab_axis)
     sweeps = check_int(sweeps, argname="sweeps", minimum=0)
@@ -244,6 +330,17 @@ def hilbert_distance(p, q, *, axis: int = -1, logits: bool = False) -> jax.Array
 
     Returns:
       Float32 (or wider) array with ``axis`` reduced.
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> p = jnp.array([0.5, 0.25, 0.25])
+      >>> q = jnp.array([0.25, 0.25, 0.5])
+      >>> round(float(rowgeom.hilbert_distance(p, q)), 4)      # log 2 - log(1/2)
+      1.3863
+      >>> z = jnp.array([2.0, 0.0, -1.0])                     # logits: d_H = range(z' - z)
+      >>> round(float(rowgeom.hilbert_distance(z + jnp.array([0.5, 0.0, 0.0]), z,
+      ...                                      logits=True)), 4)
+      0.5
     """
     check_floating(p, argname="p")
     check_floating(q, argname="q")
@@ -260,8 +357,10 @@ def _hilbert_distance(p, q, *, axis: int, logits: bool):
     dtype = jnp.promote_types(jnp.result_type(p, q), jnp.float32)
     p, q = jnp.asarray(p, dtype), jnp.asarray(q, dtype)
     if logits:
-        r = p - q
-        return jnp.max(r, axis=axis) - jnp.min(r, axis=axis)
+        # A power-of-two scale (exact) keeps p - q from overflowing for any finite logits.
+        exponent = jnp.maximum(_pow2_exponent(p), _pow2_exponent(q))
+        r = _times_pow2(p, -exponent) - _times_pow2(q, -exponent)
+        return _times_pow2(jnp.max(r, axis=axis) - jnp.min(r, axis=axis), exponent)
     both_zero = (p == 0) & (q == 0)
     r = jnp.log(jnp.where(both_zero, 1.0, p)) - jnp.log(jnp.where(both_zero, 1.0, q))
     top = jnp.max(jnp.where(both_zero, -jnp.inf, r), axis=axis)
@@ -283,6 +382,13 @@ def hilbert_perturbation(update, hidden, *, vocab_axis: int) -> jax.Array:
 
     Returns:
       Float32 array of shape ``hidden.shape[:-1]``.
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> update = jnp.array([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]])   # (V, d) = (3, 2)
+      >>> hidden = jnp.array([[1.0, 0.0], [0.0, 2.0]])                 # two hidden states
+      >>> rowgeom.hilbert_perturbation(update, hidden, vocab_axis=0).tolist()
+      [2.0, 4.0]
     """
     check_floating(update, argname="update")
     if jnp.ndim(update) != 2:
@@ -302,9 +408,13 @@ def hilbert_perturbation(update, hidden, *, vocab_axis: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("feature_axis",))
 def _hilbert_perturbation(update, hidden, *, feature_axis: int):
-    delta = jnp.tensordot(hidden.astype(jnp.float32), update.astype(jnp.float32),
+    # Both factors scaled by powers of two (exact), so the products cannot overflow to inf - inf
+    # for finite inputs; the range is scaled back (inf only if it exceeds float32).
+    hidden, update = hidden.astype(jnp.float32), update.astype(jnp.float32)
+    e_h, e_u = _pow2_exponent(hidden), _pow2_exponent(update)
+    delta = jnp.tensordot(_times_pow2(hidden, -e_h), _times_pow2(update, -e_u),
                           axes=(hidden.ndim - 1, feature_axis), precision=_HIGHEST)
-    return jnp.max(delta, axis=-1) - jnp.min(delta, axis=-1)
+    return _times_pow2(jnp.max(delta, axis=-1) - jnp.min(delta, axis=-1), e_h + e_u)
 
 
 # --- Applying a per-leaf geometry to parameter trees (shared by the transforms) -------------

@@ -272,6 +272,17 @@ def project_rownorm(u, *, vocab_axis, eps=1e-8, center_input=True, center_output
         An array of ``u``'s shape and dtype. Every normalised row has ``||·|| <= 1`` (up to
         float32 rounding), so the row diameter of the result is at most 2. ``V = 1`` or rows
         that are all equal give exactly zero.
+
+    Examples:
+        >>> import jax.numpy as jnp, rowgeom
+        >>> g = jnp.array([[3.0, 4.0], [1.0, 0.0], [-4.0, -4.0]])   # (V, d) token rows
+        >>> s = rowgeom.project_rownorm(g, vocab_axis=0)
+        >>> float(rowgeom.row_diameter(s, vocab_axis=0)) <= 2.0     # radius 1: D <= 2
+        True
+        >>> float(jnp.abs(s.sum(axis=0)).max()) < 1e-6              # gauge 1ᵀS = 0
+        True
+        >>> bool(jnp.allclose(rowgeom.project_rownorm(g.T, vocab_axis=1), s.T))  # (d, V)
+        True
     """
     y = _project_f32(u, vocab_axis=vocab_axis, eps=eps, center_input=center_input,
                      center_output=center_output, num_valid=num_valid, argname="u")
@@ -311,8 +322,10 @@ def projected_rownorm(*, vocab_axis, eps=1e-8, center_input=True, center_output=
             updates whose leaves are ints or ``None`` (``None``: pass that subtree through
             unchanged); or a callable taking the params (the updates when ``update`` gets no
             params) and returning such a tree.
-        eps, center_input, center_output, num_valid: as in :func:`project_rownorm`;
-            ``num_valid`` applies to every transformed leaf.
+        eps: as in ``project_rownorm``.
+        center_input: as in ``project_rownorm``.
+        center_output: as in ``project_rownorm``.
+        num_valid: as in ``project_rownorm``; applies to every transformed leaf.
         rescale: ``None``: radius 1 (``D <= 2``). ``"exact"``: multiply by ``2 / D(S)`` so the
             step uses the whole diameter budget 2 (never worse, still feasible; ``D`` costs
             ``O(V² d)`` per leaf). ``"bound"``: divide by the ``O(V d)`` upper bound
@@ -321,6 +334,17 @@ def projected_rownorm(*, vocab_axis, eps=1e-8, center_input=True, center_output=
 
     ``None`` and ``optax.MaskedNode`` leaves pass through, so it works inside
     ``optax.partition`` / ``optax.masked``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax, rowgeom
+        >>> params = {"kernel": jnp.zeros((16, 100))}                 # Flax (d, V) head
+        >>> tx = optax.chain(optax.ema(0.95), rowgeom.projected_rownorm(vocab_axis=1),
+        ...                  optax.scale_by_learning_rate(5e-3))     # radius r = 5e-3
+        >>> grads = {"kernel": jax.random.normal(jax.random.key(0), (16, 100))}
+        >>> updates, _ = tx.update(grads, tx.init(params), params)
+        >>> diameter = rowgeom.row_diameter(updates["kernel"], vocab_axis=1)
+        >>> bool(diameter <= 2 * 5e-3 * (1 + 1e-5))                   # D(step) <= 2r
+        True
     """
     eps = _check_eps(eps)
     num_valid = _check_num_valid(num_valid)

@@ -9,12 +9,16 @@
   checkpoint written on one mesh restores onto another (e.g. 1 device -> 8 devices, or a different
   pod slice); arrays are read straight into their target shards.
 - The directory may be local or a `gs://` path (orbax/tensorstore handle Cloud Storage).
+- Nothing is unpickled: orbax stores arrays with tensorstore and metadata as JSON. Before a restore
+  the stored tree, shapes and dtypes are compared with the target (orbax would silently cast a
+  dtype), and an unreadable checkpoint raises a ValueError naming it.
 """
 
 from __future__ import annotations
 
 import os
 
+import jax
 import orbax.checkpoint as ocp
 
 STATE = "state"
@@ -33,8 +37,11 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
         self.directory = _absolute(directory)
+        # Explicit handlers (rather than item names) so stored metadata is readable before restore.
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=(STATE, META))
+            self.directory, options=options,
+            item_handlers={STATE: ocp.StandardCheckpointHandler(),
+                           META: ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -49,19 +56,51 @@ class Checkpointer:
             step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
                                              META: ocp.args.JsonSave(meta)}), force=True)
 
+    def _unreadable(self, step: int, error: Exception) -> ValueError:
+        return ValueError(
+            f"checkpoint {step} in {self.directory} cannot be read (truncated, corrupt or not "
+            f"written by this trainer): {type(error).__name__}: {error}")
+
     def restore_meta(self, step: int) -> dict:
         """Only the JSON metadata of checkpoint `step` (cheap; check it before restoring)."""
-        return self._manager.restore(
-            step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        except Exception as e:
+            raise self._unreadable(step, e) from e
+        if not isinstance(meta, dict):
+            raise self._unreadable(step, TypeError(f"metadata is {type(meta).__name__}, "
+                                                   "expected a JSON object"))
+        return meta
+
+    def check_layout(self, step: int, abstract_state) -> None:
+        """Raise ValueError unless checkpoint `step` stores exactly `abstract_state`'s tree,
+        shapes and dtypes (orbax would cast a dtype silently)."""
+        try:
+            stored = self._manager.item_metadata(step)[STATE].tree
+        except Exception as e:
+            raise self._unreadable(step, e) from e
+        stored, wanted = _layout(stored), _layout(abstract_state)
+        problems = [f"{k}: missing from the checkpoint" for k in wanted if k not in stored]
+        problems += [f"{k}: not in the target state" for k in stored if k not in wanted]
+        problems += [f"{k}: stored {stored[k]}, expected {wanted[k]}" for k in wanted
+                     if k in stored and stored[k] != wanted[k]]
+        if problems:
+            raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
+                             f"state ({len(problems)} differences): " + "; ".join(problems[:5]))
 
     def restore(self, step: int, abstract_state):
         """Return (state, meta) of checkpoint `step`, laid out as `abstract_state` says.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with shardings for the current mesh.
         """
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state),
-                                             META: ocp.args.JsonRestore()}))
+        self.check_layout(step, abstract_state)
+        try:
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state),
+                                                 META: ocp.args.JsonRestore()}))
+        except Exception as e:
+            raise self._unreadable(step, e) from e
         return out[STATE], out[META]
 
     def wait(self) -> None:
@@ -71,3 +110,16 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _layout(tree) -> dict[str, tuple]:
+    """{"a/b/0": (shape, dtype name)} of the array leaves of a state or of orbax metadata."""
+    return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}

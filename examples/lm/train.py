@@ -232,7 +232,10 @@ def _head_stats(opt_state) -> dict:
 
 
 def _check_resume(meta: dict, cfg: configs.Config, out) -> None:
-    saved = meta.get("config", {})
+    saved = meta.get("config")
+    if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
+        raise ValueError("cannot resume: the checkpoint's metadata has no config and step "
+                         f"(not written by this trainer?): {str(meta)[:200]}")
     changed = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
                if k in saved and saved[k] != v}
     # These fix the shapes and structure of the saved state (or the step count in micro-steps).

@@ -1,0 +1,516 @@
+"""Hostile inputs: every public function and transform against bad arguments and degenerate data.
+
+Each case either raises an error that names the offending argument, or returns the finite result
+docs/reliability.md documents. Non-finite input is never hidden: a NaN or inf in a leaf makes that
+leaf's result non-finite, so `optax.apply_if_finite` can skip the step (tested below). Finite
+input never yields NaN: hypothesis properties at the end (profile `ci`: 20 examples each;
+`HYPOTHESIS_PROFILE=thorough`: 1000) draw values over float32's whole finite range.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import rowgeom
+
+V, DIM = 6, 4
+GOOD = np.random.default_rng(0).standard_normal((V, DIM)).astype(np.float32)
+
+
+def _apply(tx, x):
+    """One update of `tx` on a single-leaf tree; returns (update, state)."""
+    tree = {"w": x}
+    updates, state = tx.update(tree, tx.init(tree), tree)
+    return updates["w"], state
+
+
+def _hidden_for(x, axis):
+    valid = jnp.ndim(x) == 2 and isinstance(axis, int) and -2 <= axis < 2
+    return jnp.ones((3, x.shape[1 - axis % 2] if valid else DIM), jnp.float32)
+
+
+# name -> (call(x, vocab_axis), name of the array argument in error messages)
+HEAD_FUNCTIONS = {
+    "row_diameter": (lambda x, ax: rowgeom.row_diameter(x, vocab_axis=ax), "s"),
+    "row_diameter_bounds": (lambda x, ax: rowgeom.row_diameter_bounds(x, vocab_axis=ax), "s"),
+    "project_rownorm": (lambda x, ax: rowgeom.project_rownorm(x, vocab_axis=ax), "u"),
+    "projected_rownorm": (
+        lambda x, ax: _apply(rowgeom.projected_rownorm(vocab_axis=ax), x)[0], "updates"),
+    "projected_rownorm_exact": (
+        lambda x, ax: _apply(rowgeom.projected_rownorm(vocab_axis=ax, rescale="exact"), x)[0],
+        "updates"),
+    "clip_row_diameter": (
+        lambda x, ax: _apply(rowgeom.clip_row_diameter(0.5, vocab_axis=ax), x)[0], "updates"),
+    "clip_row_diameter_exact": (
+        lambda x, ax: _apply(rowgeom.clip_row_diameter(0.5, vocab_axis=ax, exact=True), x)[0],
+        "updates"),
+    "track_row_diameter": (
+        lambda x, ax: _apply(rowgeom.track_row_diameter(vocab_axis=ax), x),
+        "(?:params|updates)"),  # init sees the params first
+    "hilbert_perturbation": (
+        lambda x, ax: rowgeom.hilbert_perturbation(x, _hidden_for(x, ax), vocab_axis=ax),
+        "update"),
+}
+MATRIX_FUNCTIONS = {  # functions of matrices without a vocabulary axis
+    "newton_schulz": (lambda x: rowgeom.newton_schulz(x), "x"),
+    "muon_orthogonalize": (lambda x: _apply(rowgeom.muon_orthogonalize(), x)[0],
+                           "muon_orthogonalize"),
+}
+ALL = sorted(HEAD_FUNCTIONS)
+
+
+def _leaves(out):
+    return [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(out)]
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("shape", [(), (V,)])
+def test_wrong_rank_names_the_argument(name, shape):
+    fn, arg = HEAD_FUNCTIONS[name]
+    with pytest.raises(ValueError, match=rf"\b{arg}\b.*rank"):
+        fn(jnp.ones(shape, jnp.float32), 0)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("axis", [2, -3, 7])
+def test_out_of_range_vocab_axis_names_it(name, axis):
+    fn, _ = HEAD_FUNCTIONS[name]
+    with pytest.raises(ValueError, match=rf"vocab_axis={axis} is out of range"):
+        fn(jnp.asarray(GOOD), axis)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("axis", [1.0, "0", None])
+def test_non_integer_vocab_axis_is_rejected(name, axis):
+    fn, _ = HEAD_FUNCTIONS[name]
+    if axis is None and name.startswith(("projected", "clip", "track")):
+        # In a transform, None means "not a head leaf": the update passes through untouched.
+        out = fn(jnp.asarray(GOOD), axis)
+        leaf = out[0] if name.startswith("track") else out
+        np.testing.assert_array_equal(leaf, GOOD)
+        return
+    with pytest.raises(TypeError, match="vocab_axis must be"):
+        fn(jnp.asarray(GOOD), axis)
+
+
+@pytest.mark.parametrize("name", ALL + sorted(MATRIX_FUNCTIONS))
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64])
+def test_non_real_floating_dtypes_name_the_argument(name, dtype):
+    x = jnp.asarray(GOOD).astype(dtype) if dtype != jnp.bool_ else jnp.asarray(GOOD) > 0
+    if name in MATRIX_FUNCTIONS:
+        fn, arg = MATRIX_FUNCTIONS[name]
+        call = lambda: fn(x)
+    else:
+        fn, arg = HEAD_FUNCTIONS[name]
+        call = lambda: fn(x, 0)
+    with pytest.raises(TypeError, match=rf"\b{arg}\b.*(floating|dtype)"):
+        call()
+
+
+def test_hilbert_distance_bad_arguments():
+    p = jnp.full((4,), 0.25)
+    with pytest.raises(ValueError, match=r"\bp\b.*rank"):
+        rowgeom.hilbert_distance(jnp.float32(1), jnp.float32(1))
+    with pytest.raises(ValueError, match="same rank"):
+        rowgeom.hilbert_distance(p, p[None])
+    with pytest.raises(ValueError, match="axis=1 is out of range"):
+        rowgeom.hilbert_distance(p, p, axis=1)
+    for dtype, arg in ((jnp.int32, "p"), (jnp.complex64, "p")):
+        with pytest.raises(TypeError, match=rf"\b{arg}\b must have a real floating dtype"):
+            rowgeom.hilbert_distance(p.astype(dtype), p)
+    with pytest.raises(TypeError, match=r"\bq\b must have a real floating dtype"):
+        rowgeom.hilbert_distance(p, jnp.ones(4, jnp.int32))
+
+
+def test_hilbert_perturbation_bad_hidden():
+    u = jnp.asarray(GOOD)
+    with pytest.raises(ValueError, match=r"hidden must have last dimension d=4"):
+        rowgeom.hilbert_perturbation(u, jnp.ones((3, 5)), vocab_axis=0)
+    with pytest.raises(TypeError, match=r"\bhidden\b must have a real floating dtype"):
+        rowgeom.hilbert_perturbation(u, jnp.ones((3, 4), jnp.int32), vocab_axis=0)
+    with pytest.raises(ValueError, match=r"\bupdate\b must have rank 2"):
+        rowgeom.hilbert_perturbation(jnp.ones((2, 3, 4)), jnp.ones((3, 4)), vocab_axis=0)
+
+
+def test_newton_schulz_and_muon_bad_arguments():
+    with pytest.raises(ValueError, match=r"\bx\b must have rank >= 2"):
+        rowgeom.newton_schulz(jnp.ones(4))
+    with pytest.raises(ValueError, match="ns_steps must be >= 1"):
+        rowgeom.newton_schulz(jnp.asarray(GOOD), steps=0)
+    with pytest.raises(ValueError, match="ns_coeffs must be one of"):
+        rowgeom.ns_coefficients("fast", 5)
+    with pytest.raises(TypeError, match="compute_dtype"):
+        rowgeom.newton_schulz(jnp.asarray(GOOD), compute_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="rank"):  # no dimension_numbers: matrices only
+        _apply(rowgeom.muon_orthogonalize(), jnp.ones((2, 3, 4)))
+    for kwargs, match in (({"eps": -1.0}, "eps"), ({"rms_scale": 0.0}, "rms_scale"),
+                          ({"scale": "huge"}, "scale must be one of")):
+        with pytest.raises(ValueError, match=match):
+            rowgeom.muon_orthogonalize(**kwargs)
+
+
+def test_transform_option_errors_name_the_option():
+    for make, match in (
+            (lambda: rowgeom.projected_rownorm(vocab_axis=0, eps=0.0), "eps must be"),
+            (lambda: rowgeom.projected_rownorm(vocab_axis=0, eps=float("nan")), "eps must be"),
+            (lambda: rowgeom.projected_rownorm(vocab_axis=0, num_valid=0), "num_valid"),
+            (lambda: rowgeom.projected_rownorm(vocab_axis=0, rescale="max"), "rescale"),
+            (lambda: rowgeom.clip_row_diameter(-1.0, vocab_axis=0), "max_diameter"),
+            (lambda: rowgeom.clip_row_diameter(float("inf"), vocab_axis=0), "max_diameter"),
+            (lambda: rowgeom.clip_row_diameter(float("nan"), vocab_axis=0), "max_diameter"),
+            (lambda: rowgeom.clip_row_diameter(1.0, vocab_axis=0, block_size=0), "block_size"),
+            (lambda: rowgeom.lm_optimizer(1e-3, head="sgd"), "head must be one of"),
+            (lambda: rowgeom.lm_optimizer(1e-3, tied="both"), "tied must be")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            make()
+    with pytest.raises(ValueError, match="num_valid must satisfy"):
+        _apply(rowgeom.projected_rownorm(vocab_axis=0, num_valid=V + 1), jnp.asarray(GOOD))
+
+
+def test_oracles_bad_arguments():
+    for g, rho, error, match in ((np.ones(4), 1.0, ValueError, r"\bg\b must be a \(V, d\)"),
+                                 (GOOD.astype(np.complex64), 1.0, TypeError, r"\bg\b.*real"),
+                                 (np.where(GOOD > 1, np.nan, GOOD), 1.0, ValueError, "finite"),
+                                 (GOOD, 0.0, ValueError, "rho"), (GOOD, np.inf, ValueError, "rho")):
+        with pytest.raises(error, match=match):
+            rowgeom.diameter_oracle(g, rho)
+    with pytest.raises(ValueError, match=r"\br\b must be a finite positive"):
+        rowgeom.common_ball_oracle(GOOD, -1.0)
+
+
+# --------------------------------------------------------------------------- labels and trees
+
+
+def _lm_params(head=True):
+    params = {"embed": {"embedding": jnp.ones((16, 4))},
+              "layers": {"0": {"mlp": {"kernel": jnp.ones((4, 4))}}},
+              "final_norm": {"scale": jnp.ones(4)}}
+    if head:
+        params["lm_head"] = {"kernel": jnp.ones((4, 16))}
+    return params
+
+
+def test_tied_head_without_a_policy_asks_for_one():
+    with pytest.raises(ValueError, match="tied='embedding'.*tied='head'"):
+        rowgeom.label_params(_lm_params(head=False))
+    with pytest.raises(ValueError, match="tied="):
+        rowgeom.lm_optimizer(1e-3).init(_lm_params(head=False))
+    for tied in ("embedding", "head"):  # with a policy it trains
+        params = _lm_params(head=False)
+        tx = rowgeom.lm_optimizer(1e-3, tied=tied)
+        grads = jax.tree.map(jnp.ones_like, params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        assert all(np.all(np.isfinite(u)) for u in _leaves(updates))
+
+
+def test_a_label_without_transform_or_a_leaf_without_label_is_named():
+    params = _lm_params()
+    hidden_only = {"hidden": optax.sgd(1e-2), "embedding": optax.sgd(1e-2),
+                   "vector": optax.sgd(1e-2)}
+    with pytest.raises(ValueError, match=r"no transform for label\(s\) 'head' \(used by "
+                                         r"lm_head/kernel\)"):
+        rowgeom.partition_by_label(hidden_only, rowgeom.label_params).init(params)
+    labels = rowgeom.label_params(params)
+    del labels["lm_head"]
+    with pytest.raises(ValueError, match="no label for parameter.*lm_head/kernel"):
+        rowgeom.partition_by_label({**hidden_only, "head": optax.sgd(1e-2)}, labels).init(params)
+    with pytest.raises(ValueError, match="lm_head/kernel"):
+        rowgeom.lm_optimizer(1e-3, labels=labels).init(params)
+    unnamed = {**params, "router": {"kernel": jnp.ones((4, 3))}}
+    with pytest.raises(ValueError, match=r"no label for these matrices: router/kernel"):
+        rowgeom.label_params(unnamed)
+
+
+def test_mismatched_trees_raise():
+    x = jnp.asarray(GOOD)
+    for make in (lambda: rowgeom.projected_rownorm(vocab_axis={"a": 0}),
+                 lambda: rowgeom.clip_row_diameter(1.0, vocab_axis={"a": 0}),
+                 lambda: rowgeom.track_row_diameter(vocab_axis={"a": 0})):
+        tx = make()
+        with pytest.raises(ValueError, match="vocab_axis"):
+            tx.update({"b": x}, tx.init({"b": x}))
+    params = _lm_params()
+    tx = rowgeom.lm_optimizer(1e-3)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    del grads["layers"]
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        tx.update(grads, state, params)
+    bigger = {**params, "lm_head": {"kernel": jnp.ones((4, 17))}}
+    with pytest.raises((ValueError, TypeError)):
+        tx.update(jax.tree.map(jnp.ones_like, bigger), state, bigger)
+
+
+def test_read_row_diameter_without_tracker_says_so():
+    with pytest.raises(ValueError, match="add rowgeom.track_row_diameter"):
+        rowgeom.read_row_diameter(optax.adam(1e-3).init({"w": jnp.ones((3, 3))}))
+
+
+# --------------------------------------------------------------------------- degenerate data
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_is_computed_in_float32(name, dtype):
+    fn, _ = HEAD_FUNCTIONS[name]
+    x = jnp.asarray(GOOD).astype(dtype)
+    got = fn(x, 0)
+    want = fn(x.astype(jnp.float32), 0)
+    for g, w, leaf in zip(_leaves(got), _leaves(want), jax.tree.leaves(got), strict=True):
+        assert np.all(np.isfinite(g))
+        if leaf.shape == x.shape:  # updates keep the input's dtype
+            assert leaf.dtype == dtype
+        tol = 1e-2 if dtype == jnp.bfloat16 else 2e-3
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ALL + sorted(MATRIX_FUNCTIONS))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_gives_non_finite_output(name, bad):
+    """Never a silently finite result from a NaN/inf leaf (docs/reliability.md)."""
+    x = GOOD.copy()
+    x[2, 1] = bad
+    if name in MATRIX_FUNCTIONS:
+        out = MATRIX_FUNCTIONS[name][0](jnp.asarray(x))
+    else:
+        out = HEAD_FUNCTIONS[name][0](jnp.asarray(x), 0)
+    if name.startswith("track"):  # updates pass through; the statistics show it
+        update, state = out
+        np.testing.assert_array_equal(update, x)
+        out = state
+    assert not all(np.all(np.isfinite(leaf)) for leaf in _leaves(out)), out
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_padding_rows_may_hold_anything(bad):
+    """num_valid: padded rows are never read into a sum; they come out zero (spec §6)."""
+    x = GOOD.copy()
+    x[-2:] = bad
+    got = rowgeom.project_rownorm(jnp.asarray(x), vocab_axis=0, num_valid=V - 2)
+    want = rowgeom.project_rownorm(jnp.asarray(GOOD[:-2]), vocab_axis=0)
+    np.testing.assert_allclose(got[:-2], want, atol=1e-6)
+    np.testing.assert_array_equal(got[-2:], 0.0)
+
+
+@pytest.mark.parametrize("name", ALL + sorted(MATRIX_FUNCTIONS))
+@pytest.mark.parametrize("shape", [(V, DIM), (1, DIM), (V, 1), (1, 1)])
+def test_zeros_single_token_and_single_feature_are_finite(name, shape):
+    """All-zero updates give zeros, V = 1 gives a zero step and diameter (spec §6, T8)."""
+    rng = np.random.default_rng(1)
+    for x in (np.zeros(shape, np.float32), rng.standard_normal(shape).astype(np.float32)):
+        if name in MATRIX_FUNCTIONS:
+            out = MATRIX_FUNCTIONS[name][0](jnp.asarray(x))
+        else:
+            out = HEAD_FUNCTIONS[name][0](jnp.asarray(x), 0)
+        leaves = _leaves(out)
+        assert all(np.all(np.isfinite(leaf)) for leaf in leaves), (name, x, out)
+        if not x.any() or (shape[0] == 1 and name not in MATRIX_FUNCTIONS and
+                           not name.startswith(("clip", "hilbert", "track"))):
+            assert all(not leaf.any() for leaf in leaves), (name, x, out)
+    one = rowgeom.hilbert_distance(jnp.ones(1), jnp.full(1, 3.0))
+    assert float(one) == 0.0  # a single outcome: every distribution is the same point
+
+
+def test_lm_optimizer_all_zero_and_tiny_gradients_are_finite():
+    params = _lm_params()
+    for head in ("rownorm", "adamw", "muon"):
+        tx = rowgeom.lm_optimizer(1e-3, head=head)
+        state = tx.init(params)
+        for scale in (0.0, 1e-30, 1e15):
+            grads = jax.tree.map(lambda p, s=scale: jnp.full_like(p, s) * jnp.arange(
+                p.size, dtype=p.dtype).reshape(p.shape), params)
+            updates, state = tx.update(grads, state, params)
+            assert all(np.all(np.isfinite(u)) for u in _leaves(updates)), (head, scale)
+            assert all(np.all(np.isfinite(s)) for s in _leaves(state)), (head, scale)
+
+
+# --------------------------------------------------------------------------- apply_if_finite
+
+
+def test_composes_with_apply_if_finite():
+    """A NaN/inf gradient step is skipped without touching the state; training then continues
+    exactly as if the bad step had never happened."""
+    params = _lm_params()
+    rng = np.random.default_rng(2)
+    grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+             for _ in range(3)]
+    bad = jax.tree.map(lambda g: g, grads[0])
+    bad["lm_head"]["kernel"] = bad["lm_head"]["kernel"].at[0, 0].set(jnp.nan)
+    worse = jax.tree.map(lambda g: g, grads[0])
+    worse["layers"]["0"]["mlp"]["kernel"] = worse["layers"]["0"]["mlp"]["kernel"].at[1].set(
+        jnp.inf)
+
+    def run(seq):
+        tx = optax.apply_if_finite(rowgeom.lm_optimizer(1e-2), max_consecutive_errors=5)
+        step = jax.jit(tx.update)
+        p, state = params, tx.init(params)
+        for g in seq:
+            updates, state = step(g, state, p)
+            p = optax.apply_updates(p, updates)
+        return p, state
+
+    clean_params, clean_state = run(grads)
+    got_params, got_state = run([grads[0], bad, grads[1], worse, grads[2]])
+    assert int(got_state.total_notfinite) == 2 and int(got_state.notfinite_count) == 0
+    jax.tree.map(np.testing.assert_array_equal, got_params, clean_params)
+    jax.tree.map(np.testing.assert_array_equal, got_state.inner_state, clean_state.inner_state)
+    stats = rowgeom.read_row_diameter(got_state)
+    assert all(np.isfinite(v) for v in _leaves(stats))
+
+
+# --------------------------------------------------------------------------- finite -> no NaN
+# Values span float32's finite range: standard normals times 2**k for k in [-140, 120] (down to
+# subnormals), with structured rows (zeros, equal rows, one outlier row, huge common offset).
+
+SHAPES = [(1, 3), (5, 3), (4, 8)]
+
+
+@st.composite
+def finite_arrays(draw, *, max_log2=120):
+    shape = draw(st.sampled_from(SHAPES))
+    seed = draw(st.integers(0, 2**32 - 1))
+    log2 = draw(st.integers(-140, max_log2))
+    pattern = draw(st.sampled_from(["normal", "zeros", "equal_rows", "outlier", "offset",
+                                    "two_scales"]))
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape)
+    if pattern == "zeros":
+        x[:] = 0.0
+    elif pattern == "equal_rows":
+        x[:] = x[0]
+    elif pattern == "outlier":
+        x[:] *= 2.0 ** -30
+        x[rng.integers(shape[0])] *= 2.0 ** 30
+    elif pattern == "offset":
+        x = 1.0 + 2.0 ** -20 * x
+    elif pattern == "two_scales":
+        x[:, 0] *= 2.0 ** 40
+    x = x * 2.0 ** log2
+    x = np.clip(x, -np.finfo(np.float32).max / 2, np.finfo(np.float32).max / 2)
+    return x.astype(np.float32)
+
+
+def _no_nan(out):
+    leaves = _leaves(out)
+    assert not any(np.isnan(leaf).any() for leaf in leaves), out
+    return leaves
+
+
+@functools.cache
+def _jitted(name, axis):
+    return jax.jit(functools.partial(HEAD_FUNCTIONS[name][0], ax=axis))
+
+
+@given(finite_arrays(), st.sampled_from([0, 1]))
+def test_property_diameters_finite_and_bracketed(x, axis):
+    d = float(_jitted("row_diameter", axis)(jnp.asarray(x)))
+    lower, upper = (float(b) for b in _jitted("row_diameter_bounds", axis)(jnp.asarray(x)))
+    rows = np.moveaxis(x.astype(np.float64), axis, 0).reshape(x.shape[axis], -1)
+    ref = max((np.linalg.norm(a - b) for a in rows for b in rows), default=0.0)
+    assert not np.isnan([d, lower, upper]).any(), (d, lower, upper, ref)
+    if 2 * ref >= np.finfo(np.float32).max:  # upper <= 2 D may legitimately overflow
+        return
+    assert np.isfinite([d, lower, upper]).all(), (d, lower, upper, ref)
+    # float32 rounding of the rows is ~1e-7 relative to max|x|; XLA:CPU flushes subnormal
+    # inputs (|x| < 1.2e-38) to zero.
+    slack = 1e-5 * ref + 1e-6 * float(np.abs(x).max(initial=0.0)) + 4 * np.finfo(np.float32).tiny
+    assert abs(d - ref) <= slack, (d, ref)
+    assert lower <= d + slack and d <= upper + slack, (lower, d, upper)
+
+
+@given(finite_arrays(max_log2=55), st.sampled_from([0, 1]))
+def test_property_rownorm_finite_unit_rows(x, axis):
+    """Within |x| < 2^58 (row norms representable in float32 for these widths)."""
+    for name in ("project_rownorm", "projected_rownorm_exact"):
+        y = _no_nan(_jitted(name, axis)(jnp.asarray(x)))[0]
+        assert np.isfinite(y).all()
+        if name == "project_rownorm":
+            rows = np.moveaxis(y, axis, 0).reshape(y.shape[axis], -1)
+            assert np.linalg.norm(rows, axis=1).max(initial=0.0) <= 2 + 1e-5
+
+
+@given(finite_arrays(), st.sampled_from([0, 1]))
+def test_property_clip_is_finite_and_clips(x, axis):
+    # The cap holds for the exactly scaled update; storing it in float32 moves each entry by up
+    # to half an ulp of max|y| (a large common offset keeps its full size under the scaling).
+    for name in ("clip_row_diameter_exact", "clip_row_diameter"):
+        y = _no_nan(_jitted(name, axis)(jnp.asarray(x)))[0]
+        assert np.isfinite(y).all()
+        rounding = 2 * np.finfo(np.float32).eps * np.abs(y).max(initial=0.0) * np.sqrt(y.size)
+        assert float(rowgeom.row_diameter(y, vocab_axis=axis)) <= 0.5 * (1 + 1e-5) + rounding
+
+
+def _representable(value):
+    return value < np.finfo(np.float32).max / (1 + 1e-5)
+
+
+@given(finite_arrays(), st.sampled_from([0, 1]))
+def test_property_tracker_and_hilbert_are_finite(x, axis):
+    update, state = _jitted("track_row_diameter", axis)(jnp.asarray(x))
+    np.testing.assert_array_equal(update, x)
+    stats = _no_nan(state)
+    rows = np.moveaxis(x.astype(np.float64), axis, 0).reshape(x.shape[axis], -1)
+    bound = 2 * np.linalg.norm(rows - rows.mean(axis=0), axis=1).max()
+    if _representable(bound):  # upper = 2 max_i ||x_i - xbar|| may exceed float32 otherwise
+        assert all(np.isfinite(leaf).all() for leaf in stats), (stats, bound)
+    # Hidden states of norm <= 1: the perturbation is at most D, representable.
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((3, x.shape[1 - axis])) / 8,
+                    jnp.float32)
+    delta = rowgeom.hilbert_perturbation(jnp.asarray(x), h, vocab_axis=axis)
+    assert np.isfinite(delta).all()
+    z = np.moveaxis(x, axis, -1)
+    dist = np.asarray(rowgeom.hilbert_distance(jnp.asarray(z), jnp.asarray(z[::-1]),
+                                               logits=True))
+    r = z.astype(np.float64) - z[::-1].astype(np.float64)
+    ref = r.max(axis=-1) - r.min(axis=-1)
+    assert not np.isnan(dist).any()
+    ok = _representable(ref)
+    tiny, eps = np.finfo(np.float32).tiny, np.finfo(np.float32).eps  # subnormals flush to 0
+    np.testing.assert_allclose(dist[ok], ref[ok], rtol=1e-5,
+                               atol=4 * eps * np.abs(z).max(initial=0.0) + 4 * tiny)
+
+
+@given(finite_arrays())
+def test_property_orthogonalizers_are_finite(x):
+    for name in MATRIX_FUNCTIONS:
+        y = _no_nan(MATRIX_FUNCTIONS[name][0](jnp.asarray(x)))[0]
+        assert np.isfinite(y).all()
+
+
+@functools.cache
+def _lm_step(head):
+    tx = rowgeom.lm_optimizer(1e-2, head=head)
+    return tx, jax.jit(tx.update)
+
+
+@given(st.sampled_from(["rownorm", "adamw", "muon"]), st.integers(0, 2**32 - 1),
+       st.integers(-140, 55), st.sampled_from(["normal", "zeros", "one_row"]))
+def test_property_lm_optimizer_steps_are_finite(head, seed, log2, pattern):
+    """Two steps of the whole recipe on gradients of any scale up to 2^55 stay finite."""
+    params = _lm_params()
+    tx, update = _lm_step(head)
+    rng = np.random.default_rng(seed)
+    state = tx.init(params)
+    for _ in range(2):
+        grads = {}
+        for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+            g = rng.standard_normal(p.shape) * 2.0 ** log2
+            if pattern == "zeros":
+                g[:] = 0.0
+            elif pattern == "one_row" and g.ndim == 2:
+                g[1:] = 0.0
+            grads[jax.tree_util.keystr(path)] = g.astype(np.float32)
+        tree = jax.tree_util.tree_unflatten(
+            jax.tree.structure(params), [jnp.asarray(g) for g in grads.values()])
+        updates, state = update(tree, state, params)
+        assert all(np.isfinite(u).all() for u in _leaves(updates)), (head, log2, pattern)
+        assert all(np.isfinite(s).all() for s in _leaves(state)), (head, log2, pattern)
