@@ -28,3 +28,43 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="module")
+def fast_compile():
+    """Cheaper XLA compiles for modules that train the example (numbers change, not semantics)."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@pytest.fixture(scope="session")
+def small_corpus():
+    """`small_corpus(root, *, tokenize=False)`: see `_small_corpus`."""
+    return _small_corpus
+
+
+def _small_corpus(root, *, tokenize: bool = False):
+    """~30 small stdlib modules copied to `root/corpus`: a text-directory corpus for the example.
+
+    With `tokenize`, the `test` config's tokenizer and token cache are built once in `root/tokens`
+    so that runs (and subprocesses) sharing `data_dir=root/tokens` never retrain it.
+    """
+    import shutil
+    from pathlib import Path
+
+    src = Path(os.__file__).parent
+    files = sorted((p for p in src.glob("*.py") if 2_000 < p.stat().st_size < 12_000),
+                   key=lambda p: p.name)[:30]
+    assert len(files) >= 20, f"too few small modules in {src}"
+    corpus = Path(root) / "corpus"
+    corpus.mkdir()
+    for f in files:
+        shutil.copy(f, corpus / f.name)
+    if tokenize:
+        from examples.lm import configs, data
+
+        data.prepare_tokens(source=corpus, workdir=Path(root) / "tokens",
+                            vocab_size=configs.get_config("test").vocab_size)
+    return root

@@ -3,9 +3,6 @@ certified oracle table (examples/lm/oracle_table.py), checked against independen
 
 import dataclasses
 import json
-import os
-import shutil
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,28 +15,17 @@ from examples.lm import compare_heads, configs, oracle_table
 HEADS = ("adamw", "rownorm-rescaled")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compile():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(tmp_path_factory, small_corpus):
     """`compare_heads.py --quick` on a small text corpus: (workdir, out, returned result).
 
     Two of the four heads (the AdamW baseline and the rescaled RowNorm, which has the most new
     wiring) keep the test short: every run compiles its own step.
     """
-    root = tmp_path_factory.mktemp("heads")
-    src = Path(os.__file__).parent
-    files = sorted((p for p in src.glob("*.py") if 2_000 < p.stat().st_size < 12_000),
-                   key=lambda p: p.name)[:30]
-    (root / "corpus").mkdir()
-    for f in files:
-        shutil.copy(f, root / "corpus" / f.name)
+    root = small_corpus(tmp_path_factory.mktemp("heads"))
     workdir, out = root / "runs", root / "results"
     result = compare_heads.main(["--quick", "--workdir", str(workdir), "--out", str(out),
                                  "--data_source", str(root / "corpus"), "--heads", *HEADS])

@@ -21,7 +21,6 @@ import dataclasses
 import gc
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -44,17 +43,8 @@ LAUNCH_TIMEOUT = 180
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("crash")
-    src = Path(os.__file__).parent
-    files = sorted((p for p in src.glob("*.py") if 2_000 < p.stat().st_size < 12_000),
-                   key=lambda p: p.name)[:30]
-    (root / "corpus").mkdir()
-    for f in files:
-        shutil.copy(f, root / "corpus" / f.name)
-    data.prepare_tokens(source=root / "corpus", workdir=root / "tokens",
-                        vocab_size=configs.get_config("test").vocab_size)
-    return root
+def root(tmp_path_factory, small_corpus):
+    return small_corpus(tmp_path_factory.mktemp("crash"), tokenize=True)
 
 
 def _command(root, workdir):

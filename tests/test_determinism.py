@@ -8,9 +8,6 @@ alone are checked the same way on a small softmax-regression problem for every h
 
 import dataclasses
 import json
-import os
-import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,29 +16,14 @@ import optax
 import pytest
 
 import rowgeom
-from examples.lm import configs, data, metrics, train
+from examples.lm import configs, metrics, train
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fast_compile():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("determinism")
-    src = Path(os.__file__).parent
-    files = sorted((p for p in src.glob("*.py") if 2_000 < p.stat().st_size < 12_000),
-                   key=lambda p: p.name)[:30]
-    (root / "corpus").mkdir()
-    for f in files:
-        shutil.copy(f, root / "corpus" / f.name)
-    data.prepare_tokens(source=root / "corpus", workdir=root / "tokens",
-                        vocab_size=configs.get_config("test").vocab_size)
-    return root
+def root(tmp_path_factory, small_corpus):
+    return small_corpus(tmp_path_factory.mktemp("determinism"), tokenize=True)
 
 
 def _run(root, name, **overrides):

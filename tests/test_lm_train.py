@@ -27,26 +27,13 @@ from examples.lm import mesh as mesh_lib
 STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, and the final one
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compile():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(tmp_path_factory, small_corpus):
     """~30 small stdlib modules as a text-directory corpus, and a shared tokenizer cache dir."""
-    root = tmp_path_factory.mktemp("lm")
-    src = Path(os.__file__).parent
-    files = sorted((p for p in src.glob("*.py") if 2_000 < p.stat().st_size < 12_000),
-                   key=lambda p: p.name)[:30]
-    assert len(files) >= 20
-    (root / "corpus").mkdir()
-    for f in files:
-        shutil.copy(f, root / "corpus" / f.name)
-    return root
+    return small_corpus(tmp_path_factory.mktemp("lm"))
 
 
 def _cfg(corpus, **overrides):

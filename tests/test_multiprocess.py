@@ -10,7 +10,6 @@ reduction order (collectives sum in a different order), not bit for bit.
 
 import dataclasses
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from examples.lm import checkpointing, configs, data, metrics, train
+from examples.lm import checkpointing, configs, metrics, train
 from examples.lm import mesh as mesh_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,18 +75,9 @@ def _final_state(workdir):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multiprocess")
-    src = Path(os.__file__).parent
-    files = sorted((p for p in src.glob("*.py") if 2_000 < p.stat().st_size < 12_000),
-                   key=lambda p: p.name)[:30]
-    (root / "corpus").mkdir()
-    for f in files:
-        shutil.copy(f, root / "corpus" / f.name)
+def corpus(tmp_path_factory, small_corpus):
     # Build the token cache once, here: the workers only read it.
-    data.prepare_tokens(source=root / "corpus", workdir=root / "tokens",
-                        vocab_size=configs.get_config("test").vocab_size)
-    return root
+    return small_corpus(tmp_path_factory.mktemp("multiprocess"), tokenize=True)
 
 
 def test_two_processes_equal_one(corpus):
