@@ -208,18 +208,32 @@ def _three_axes(s, axis: int) -> jax.Array:
     return s.reshape(three).astype(jnp.float32)
 
 
-def _feature_sum(fn, x3: jax.Array) -> jax.Array:
-    """``sum_{a,b} fn(x3[a], a)[v, b]`` per token ``v``: one pass over ``x3``, no temporaries.
+def single_device_trace() -> bool:
+    """False while tracing under a multi-device mesh context (``jax.set_mesh``).
+
+    The CPU-tuned loops over slabs or row blocks slice an axis that may be sharded; under a
+    mesh, plain reductions let XLA's partitioner move only reduced vectors between devices.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size <= 1
+
+
+def _sq_dists(x3: jax.Array, point: jax.Array) -> jax.Array:
+    """``||x_v - point||^2`` per token ``v`` of an (A, V, B) view; ``point`` is (A, 1, B).
 
     XLA:CPU reduces a leading axis of a wide array ~50x slower than a trailing one (a Flax
-    ``(d, V)`` kernel), so a leading feature axis is accumulated slab by slab in a loop, each
-    slab ``x3[a]`` a contiguous ``(V, B)`` block whose trailing axis reduces fast.
+    ``(d, V)`` kernel), so on one device a leading feature axis is accumulated slab by slab in
+    a loop, each slab ``x3[a]`` a contiguous ``(V, B)`` block whose trailing axis reduces fast.
+    Under a multi-device mesh the slab slices would all-gather a feature-sharded head, so a
+    plain reduction is used there (one all-reduce of a ``V``-vector).
     """
+    if not single_device_trace():
+        return jnp.sum(jnp.square(x3 - point), axis=(0, 2))
     if x3.shape[0] == 1:
-        return jnp.sum(fn(x3[0], 0), axis=1)
+        return jnp.sum(jnp.square(x3[0] - point[0]), axis=1)
 
     def accumulate(a, total):
-        return total + jnp.sum(fn(x3[a], a), axis=1)
+        return total + jnp.sum(jnp.square(x3[a] - point[a]), axis=1)
 
     # zeros_like keeps an Explicit sharding of the token axis, so the loop carry's type is stable.
     zeros = jnp.zeros_like(x3[0, :, 0])
@@ -228,8 +242,7 @@ def _feature_sum(fn, x3: jax.Array) -> jax.Array:
 
 def _centroid_sq_dists(x3: jax.Array) -> jax.Array:
     """``||x_i - xbar||^2`` per token of an (A, V, B) view."""
-    xbar = jnp.mean(x3, axis=1, keepdims=True)  # (A, 1, B)
-    return _feature_sum(lambda slab, a: jnp.square(slab - xbar[a]), x3)
+    return _sq_dists(x3, jnp.mean(x3, axis=1, keepdims=True))
 
 
 def _upper_bound(s, axis: int) -> jax.Array:
@@ -282,7 +295,7 @@ def _bounds3(x3, *, sweeps: int):
         # is a local product plus an all-reduce of one row, and Explicit sharding allows it.
         onehot = (jnp.arange(num_rows) == anchor).astype(x3.dtype)
         row = jnp.einsum("v,avb->ab", onehot, x3, precision=_HIGHEST)[:, None, :]  # (A, 1, B)
-        d2 = _feature_sum(lambda slab, a, row=row: jnp.square(slab - row[a]), x3)
+        d2 = _sq_dists(x3, row)
         anchor = jnp.argmax(d2)
         lower = jnp.maximum(lower, jnp.sqrt(jnp.max(d2)))  # d2[anchor], without a slice
     # Equal in exact arithmetic when D = 2 r_c (e.g. V = 2); keep the order under rounding.

@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 import operator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -58,6 +57,7 @@ from rowgeom._geometry import (
     _row_diameter,
     _upper_bound,
     map_head_leaves,
+    single_device_trace,
     vocab_axes,
 )
 from rowgeom._validation import canonical_axis, check_floating, check_min_rank
@@ -218,12 +218,6 @@ def _blocked_path(x, axis, *, eps, center_input, center_output, num_valid, block
     return y
 
 
-def _single_device_trace() -> bool:
-    """False under a multi-device mesh context: the blocked CPU path slices the vocab axis."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size <= 1
-
-
 def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, argname,
                  impl="auto"):
     check_min_rank(u, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
@@ -238,7 +232,7 @@ def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, 
     x = u.astype(jnp.float32)
     opts = dict(eps=eps, center_input=bool(center_input), center_output=bool(center_output),
                 num_valid=vocab if num_valid is None else num_valid)
-    if impl == "auto" and not _single_device_trace():
+    if impl == "auto" and not single_device_trace():
         y = _reference_path(x, axis, **opts)
     elif impl == "auto":
         y = lax.platform_dependent(x, cpu=lambda x: _blocked_path(x, axis, **opts),

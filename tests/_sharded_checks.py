@@ -15,6 +15,7 @@ import re  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -65,6 +66,23 @@ def run(axis_type):
         with jax.set_mesh(mesh):
             out[f"diameter_{name}_diff"] = max_diff(diam(xs), diam(x))
             out[f"bounds_{name}_diff"] = max_diff(jnp.stack(bounds(xs)), jnp.stack(bounds(x)))
+
+    # A (d, V) kernel sharded along its *feature* axis (as FSDP shards it): row norms and the
+    # tracker's bracket need reductions of V-vectors, never the gathered kernel.
+    tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
+                     rowgeom.track_row_diameter(vocab_axis=1))
+    step = jax.jit(lambda u: tx.update(u, tx.init(u)))
+    kernel = table.T
+    expected_u, expected_state = step(kernel)
+    xs = jax.device_put(kernel, NamedSharding(mesh, P("vocab", None)))
+    with jax.set_mesh(mesh):
+        got_u, got_state = step(xs)
+        hlo = step.lower(xs).compile().as_text()
+    out["feature_sharded_diff"] = max(
+        max_diff(got_u, expected_u),
+        max(max_diff(a, b) for a, b in zip(jax.tree.leaves(got_state),
+                                           jax.tree.leaves(expected_state), strict=True)))
+    out["feature_sharded_collectives"] = collectives(hlo)
 
     # Hidden matrices: a stack of four (D, 4D) matrices sharded along the batch axis, and one
     # (D, 4D) matrix sharded along its columns.

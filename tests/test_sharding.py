@@ -35,11 +35,18 @@ def test_vocab_sharded_rownorm_matches_unsharded(axis_type, layout):
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-@pytest.mark.parametrize("layout", ["table", "kernel"])
+def test_feature_sharded_head_and_tracker_match_unsharded(axis_type):
+    assert _results()[axis_type]["feature_sharded_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("layout", ["table", "kernel", "feature_sharded"])
 def test_head_update_moves_only_vectors(axis_type, layout):
     """Only reductions of d- or V-sized vectors cross devices: never the (V, d) head itself."""
-    found = _results()[axis_type][f"rownorm_{layout}_collectives"]
-    assert found, "expected the vocabulary means to need an all-reduce across shards"
+    prefix = "" if layout == "feature_sharded" else "rownorm_"
+    key = f"{prefix}{layout}_collectives"
+    found = _results()[axis_type][key]
+    assert found, "expected the means / row norms to need an all-reduce across shards"
     assert any(op == "all-reduce" for op, _ in found), found
     for op, shape in found:
         dims = [int(n) for n in shape.split("[")[1].split("]")[0].split(",") if n]
