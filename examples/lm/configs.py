@@ -22,16 +22,17 @@ import types
 import typing
 from collections.abc import Sequence
 
+# A RowNorm head moves every token row by exactly its learning rate; rowgeom.lm_optimizer's default
+# gives it 5x the base rate (Lau & Su's ratio, spec §5). The example passes the head rate explicitly
+# (it needs the value for the head-step diagnostics), using the library's own default factor.
+from rowgeom._recipe import ROWNORM_HEAD_LR_MULTIPLIER
+
 SCHEDULES = ("cosine", "wsd")
 HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 # Heads trained by projected RowNorm (rowgeom.lm_optimizer(head="rownorm")); "rownorm-rescaled"
 # rescales each direction to the whole diameter budget (head_rescale="exact", spec §4).
 ROWNORM_HEADS = ("rownorm", "rownorm-rescaled")
 
-# A RowNorm head moves every token row by exactly its learning rate; rowgeom.lm_optimizer's default
-# gives it 5x the base rate (Lau & Su's ratio, spec §5). The example passes the head rate explicitly
-# (it needs the value for the head-step diagnostics), using the same default.
-ROWNORM_HEAD_LR_MULTIPLIER = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
