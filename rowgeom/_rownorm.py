@@ -29,6 +29,9 @@ Conventions chosen here (the paper's own are unknown):
 - Padded vocabularies (``num_valid``): rows at index ``>= num_valid`` are excluded from both means
   and get a zero update.
 - Means and norms are computed in float32 whatever the input dtype; only the result is cast back.
+  Input with entries above ``2**50`` is first scaled by a power of two (exact: the step is scale
+  invariant, ``eps`` is scaled alike), so no finite input overflows the squared row norms or the
+  centring: finite input never gives NaN or spurious zero rows.
   The input centring is shifted by a pivot (the mean of the first two rows, an exact float32
   point near the rows), so rows that are a large common vector plus a tiny spread keep an
   accurate direction, and identical rows give exactly zero.
@@ -69,6 +72,11 @@ _DIAMETER_BLOCK = 1024  # rows per block of the exact diameter's triangular scan
 # CPU path: rows per block are chosen so that one block of float32 rows stays in cache while
 # the two per-block reductions (row norms, weighted column sum) read it.
 _BLOCK_BYTES = 4 * 2**20
+# Inputs with entries above 2**_HUGE_EXPONENT are scaled by a power of two first (exact: the
+# result is invariant to it, with eps scaled alike), so squared row norms (d < 2**26 terms) and
+# the centring never overflow float32; scaled, the largest entry is about 2**20.
+_HUGE_EXPONENT = 50
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _check_eps(eps) -> float:
@@ -102,7 +110,13 @@ def _row_vector(w, ndim: int, axis: int):
     return w.reshape(tuple(-1 if i == axis else 1 for i in range(ndim)))
 
 
-def _pivot(x, axis: int, num_valid: int):
+def _overflow_scale(amax):
+    """1 for ordinary input; a power of two bringing ``amax`` to ~2**20 when it is huge."""
+    huge = amax > 2.0**_HUGE_EXPONENT
+    return huge, jnp.exp2(20.0 - jnp.floor(jnp.log2(jnp.where(huge, amax, 1.0))))
+
+
+def _pivot(x, axis: int, num_valid: int, scale=1.0):
     """A float32 point inside the row cloud: the mean of the first two valid rows.
 
     Centring is computed as ``(x_i - p) - mean(x - p)``: for rows that are a large common vector
@@ -113,7 +127,8 @@ def _pivot(x, axis: int, num_valid: int):
     result in place over a donated input.
     """
     k = min(2, num_valid)
-    return jnp.sum(lax.slice_in_dim(x, 0, k, axis=axis), axis=axis, keepdims=True) * (1.0 / k)
+    rows = lax.slice_in_dim(x, 0, k, axis=axis) * scale
+    return jnp.sum(rows, axis=axis, keepdims=True) * (1.0 / k)
 
 
 def _reference_path(x, axis, *, eps, center_input, center_output, num_valid):
@@ -132,6 +147,10 @@ def _reference_path(x, axis, *, eps, center_input, center_output, num_valid):
         return v if valid is None else jnp.where(valid, v, zero)
 
     xc = mask(x)
+    huge, scale = _overflow_scale(jnp.max(jnp.abs(xc)))
+    xc = xc * jnp.where(huge, scale, 1.0)
+    x = x * jnp.where(huge, scale, 1.0)
+    eps = jnp.where(huge, jnp.maximum(eps * scale, _TINY), eps)
     if center_input:
         k = min(2, num_valid)
         pivot = jnp.sum(jnp.where(token < k, x, zero), axis=axis, keepdims=True) * (1.0 / k)
@@ -185,18 +204,37 @@ def _blocked_path(x, axis, *, eps, center_input, center_output, num_valid, block
         return acc
 
     col_shape = tuple(1 if i == axis else n for i, n in enumerate(x.shape))
+    zero_col = jnp.zeros(col_shape, f32)
+    pivot = _pivot(x, axis, num_valid) if center_input else None
+
+    def sum_and_max(acc, rows, _):
+        total, amax = acc
+        if center_input:
+            total = total + jnp.sum(rows - pivot, axis=axis, keepdims=True)
+        return total, jnp.maximum(amax, jnp.max(jnp.abs(rows)))
+
+    # Pass 1 also finds max|x| (same blocks, in cache). Huge input is then scaled by a power of
+    # two and only its column sum recomputed; ordinary input keeps scale 1 and its sum.
+    total, amax = fold_rows(sum_and_max, (zero_col, jnp.zeros((), f32)))
+    huge, scale = _overflow_scale(amax)
+    eps = jnp.where(huge, jnp.maximum(eps * scale, _TINY), eps)
+    scale = jnp.where(huge, scale, 1.0)
     if center_input:
-        pivot = _pivot(x, axis, num_valid)
-        total = fold_rows(
-            lambda acc, rows, _: acc + jnp.sum(rows - pivot, axis=axis, keepdims=True),
-            jnp.zeros(col_shape, f32))
+        def rescaled():
+            p = _pivot(x, axis, num_valid, scale)
+            t = fold_rows(
+                lambda acc, rows, _: acc + jnp.sum(rows * scale - p, axis=axis, keepdims=True),
+                zero_col)
+            return p, t
+
+        pivot, total = lax.cond(huge, rescaled, lambda: (pivot, total))
         mean = total / num_valid
 
         def centre(rows):
-            return (rows - pivot) - mean
+            return (rows * scale - pivot) - mean
     else:
         def centre(rows):
-            return rows
+            return rows * scale
 
     def norms_and_sum(carry, rows, start):
         acc, weights = carry
