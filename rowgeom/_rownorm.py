@@ -110,10 +110,13 @@ def _row_vector(w, ndim: int, axis: int):
     return w.reshape(tuple(-1 if i == axis else 1 for i in range(ndim)))
 
 
-def _overflow_scale(amax):
-    """1 for ordinary input; a power of two bringing ``amax`` to ~2**20 when it is huge."""
+def _overflow_guard(amax, eps):
+    """``(huge, scale, eps)``: scale 1 and eps unchanged for ordinary input; for ``amax`` above
+    ``2**_HUGE_EXPONENT`` a power of two bringing it to ~2**20, and eps scaled alike."""
     huge = amax > 2.0**_HUGE_EXPONENT
-    return huge, jnp.exp2(20.0 - jnp.floor(jnp.log2(jnp.where(huge, amax, 1.0))))
+    scale = jnp.where(huge, jnp.exp2(20.0 - jnp.floor(jnp.log2(jnp.where(huge, amax, 1.0)))),
+                      1.0)
+    return huge, scale, jnp.where(huge, jnp.maximum(eps * scale, _TINY), eps)
 
 
 def _pivot(x, axis: int, num_valid: int, scale=1.0):
@@ -147,10 +150,8 @@ def _reference_path(x, axis, *, eps, center_input, center_output, num_valid):
         return v if valid is None else jnp.where(valid, v, zero)
 
     xc = mask(x)
-    huge, scale = _overflow_scale(jnp.max(jnp.abs(xc)))
-    xc = xc * jnp.where(huge, scale, 1.0)
-    x = x * jnp.where(huge, scale, 1.0)
-    eps = jnp.where(huge, jnp.maximum(eps * scale, _TINY), eps)
+    _, scale, eps = _overflow_guard(jnp.max(jnp.abs(xc)), eps)
+    xc, x = xc * scale, x * scale
     if center_input:
         k = min(2, num_valid)
         pivot = jnp.sum(jnp.where(token < k, x, zero), axis=axis, keepdims=True) * (1.0 / k)
@@ -216,9 +217,7 @@ def _blocked_path(x, axis, *, eps, center_input, center_output, num_valid, block
     # Pass 1 also finds max|x| (same blocks, in cache). Huge input is then scaled by a power of
     # two and only its column sum recomputed; ordinary input keeps scale 1 and its sum.
     total, amax = fold_rows(sum_and_max, (zero_col, jnp.zeros((), f32)))
-    huge, scale = _overflow_scale(amax)
-    eps = jnp.where(huge, jnp.maximum(eps * scale, _TINY), eps)
-    scale = jnp.where(huge, scale, 1.0)
+    huge, scale, eps = _overflow_guard(amax, eps)
     if center_input:
         def rescaled():
             p = _pivot(x, axis, num_valid, scale)

@@ -68,3 +68,28 @@ def _small_corpus(root, *, tokenize: bool = False):
         data.prepare_tokens(source=corpus, workdir=Path(root) / "tokens",
                             vocab_size=configs.get_config("test").vocab_size)
     return root
+
+
+@pytest.fixture(scope="session")
+def final_checkpoint():
+    """`final_checkpoint(workdir, steps) -> (state, meta)`: see `_final_checkpoint`."""
+    return _final_checkpoint
+
+
+def _final_checkpoint(workdir, steps: int):
+    """The example's checkpoint of step `steps` in `workdir`, restored onto the first device
+    (asserting it is the latest one), as host arrays, with its metadata."""
+    import dataclasses
+
+    from examples.lm import checkpointing, configs, train
+    from examples.lm import mesh as mesh_lib
+
+    cfg = dataclasses.replace(configs.get_config("test"), steps=steps)
+    trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
+    try:
+        assert ckpt.latest_step() == steps
+        state, meta = ckpt.restore(steps, trainer.abstract_state)
+    finally:
+        ckpt.close()
+    return jax.device_get(state), meta

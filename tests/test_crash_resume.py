@@ -17,7 +17,6 @@ All runs share one prebuilt token cache (no run retrains the tokenizer) and one 
 compilation cache, which the uninterrupted run fills first.
 """
 
-import dataclasses
 import gc
 import os
 import re
@@ -33,7 +32,6 @@ import numpy as np
 import pytest
 
 from examples.lm import checkpointing, configs, data, metrics, train
-from examples.lm import mesh as mesh_lib
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, KEEP = 12, 2, 2
@@ -97,18 +95,6 @@ def _last_step(workdir: Path, log_path: Path) -> int:
     return int(match.group(1)) if match else 0
 
 
-def _final_state(workdir):
-    cfg = dataclasses.replace(configs.get_config("test"), steps=STEPS)
-    trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-    ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
-    try:
-        assert ckpt.latest_step() == STEPS
-        state, _ = ckpt.restore(STEPS, trainer.abstract_state)
-    finally:
-        ckpt.close()
-    return jax.device_get(state)
-
-
 def _launch_and_kill(cmd, env, log_path, workdir, mode, rng):
     """Start `cmd`, SIGKILL it when `mode`'s trigger fires; returns a description of the kill.
 
@@ -169,7 +155,7 @@ def _expected_resume_line(resume_from, workdir):
     return f"resumed from step {resume_from} ({workdir / 'checkpoints'})"
 
 
-def test_sigkill_resume_is_bit_identical(root):
+def test_sigkill_resume_is_bit_identical(root, final_checkpoint):
     env = _env(root)
     baseline = root / "baseline"
     clean = subprocess.run(_command(root, baseline), env=env, cwd=REPO, capture_output=True,
@@ -207,7 +193,8 @@ def test_sigkill_resume_is_bit_identical(root):
     # Bit-identical metrics (full-precision floats) and train state.
     assert (workdir / metrics.METRICS_FILE).read_bytes() == \
         (baseline / metrics.METRICS_FILE).read_bytes()
-    got, expected = _final_state(workdir), _final_state(baseline)
+    (got, _), (expected, _) = (final_checkpoint(workdir, STEPS),
+                                final_checkpoint(baseline, STEPS))
     paths_got = jax.tree_util.tree_flatten_with_path(got)[0]
     paths_exp = jax.tree_util.tree_flatten_with_path(expected)[0]
     assert [p for p, _ in paths_got] == [p for p, _ in paths_exp]

@@ -8,7 +8,6 @@ reference is a single process with 8 devices and the same mesh; results agree up
 reduction order (collectives sum in a different order), not bit for bit.
 """
 
-import dataclasses
 import os
 import socket
 import subprocess
@@ -19,8 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from examples.lm import checkpointing, configs, metrics, train
-from examples.lm import mesh as mesh_lib
+from examples.lm import metrics
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_multiprocess_worker.py"
@@ -61,26 +59,13 @@ def _finish(procs, timeout=240):
     return outs
 
 
-def _final_state(workdir):
-    """The final checkpoint of `workdir`, restored onto this process's first device."""
-    cfg = dataclasses.replace(configs.get_config("test"), steps=STEPS)
-    trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-    ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
-    try:
-        assert ckpt.latest_step() == STEPS
-        state, meta = ckpt.restore(STEPS, trainer.abstract_state)
-    finally:
-        ckpt.close()
-    return jax.device_get(state), meta
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, small_corpus):
     # Build the token cache once, here: the workers only read it.
     return small_corpus(tmp_path_factory.mktemp("multiprocess"), tokenize=True)
 
 
-def test_two_processes_equal_one(corpus):
+def test_two_processes_equal_one(corpus, final_checkpoint):
     multi, single = corpus / "two_processes", corpus / "one_process"
     port = _free_port()
     outs = _finish([_worker(0, 2, port, 4, corpus, multi), _worker(1, 2, port, 4, corpus, multi)])
@@ -97,8 +82,8 @@ def test_two_processes_equal_one(corpus):
             np.testing.assert_allclose(g[key], e[key], rtol=2e-5, atol=1e-6,
                                        err_msg=f"step {e['step']} {key}")
 
-    state_m, meta_m = _final_state(multi)
-    state_s, meta_s = _final_state(single)
+    state_m, meta_m = final_checkpoint(multi, STEPS)
+    state_s, meta_s = final_checkpoint(single, STEPS)
     assert (meta_m["process_count"], meta_s["process_count"]) == (2, 1)
     assert meta_m["mesh"] == meta_s["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
     leaves_m = jax.tree_util.tree_leaves_with_path(state_m["params"])
