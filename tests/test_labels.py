@@ -129,10 +129,16 @@ def test_custom_names_and_rules_take_priority():
     assert flat(labels) == {"tok": "embedding", "trunk/mix": "hidden", "readout": "head",
                             "lm_head/kernel": "hidden"}
     # The first matching rule wins; rules are plain re.search over the "/"-joined path.
-    labels = rowgeom.label_params(params, rules=[("mix", "embedding"), ("trunk", "head")],
-                                  default="hidden")
-    assert flat(labels)["trunk/mix"] == "embedding"
-    assert flat(labels)["tok"] == "hidden"  # the explicit default, opted in
+    labels = rowgeom.label_params(params, rules=[("mix", "hidden"), ("trunk", "head")],
+                                  default="hidden", extra_embedding_names={"tok"})
+    assert flat(labels)["trunk/mix"] == "hidden"
+    # Unnamed (d, V) matrices outside the blocks are heads by shape: "readout" and lm_head.
+    assert flat(labels)["readout"] == "head"
+    # The explicit default cannot send a vocabulary-sized matrix outside the blocks to Muon.
+    with pytest.raises(ValueError, match=r"readout \(64, 16\) would be 'hidden' \(by "
+                                         r"default='hidden'\)"):
+        rowgeom.label_params({"tok": {"embedding": np.zeros((V, D))}, "readout": np.zeros((V, D)),
+                              "lm_head": np.zeros((D, V))}, default="hidden")
 
 
 def test_unlabelled_matrix_raises_naming_its_path_and_the_fixes():
@@ -166,7 +172,7 @@ def test_tied_embedding_needs_a_policy():
 def test_tied_policy_contradicting_a_separate_head_raises():
     params = {"embed": np.zeros((V, D)), "lm_head": np.zeros((D, V))}
     for tied in ("head", "embedding"):
-        with pytest.raises(ValueError, match="separate head lm_head"):
+        with pytest.raises(ValueError, match="separate, untied head lm_head"):
             rowgeom.label_params(params, tied=tied)
     with pytest.raises(ValueError, match="tied must be one of"):
         rowgeom.label_params(params, tied="yes")

@@ -288,13 +288,16 @@ def test_head_vocab_axis_inference():
     for path, shape in ((("output", "w"), (D, V)), (("lm_head", "kernel"), (D, 2, V))):
         with pytest.raises(ValueError, match="head_vocab_axis"):
             infer_head_vocab_axis(path, shape)
+    # With the vocabulary size known from the embedding, the one axis of size V is the vocab axis.
     params = {"embed": np.zeros((V, D), np.float32), "output": {"w": np.zeros((D, V), np.float32)}}
-    with pytest.raises(ValueError, match="output/w"):
-        rowgeom.lm_optimizer(LR).init(params)
-    steps, _ = run_steps(rowgeom.lm_optimizer(LR, head_vocab_axis=1, track_head=False),
-                         params, n=1)
+    steps, _ = run_steps(rowgeom.lm_optimizer(LR, track_head=False), params, n=1)
     got = flat(steps[0][2])["output/w"]
-    assert np.abs(got.sum(axis=1)).max() < 1e-5  # centred over the given vocab axis
+    assert np.abs(got.sum(axis=1)).max() < 1e-5  # centred over the inferred vocab axis 1
+    # A square head (V == d) named neither kernel nor weight: an error naming it, then the fix.
+    square = {"embed": np.zeros((D, D), np.float32), "output": {"w": np.zeros((D, D), np.float32)}}
+    with pytest.raises(ValueError, match="output/w.*Pass head_vocab_axis"):
+        rowgeom.lm_optimizer(LR).init(square)
+    rowgeom.lm_optimizer(LR, head_vocab_axis=1).init(square)
 
 
 def test_bad_arguments_name_the_parameter():
