@@ -6,6 +6,7 @@ measure a head step the way the softmax sees it.
 """
 
 from rowgeom._clip import clip_row_diameter
+from rowgeom._describe import Description, ParamRow, describe
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import (
     hilbert_distance,
@@ -64,10 +65,13 @@ __all__ = (
     "DEFAULT_HEAD_NAMES",
     "DEFAULT_HIDDEN_NAMES",
     "DEFAULT_VECTOR_NAMES",
+    "Description",
     "GroupHyperparams",
     "HEAD_LR_MULTIPLIERS",
+    "ParamRow",
     "STATIC_ARGS",
     "TOKEN_EMBEDDING_NAMES",
+    "describe",
     "lm_optimizer_hparams",
     "make_labeler",
 )

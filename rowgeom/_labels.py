@@ -339,7 +339,7 @@ def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayou
                     "a lookup table -> 'embedding')")
         raise ValueError(
             "label_params: no label for these matrices: " + _show(unmatched) + note
-            + f". Name them with rules=[(regex, label)], e.g. rules=[({_regex(path)!r}, "
+            + f". Name them with a (regex, label) rule, e.g. rules=[({_regex(path)!r}, "
             "'hidden')] (labels: hidden, head, embedding), add their names with "
             "extra_hidden_names=/extra_head_names=/extra_embedding_names=, or pass "
             "default='hidden' to send every unnamed matrix to Muon explicitly")

@@ -82,7 +82,7 @@ from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers, muon_ortho
 from rowgeom._rownorm import projected_rownorm
 
 HEADS = ("rownorm", "adamw", "muon")
-HEAD_LR_MULTIPLIERS: dict[str, float] = {"rownorm": 5.0, "adamw": 3.0, "muon": 3.0}
+HEAD_LR_MULTIPLIERS = {"rownorm": 5.0, "adamw": 3.0, "muon": 3.0}
 """Default head learning rate per head optimizer, as a multiple of the base rate.
 
 From the head study's sweep (docs/results/head_study.md): at base rate 0.006 the lowest final
@@ -304,9 +304,9 @@ def _infer_dims(path, shape, layout) -> MuonDimensionNumbers:
     except LayoutError as err:
         key = "/".join(path)
         raise ValueError(
-            f"lm_optimizer: cannot infer Muon's matrix axes for the hidden parameter {err}. "
+            f"lm_optimizer: cannot infer Muon's matrix axes of a hidden parameter: {err}. "
             f"Say them with muon_dimension_numbers={{{key!r}: rowgeom.MuonDimensionNumbers("
-            "reduction_axis=..., output_axis=...)}} (other axes are batch axes; leaves not "
+            "reduction_axis=..., output_axis=...)} (other axes are batch axes; leaves not "
             "named there are still inferred)") from None
     unwrap = lambda axes: axes[0] if len(axes) == 1 else axes
     return MuonDimensionNumbers(unwrap(red), unwrap(out))
