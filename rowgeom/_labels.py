@@ -373,6 +373,8 @@ def _tied_table(leaves: list[_Leaf], layout: ModelLayout, tied) -> tuple[str, ..
         raise ValueError("label_params: tied='head' but no embedding table was found")
     if len(embeds) > 1:
         tokens = [lf for lf in embeds if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in lf.path)]
+        if len(tokens) != 1:  # the table V and d were read from (position tables excluded)
+            tokens = [lf for lf in embeds if lf.path == layout.source]
         if len(tokens) != 1:
             raise ValueError(
                 f"label_params: tied='head' but several embedding tables {show(embeds)}; "
