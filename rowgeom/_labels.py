@@ -285,7 +285,7 @@ def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayou
     layout = model_layout([lf for lf in leaves if lf.source in ("rule", "name", "rank",
                                                                  "vector name")])
     vocab, width, source = layout.vocab_size, layout.width, layout.source
-    where_v = f"V={vocab}, from {'/'.join(source)}" if source else ""
+    where_v = f"V={vocab}" + (f", from {'/'.join(source)}" if source else "")
     out, unmatched, ambiguous, not_hidden, not_head = [], [], [], [], []
     for leaf in leaves:
         path, shape, label, why = leaf

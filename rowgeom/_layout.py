@@ -87,6 +87,8 @@ def find_vocab(embeddings, heads, token_names) -> tuple[int | None, int | None, 
         tokens = [(p, s) for p, s in embeddings if not is_position_embedding(p)]
     if tokens:
         path, shape = max(tokens, key=lambda e: e[1][0])
+        if sum(s[0] == shape[0] for _, s in tokens) > 1:
+            path = None  # several equally large tables: V and d are known, which one is not
         return shape[0], shape[1], path
     if heads:
         path, shape = heads[0]

@@ -260,6 +260,9 @@ def plan_leaves(params: Any, *, labels: Any = None, tied: str | None = None,
     for path, x in tree_paths(params):
         found, label = _lookup(table, path)
         leaves.append((path, _shape(x, box_types), label if found else None))
+    missing = ["/".join(p) for p, _, lab in leaves if lab is None]
+    if missing:
+        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
     layout = model_layout(leaves)
     group = [p for p, _, lab in leaves if lab == "head"]
     if not group and tied is None:
@@ -441,7 +444,7 @@ def lm_optimizer(
       >>> grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(0), p.shape), params)
       >>> updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
       >>> stats = rowgeom.read_row_diameter(state)                          # the head's step
-      >>> bool(stats.lower["lm_head"]["kernel"] <= 2 * 5e-3 * (1 + 1e-5))  # D <= 2 head_lr
+      >>> bool(stats.lower["lm_head/kernel"] <= 2 * 5e-3 * (1 + 1e-5))  # D <= 2 head_lr
       True
     """
     if head_rescale is not None and head != "rownorm":

@@ -102,7 +102,7 @@ def default_run(params):
 
 
 def np_rownorm(m, vocab_axis, center=True, eps=1e-8):
-    """Spec §5: centre over tokens, normalise each token row, centre again (fp64)."""
+    """Projected RowNorm reference: centre over tokens, normalise each token row, centre again."""
     x = np.moveaxis(np.asarray(m, np.float64), vocab_axis, 0)
     if center:
         x = x - x.mean(axis=0, keepdims=True)
@@ -120,7 +120,7 @@ def np_diameter(s, vocab_axis):
 # ---------------------------------------------------------------- the head geometry, numerically
 
 
-def test_rownorm_head_step_equals_the_spec_reference(default_run):
+def test_rownorm_head_step_equals_the_fp64_reference(default_run):
     steps, _ = default_run
     head_lr, mom = ROWNORM_HEAD_LR_MULTIPLIER * LR, 0.0
     for before, grads, updates in steps:
@@ -134,6 +134,17 @@ def test_rownorm_head_step_equals_the_spec_reference(default_run):
         assert np.abs(got - wrong).max() > 1e-3
         # Without weight decay every token column moves by at most head_lr (radius r = lr).
         assert np_diameter(got + head_lr * WD * w, 1) <= 2 * head_lr * (1 + 1e-5)
+        # What the docstring says: every row lies at distance exactly head_lr from the common
+        # point head_lr * nbar (nbar: mean of the unit centred momentum rows), while the rows'
+        # own norms spread around head_lr.
+        rows = (got + head_lr * WD * w).T
+        x = mom.T - mom.T.mean(axis=0)
+        nbar = (x / np.linalg.norm(x, axis=1, keepdims=True)).mean(axis=0)
+        np.testing.assert_allclose(np.linalg.norm(rows - head_lr * nbar, axis=1), head_lr,
+                                   rtol=1e-4)
+        norms = np.linalg.norm(rows, axis=1)
+        assert norms.max() - norms.min() > 1e-3 * head_lr
+        assert np.all(np.abs(norms / head_lr - 1) <= np.linalg.norm(nbar) * (1 + 1e-4))
 
 
 def test_hidden_step_is_muon_of_the_nesterov_momentum(default_run):
