@@ -37,6 +37,7 @@ from rowgeom._layout import (
     block_position,
     find_stacks,
     find_vocab,
+    is_position_embedding,
     stack_of,
 )
 
@@ -264,7 +265,8 @@ def _first_pass(path, shape, cfg: _Config) -> _Leaf:
         if pattern.search(path_str):
             return _Leaf(path, shape, label, "rule")
     if path and (path[-1].lower() in cfg.vector_names
-                 or (len(path) > 1 and _NORM_MODULE.search(path[-2].lower()))):
+                 or (len(path) > 1 and _NORM_MODULE.search(path[-2].lower())
+                     and path[-1].lower() not in ("kernel", "embedding"))):
         return _Leaf(path, shape, "vector", "vector name")
     label = _by_name(path, cfg)
     return _Leaf(path, shape, label, None if label is None else "name")
@@ -286,6 +288,10 @@ def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayou
                                                                  "vector name")])
     vocab, width, source = layout.vocab_size, layout.width, layout.source
     where_v = f"V={vocab}" + (f", from {'/'.join(source)}" if source else "")
+    # Every token table's size counts (an encoder-decoder may have two vocabularies).
+    vocabs = {vocab} | {lf.shape[0] for lf in leaves if lf.label == "embedding"
+                        and lf.source == "name" and len(lf.shape) == 2
+                        and not is_position_embedding(lf.path)} if vocab is not None else set()
     out, unmatched, ambiguous, not_hidden, not_head = [], [], [], [], []
     for leaf in leaves:
         path, shape, label, why = leaf
@@ -301,18 +307,18 @@ def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayou
         if label is None and position is not None:
             label, why = "hidden", "block"
         if label is None and vocab is not None and len(shape) == 2 and path != source:
-            if shape == (width, vocab):
+            if shape[0] == width and shape[1] in vocabs:
                 label, why = "head", "shape"
-            elif shape == (vocab, width):
+            elif shape[1] == width and shape[0] in vocabs:
                 ambiguous.append((path, shape))
         if label is None and cfg.default is not None:
             label, why = cfg.default, "default"
         if label is None:
             unmatched.append((path, shape))
-        elif (label == "hidden" and position is None and vocab is not None and vocab in shape
+        elif (label == "hidden" and position is None and vocabs & set(shape)
               and path != source):
             not_hidden.append((path, shape, why))
-        elif label == "head" and why == "name" and vocab is not None and vocab not in shape:
+        elif label == "head" and why == "name" and vocabs and not vocabs & set(shape):
             not_head.append((path, shape))
         out.append(_Leaf(path, shape, label, why))
     if not_hidden:
@@ -424,7 +430,6 @@ def make_labeler(
         table = {lf.path: lf.label for lf in leaves}
         return map_with_paths(lambda p, _: table[p], params)
 
-    labeler.config = cfg  # read by lm_optimizer and describe (same options, one analysis)
     return labeler
 
 
@@ -554,7 +559,9 @@ def _lookup(table: Mapping[tuple[str, ...], object], path: tuple[str, ...]):
     return False, None
 
 
-def partition_by_label(transforms: Mapping[str, optax.GradientTransformation], labels):
+def partition_by_label(
+    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
+) -> optax.GradientTransformationExtraArgs:
     """``optax.partition`` with labels checked and matched to the tree by path.
 
     `labels` is a tree of label strings (the same structure as the params or a prefix of

@@ -47,6 +47,8 @@ def block_position(path: Sequence[str]) -> tuple[int, bool] | None:
     for i, component in enumerate(path[:-1]):
         c = component.lower()
         if c.isdigit():
+            if i == 0:
+                continue  # a list of modules at the root (sequential), not a block container
             return i, False
         match = _NUMBERED.match(c)
         if match and (match["base"] in BLOCK_CONTAINER_NAMES

@@ -382,3 +382,24 @@ def test_tied_suggestions_lead_to_correct_labels():
     assert "rules=[(regex, 'head')]" in str(e.value)
     assert flat(rowgeom.label_params(params, tied="embedding"))["wte/embedding"] == "embedding"
     assert flat(rowgeom.label_params(params, tied="head"))["wte/embedding"] == "head"
+
+
+def test_structure_edge_cases_route_or_raise():
+    # A root list of modules (sequential) is not a block container: the last entry's (d, V)
+    # matrix is the head, and an unnamed middle matrix is an error, never a silent 'hidden'.
+    seq = [{"embedding": np.zeros((V, D))}, {"w": np.zeros((D, D))}, {"kernel": np.zeros((D, V))}]
+    with pytest.raises(ValueError, match=r"no label for these matrices: 1/w \(16, 16\)"):
+        rowgeom.label_params(seq)
+    assert flat(rowgeom.label_params(seq, rules=[("^1/w$", "hidden")])) == {
+        "0/embedding": "embedding", "1/w": "hidden", "2/kernel": "head"}
+    # Two vocabularies (source and target tables): the head matches the target one.
+    seq2seq = {"encoder_embed": {"embedding": np.zeros((2 * V, D))},
+               "decoder_embed": {"embedding": np.zeros((V, D))},
+               "layers": [{"mlp": np.zeros((D, D))}], "logitdense": {"kernel": np.zeros((D, V))}}
+    assert flat(rowgeom.label_params(seq2seq))["logitdense/kernel"] == "head"
+    # A kernel inside a norm module (adaptive norms project a condition) is a matrix.
+    ada = {"embed": {"embedding": np.zeros((V, D))}, "lm_head": {"kernel": np.zeros((D, V))},
+           "layers": [{"ada_norm": {"kernel": np.zeros((D, 2 * D)), "scale": np.zeros(D)}}]}
+    labels = flat(rowgeom.label_params(ada))
+    assert labels["layers/0/ada_norm/kernel"] == "hidden"
+    assert labels["layers/0/ada_norm/scale"] == "vector"

@@ -320,3 +320,32 @@ def test_bad_arguments_name_the_parameter():
         rowgeom.lm_optimizer(LR, head_vocab_axis=jnp.asarray(1))
     with pytest.raises(TypeError, match="labels must be"):
         rowgeom.lm_optimizer(LR, labels="hidden")
+
+
+def test_empty_head_group_raises_unless_tied_is_said(params):
+    labels = rowgeom.label_params(params)
+    labels["lm_head"]["kernel"] = "hidden"  # a user labelling that forgot the head
+    with pytest.raises(ValueError, match=r"no parameter is labelled 'head'.*tied='embedding'"):
+        rowgeom.lm_optimizer(LR, labels=labels).init(params)
+    rowgeom.lm_optimizer(LR, labels=labels, tied="embedding").init(params)  # said: fine
+    with pytest.raises(ValueError, match=r"tied='head'\): no parameter is labelled 'head'"):
+        rowgeom.lm_optimizer(LR, labels=labels, tied="head").init(params)
+
+
+@pytest.mark.parametrize("head", ["adamw", "muon"])
+def test_default_head_rates_come_from_lm_optimizer_hparams(params, head):
+    """One source of truth: the head's step size is the rate lm_optimizer_hparams reports,
+    HEAD_LR_MULTIPLIERS[head] (3) times the base rate, as the head study chose."""
+    rate = rowgeom.lm_optimizer_hparams(LR, head=head)["head"].learning_rate
+    assert rate == pytest.approx(3 * LR)
+    tx = rowgeom.lm_optimizer(LR, head=head, weight_decay=0.0, track_head=False)
+    grads = random_grads(params, seed=0)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    step = np.asarray(updates["lm_head"]["kernel"], np.float64)
+    if head == "adamw":  # first AdamW step: -lr * g / (|g| + eps), so max |step| = lr
+        assert np.abs(step).max() == pytest.approx(rate, rel=1e-3)
+    else:  # Muon of the first Nesterov momentum (1 + beta) g, times the rate
+        g = grads["lm_head"]["kernel"]
+        orth = rowgeom.muon_orthogonalize()
+        want, _ = orth.update((1 + BETA) * g, orth.init(g))
+        np.testing.assert_allclose(step, -rate * np.asarray(want), rtol=1e-4, atol=1e-8)
