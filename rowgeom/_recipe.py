@@ -278,16 +278,20 @@ def plan_leaves(params: Any, *, labels: Any = None, tied: str | None = None,
     overrides = {}
     if infer and muon_dimension_numbers is not None:
         overrides = {k: as_dimension_numbers(v) for k, v in muon_dimension_numbers.items()}
-        hidden = {"/".join(p) for p, _, lab in leaves if lab == "hidden"}
-        unknown = sorted(set(overrides) - hidden)
+        hidden = [p for p, _, lab in leaves if lab == "hidden"]
+        unknown = sorted(k for k in overrides
+                         if not any(_under(p, k) for p in hidden))
         if unknown:
             raise ValueError(f"muon_dimension_numbers names {unknown}, which are not hidden "
-                             f"parameters; hidden parameters are {sorted(hidden)}")
+                             "parameters (or their parents); hidden parameters are "
+                             f"{sorted('/'.join(p) for p in hidden)}")
     plans = []
     for path, shape, label in leaves:
         dims = axis = None
         if label == "hidden" and infer:
-            dims = overrides.get("/".join(path)) or _infer_dims(path, shape, layout)
+            given = [k for k in overrides if _under(path, k)]
+            dims = (overrides[max(given, key=len)] if given
+                    else _infer_dims(path, shape, layout))
         elif label == "head" and head == "muon" and len(shape) != 2:
             raise ValueError(f"head={head!r}: the head {'/'.join(path)} {shape} must be a "
                              "single matrix (rank 2)")
@@ -299,6 +303,12 @@ def plan_leaves(params: Any, *, labels: Any = None, tied: str | None = None,
                 axis = infer_head_vocab_axis(path, shape)
         plans.append(LeafPlan(path, shape, label, dims, axis))
     return plans
+
+
+def _under(path: tuple[str, ...], key: str) -> bool:
+    """Whether the "/"-joined `key` names `path` or one of its parents."""
+    parts = tuple(key.split("/"))
+    return path[:len(parts)] == parts
 
 
 def _infer_dims(path, shape, layout) -> MuonDimensionNumbers:
@@ -412,9 +422,10 @@ def lm_optimizer(
       muon_dimension_numbers: None (inferred per hidden leaf from the model layout: rank 2 is
         ``(in, out)``; scanned layers' layer axis and rank 3–4 attention/einsum kernels as in
         the module docstring; an ambiguous leaf raises, naming it); a mapping
-        ``{"/"-joined path: MuonDimensionNumbers}`` overriding the inference for those leaves
-        (rowgeom's or ``optax.contrib``'s type); or, as in ``rowgeom.muon_orthogonalize``, one
-        ``MuonDimensionNumbers`` for every hidden leaf, a tree or a callable (no inference).
+        ``{"/"-joined path: MuonDimensionNumbers}`` overriding the inference for those leaves or
+        subtrees (rowgeom's or ``optax.contrib``'s type); or, as in
+        ``rowgeom.muon_orthogonalize``, one ``MuonDimensionNumbers`` for every hidden leaf, a
+        tree or a callable (no inference).
       head_vocab_axis: int vocabulary axis of every head leaf; None: the one axis of size ``V``,
         else by name (module docstring).
       head_rescale: ``None``, ``"exact"`` or ``"bound"``: ``projected_rownorm``'s ``rescale`` for

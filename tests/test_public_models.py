@@ -353,3 +353,18 @@ def test_ambiguous_kernel_raises_naming_the_leaf_and_the_fix_works():
     rows = {r.path: r for r in rowgeom.describe(params, muon_dimension_numbers=fix)}
     assert rows["params/decoder/layers_0/mlp/experts/wi"].geometry == "Muon, in 1 out 2 batch 0"
     assert rows["params/decoder/layers_0/mlp/wi_0/kernel"].geometry == "Muon, in 0 out 1"
+
+
+def test_dimension_number_overrides_by_parent_path():
+    """A parent path overrides the inference for every hidden leaf under it; a wrong path is
+    an error naming the hidden parameters."""
+    params = maxtext()
+    stack = "params/decoder/layers/mlp"
+    rows = {r.path: r for r in rowgeom.describe(
+        params, muon_dimension_numbers={stack: rowgeom.MuonDimensionNumbers(2, 0)})}
+    assert rows[f"{stack}/wi_0/kernel"].geometry == "Muon, in 2 out 0 batch 1"
+    assert rows["params/decoder/layers/self_attention/out/kernel"].geometry == (
+        "Muon, in 0,2 out 3 batch 1")  # not under the override: still inferred
+    with pytest.raises(ValueError, match=r"names \['params/decoder/mpl'\], which are not hidden"):
+        rowgeom.describe(params, muon_dimension_numbers={
+            "params/decoder/mpl": rowgeom.MuonDimensionNumbers()})
