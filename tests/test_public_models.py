@@ -11,6 +11,9 @@ match exactly one ``(regex, label, geometry)`` row, where the geometry is Muon's
 Upstream sources:
 - Flax ``examples/lm1b/models.py`` (``TransformerLM``; ``logits_via_embedding`` True is the
   ``examples/wmt`` default).
+- Flax NNX's scan-over-layers pattern (``nnx.split_rngs`` + ``nnx.vmap`` building the blocks):
+  every leaf of ``layers`` gets a leading layer axis, ``nnx.MultiHeadAttention`` kernels are
+  ``(L, d, H, Dh)`` and ``(L, H, Dh, d)``.
 - Flax ``examples/gemma`` (NNX): ``transformer.py``, ``modules.py`` (``Embedder.input_embedding``,
   ``Einsum.w``: ``q_einsum (N, D, H)``, ``kv_einsum (2, K, D, H)``, ``attn_vec_einsum (N, H, D)``).
 - google-deepmind ``gemma`` (Linen): ``layer_{i}``, ``mlp/gating_einsum (2, F, D)``, ``linear``.
@@ -99,6 +102,31 @@ def flax_nnx_example():
                                     mlp_dim=F, max_seq_len=P)
     abstract = nnx.eval_shape(lambda: example_model.Transformer(cfg, rngs=nnx.Rngs(0)))
     return nnx.state(abstract, nnx.Param)
+
+
+def flax_nnx_scanned():
+    """Flax NNX's scan-over-layers pattern: blocks created under nnx.vmap (layer axis 0)."""
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.MultiHeadAttention(num_heads=H, in_features=D, decode=False,
+                                               rngs=rngs)
+            self.norm = nnx.RMSNorm(D, rngs=rngs)
+            self.mlp = nnx.Linear(D, F, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(V, D, rngs=rngs)
+
+            @nnx.split_rngs(splits=L)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.layers = make(rngs)
+            self.lm_head = nnx.Linear(D, V, rngs=rngs)
+
+    return nnx.state(nnx.eval_shape(lambda: Model(nnx.Rngs(0))), nnx.Param)
 
 
 def gemma_nnx():
@@ -215,6 +243,13 @@ TABLES = {
         (r"^embed/embedding$", "embedding", None),
         (r"norm/scale$", "vector", None),
         (r"^layers/\d/(attn|mlp)/\w+/kernel$", "hidden", MAT),
+        (r"^lm_head/kernel$", "head", 1)]),
+    "flax-nnx-scanned": (flax_nnx_scanned, {}, [
+        (r"^embed/embedding$", "embedding", None),
+        (r"norm/scale$|/bias$", "vector", None),
+        (r"^layers/attn/(query|key|value)/kernel$", "hidden", ((1,), (2, 3))),
+        (r"^layers/attn/out/kernel$", "hidden", ((1, 2), (3,))),
+        (r"^layers/mlp/kernel$", "hidden", ((1,), (2,))),
         (r"^lm_head/kernel$", "head", 1)]),
     "flax-gemma-nnx": (gemma_nnx, {"tied": "head"}, [
         (r"^embedder/input_embedding$", "head", 0),
