@@ -604,7 +604,8 @@ def partition_by_label(
         box_types = _box_types()
         # Labels boxed in Variables (a map without is_leaf) are unboxed to their strings.
         table = {p: _unbox(lab, box_types) for p, lab in tree_paths(tree)}
-        missing_label, missing_tx = [], {}
+        missing_label: list[str] = []
+        missing_tx: dict[str, list[str]] = {}
 
         def label_of(path, _):
             found, label = _lookup(table, path)

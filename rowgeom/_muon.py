@@ -132,10 +132,11 @@ def _axes(value, ndim: int, field: str, where: str) -> tuple[int, ...]:
     for ax in axes:
         if isinstance(ax, bool) or not isinstance(ax, numbers.Integral):
             raise TypeError(f"dimension_numbers.{field} for {where} must be ints, got {value!r}")
-        if not -ndim <= ax < ndim:
+        index = int(ax)
+        if not -ndim <= index < ndim:
             raise ValueError(f"dimension_numbers.{field}={value!r} for {where} is out of range "
                              f"for rank {ndim}")
-        out.append(int(ax) % ndim)
+        out.append(index % ndim)
     return tuple(out)
 
 
@@ -292,7 +293,8 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
                     part = jnp.swapaxes(part, -1, -2)
                 part = (part * plan.scale).astype(x.dtype)
                 permuted = tuple(x.shape[ax] for ax in plan.perm)
-                out[i] = jnp.transpose(part.reshape(permuted), np.argsort(plan.perm))
+                inverse = tuple(int(a) for a in np.argsort(plan.perm))
+                out[i] = jnp.transpose(part.reshape(permuted), inverse)
         return jax.tree_util.tree_unflatten(treedef, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -58,6 +58,7 @@ zero-sum.
 from __future__ import annotations
 
 import numbers
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -82,7 +83,7 @@ from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers, muon_ortho
 from rowgeom._rownorm import projected_rownorm
 
 HEADS = ("rownorm", "adamw", "muon")
-HEAD_LR_MULTIPLIERS = {"rownorm": 5.0, "adamw": 3.0, "muon": 3.0}
+HEAD_LR_MULTIPLIERS = types.MappingProxyType({"rownorm": 5.0, "adamw": 3.0, "muon": 3.0})
 """Default head learning rate per head optimizer, as a multiple of the base rate.
 
 From the head study's sweep (docs/results/head_study.md): at base rate 0.006 the lowest final
@@ -90,7 +91,7 @@ validation loss was at head rate 0.03 for projected RowNorm and 0.018 for AdamW 
 
 Examples:
     >>> import rowgeom
-    >>> rowgeom.HEAD_LR_MULTIPLIERS
+    >>> dict(rowgeom.HEAD_LR_MULTIPLIERS)   # read-only
     {'rownorm': 5.0, 'adamw': 3.0, 'muon': 3.0}
 """
 ROWNORM_HEAD_LR_MULTIPLIER = HEAD_LR_MULTIPLIERS["rownorm"]
