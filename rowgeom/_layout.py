@@ -109,8 +109,11 @@ def find_stacks(entries, width: int | None, is_vector) -> dict:
         pos = block_position(path)
         if pos is not None and pos[1]:
             members.setdefault(tuple(path[:pos[0] + 1]), []).append((path, shape))
-    stacks = {}
+    stacks: dict[tuple[str, ...], tuple[int, int] | None] = {}
     for prefix, leaves in members.items():
+        if any(len(s) < 2 for _, s in leaves) or all(len(s) < 3 for _, s in leaves):
+            stacks[prefix] = NOT_STACKED  # a vector without a layer axis, or no stacked matrix
+            continue
         found = set()
         for path, shape in leaves:  # stacked norm scales: (L, d) or (d, L)
             if width is not None and len(shape) == 2 and is_vector(path, shape) \
@@ -123,18 +126,24 @@ def find_stacks(entries, width: int | None, is_vector) -> dict:
                 sizes = {s[axis] for _, s in leaves if len(s) > axis + 1}
                 if len(sizes) == 1 and all(len(s) > axis + 1 for _, s in leaves):
                     found.add((axis, sizes.pop()))
-            if len(found) > 1 and width is not None:
+            if width is not None:  # the width is a matrix axis, not the layer axis
                 found = {f for f in found if f[1] != width}
         stacks[prefix] = found.pop() if len(found) == 1 else None
     return stacks
 
 
+NOT_STACKED = (-1, -1)
+"""`find_stacks` value for a block container whose leaves carry no layer axis."""
+
+
 def stack_of(path: Sequence[str], stacks: dict) -> tuple[tuple[str, ...], tuple | None] | None:
+    """``(stack prefix, (layer axis, L) or None)`` for a leaf of a stack; None otherwise."""
     pos = block_position(path)
     if pos is None or not pos[1]:
         return None
     prefix = tuple(path[:pos[0] + 1])
-    return prefix, stacks.get(prefix)
+    info = stacks.get(prefix)
+    return None if info == NOT_STACKED else (prefix, info)
 
 
 class LayoutError(ValueError):

@@ -403,3 +403,18 @@ def test_structure_edge_cases_route_or_raise():
     labels = flat(rowgeom.label_params(ada))
     assert labels["layers/0/ada_norm/kernel"] == "hidden"
     assert labels["layers/0/ada_norm/scale"] == "vector"
+
+
+def test_an_unstacked_block_container_is_not_taken_for_scanned_layers():
+    """One block under "layers" with no numbered children: its rank-2 kernels are matrices
+    (no layer axis), never stacked vectors; with a scanned stack beside it nothing changes."""
+    one = {"embed": {"embedding": np.zeros((V, D))}, "lm_head": {"kernel": np.zeros((D, V))},
+           "layers": {"attn": {"q": {"kernel": np.zeros((D, D))}},
+                      "mlp": {"w": np.zeros((D, 4 * D))}, "norm": {"scale": np.zeros(D)}}}
+    labels = flat(rowgeom.label_params(one))
+    assert labels["layers/attn/q/kernel"] == "hidden" and labels["layers/mlp/w"] == "hidden"
+    rows = {r.path: r.geometry for r in rowgeom.describe(one)}
+    assert rows["layers/mlp/w"] == "Muon, in 0 out 1"
+    del one["layers"]["norm"]  # no norm either: every leaf's axis 0 is d, still no layer axis
+    labels = flat(rowgeom.label_params(one))
+    assert labels["layers/attn/q/kernel"] == "hidden" and labels["layers/mlp/w"] == "hidden"
