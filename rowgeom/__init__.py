@@ -6,6 +6,7 @@ measure a head step the way the softmax sees it.
 """
 
 from rowgeom._clip import clip_row_diameter
+from rowgeom._describe import Description, ParamRow, describe
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import (
     hilbert_distance,
@@ -13,11 +14,27 @@ from rowgeom._geometry import (
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._labels import LABELS, label_params, partition_by_label
+from rowgeom._labels import (
+    DEFAULT_EMBEDDING_NAMES,
+    DEFAULT_HEAD_NAMES,
+    DEFAULT_HIDDEN_NAMES,
+    DEFAULT_VECTOR_NAMES,
+    LABELS,
+    TOKEN_EMBEDDING_NAMES,
+    label_params,
+    make_labeler,
+    partition_by_label,
+)
 from rowgeom._muon import MuonDimensionNumbers, muon_orthogonalize
 from rowgeom._newton_schulz import newton_schulz, ns_coefficients
 from rowgeom._oracle import common_ball_oracle, diameter_oracle
-from rowgeom._recipe import lm_optimizer
+from rowgeom._recipe import (
+    HEAD_LR_MULTIPLIERS,
+    STATIC_ARGS,
+    GroupHyperparams,
+    lm_optimizer,
+    lm_optimizer_hparams,
+)
 from rowgeom._rownorm import project_rownorm, projected_rownorm
 
 __version__ = "0.1.0"
@@ -43,4 +60,18 @@ __all__ = (
     "row_diameter",
     "row_diameter_bounds",
     "track_row_diameter",
+    # Routing and composition (labels, layouts, resolved hyperparameters).
+    "DEFAULT_EMBEDDING_NAMES",
+    "DEFAULT_HEAD_NAMES",
+    "DEFAULT_HIDDEN_NAMES",
+    "DEFAULT_VECTOR_NAMES",
+    "Description",
+    "GroupHyperparams",
+    "HEAD_LR_MULTIPLIERS",
+    "ParamRow",
+    "STATIC_ARGS",
+    "TOKEN_EMBEDDING_NAMES",
+    "describe",
+    "lm_optimizer_hparams",
+    "make_labeler",
 )

@@ -131,17 +131,39 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def read_row_diameter(opt_state, which: int | str | None = None) -> RowDiameterStats:
-    """Finds the ``RowDiameterStats`` recorded by ``track_row_diameter`` in an optimizer state.
+def _plain(stats: RowDiameterStats) -> RowDiameterStats:
+    """Each field as ``{"/"-joined head path: array}`` (Flax boxes unboxed, untracked leaves
+    dropped); a tracker of one bare array keeps scalar fields."""
+    from rowgeom._labels import _box_types, _unbox, tree_paths  # the labels' path convention
+
+    box_types = _box_types()
+
+    def field(tree):
+        if hasattr(tree, "shape") or (box_types and isinstance(tree, box_types)):
+            return jnp.asarray(_unbox(tree, box_types))
+        return {"/".join(path): jnp.asarray(_unbox(leaf, box_types))
+                for path, leaf in tree_paths(tree) if not is_passthrough(leaf)}
+
+    return RowDiameterStats(*(field(f) for f in stats))
+
+
+def read_row_diameter(opt_state: Any, which: int | str | None = None) -> RowDiameterStats:
+    """The ``RowDiameterStats`` recorded by ``track_row_diameter``, as plain arrays by path.
 
     Searches any nesting of optax states (``chain`` tuples, ``partition``'s ``PartitionState``,
-    ``masked``, ``inject_hyperparams``, ``MultiSteps``, ...).
+    ``masked``, ``inject_hyperparams``, ``MultiSteps``, ``apply_if_finite``) and the state of an
+    ``nnx.Optimizer`` (``optimizer.opt_state``, whose arrays are boxed in Variables).
 
     Args:
       opt_state: the optimizer state.
       which: needed only when several trackers are present: an int picks the n-th found (in
         tree order), a str picks the one whose path contains that key or attribute name
         (e.g. the label of an ``optax.partition``).
+
+    Returns:
+      ``RowDiameterStats`` whose fields are dicts ``{"/"-joined parameter path: float32 scalar
+      array}`` over the tracked (head) leaves only, the same path for every wrapper above
+      (``"lm_head/kernel"``); scalars when the tracker saw one bare array.
 
     Raises:
       ValueError: if none is found, or several and ``which`` does not pick exactly one.
@@ -153,10 +175,10 @@ def read_row_diameter(opt_state, which: int | str | None = None) -> RowDiameterS
       ...                    rowgeom.track_row_diameter(vocab_axis=1))
       >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(0.1), "head": head},
       ...                                 rowgeom.label_params)
-      >>> state = tx.init(params)
-      >>> stats = rowgeom.read_row_diameter(state)   # found inside the partition's state
-      >>> float(stats.upper["lm_head"]["kernel"])    # zeros until the first update
-      0.0
+      >>> state = optax.MultiSteps(tx, every_k_schedule=2).init(params)
+      >>> stats = rowgeom.read_row_diameter(state)   # found inside the wrappers' states
+      >>> {path: float(v) for path, v in stats.upper.items()}   # zeros until the first update
+      {'lm_head/kernel': 0.0}
     """
     found = [
         (path, leaf)
@@ -172,16 +194,16 @@ def read_row_diameter(opt_state, which: int | str | None = None) -> RowDiameterS
         if len(found) > 1:
             raise ValueError(f"opt_state holds {len(found)} RowDiameterStats (at {paths}); "
                              "pass which=<index or key name> to pick one")
-        return found[0][1]
+        return _plain(found[0][1])
     if isinstance(which, str):
         matches = [stats for path, stats in found if which in map(_key_name, path)]
         if len(matches) != 1:
             raise ValueError(f"which={which!r} matches {len(matches)} of the RowDiameterStats "
                              f"found (at {paths}); expected exactly one")
-        return matches[0]
+        return _plain(matches[0])
     if isinstance(which, bool) or not isinstance(which, int):
         raise TypeError(f"which must be None, an int or a str, got {which!r}")
     if not -len(found) <= which < len(found):
         raise ValueError(f"which={which} is out of range: {len(found)} RowDiameterStats found "
                          f"(at {paths})")
-    return found[which][1]
+    return _plain(found[which][1])

@@ -447,27 +447,57 @@ def _check_axis_value(ax):
     return check_int(ax, argname="vocab_axis", minimum=-(2**31))
 
 
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 def vocab_axes(vocab_axis, tree):
     """Broadcasts ``vocab_axis`` to one ``int | None`` per leaf of ``tree``.
 
-    ``vocab_axis`` is an int (every leaf), ``None`` (no leaf), a tree prefix of ``tree`` with
-    ints / ``None`` at its leaves, or a callable ``tree -> such a prefix`` (like optax masks).
+    ``vocab_axis`` is an int (every leaf), ``None`` (no leaf), a tree with ints / ``None`` at
+    its leaves, or a callable ``tree -> such a tree`` (like optax masks). The tree is matched by
+    key path, so it may be a prefix (an int for a whole subtree) or **partial**: a leaf of
+    ``tree`` under no entry of ``vocab_axis`` gets ``None`` (left unchanged, never a guessed
+    axis), e.g. ``{"lm_head": {"kernel": 1}}`` on a whole model. An entry that names no part of
+    ``tree`` is an error (a typo must not silently transform nothing).
     """
+    from collections.abc import Mapping  # local: this file's imports belong to the brackets
+
     if callable(vocab_axis):
         vocab_axis = vocab_axis(tree)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_passthrough)
+    paths = [tuple(_key_name(k) for k in path) for path, _ in flat]
+    if vocab_axis is None or not isinstance(vocab_axis, Mapping | list | tuple) \
+            or isinstance(vocab_axis, optax.MaskedNode):
+        ax = _check_axis_value(vocab_axis)
+        return jax.tree_util.tree_unflatten(treedef, [ax] * len(flat))
+    entries = {}
+    for path, ax in jax.tree_util.tree_flatten_with_path(
+            vocab_axis, is_leaf=lambda x: x is None)[0]:
+        key = tuple(_key_name(k) for k in path)
+        try:
+            entries[key] = _check_axis_value(ax)
+        except (TypeError, ValueError) as err:
+            where = "/".join(key) or "<root>"
+            raise type(err)(f"vocab_axis at {where}: {err}") from None
+    unknown = ["/".join(k) for k in entries
+               if not any(p[:len(k)] == k for p in paths)]
+    if unknown:
+        raise ValueError(
+            "vocab_axis must be an int, None, a tree prefix of the parameters (ints / None at "
+            "its leaves; it may leave leaves out, which are then untouched) or a callable "
+            f"returning one; it names {unknown}, which are not in the parameters")
 
-    def broadcast(ax, subtree):
-        ax = _check_axis_value(ax)
-        return jax.tree.map(lambda _: ax, subtree, is_leaf=is_passthrough)
+    def lookup(path):
+        for n in range(len(path), -1, -1):
+            if path[:n] in entries:
+                return entries[path[:n]]
+        return None  # not named: untouched
 
-    try:
-        return jax.tree.map(broadcast, vocab_axis, tree, is_leaf=lambda x: x is None)
-    except (ValueError, KeyError) as err:
-        if "vocab_axis" in str(err):
-            raise
-        raise ValueError(f"vocab_axis must be an int, None, a tree prefix of the parameters "
-                         f"(ints / None at its leaves) or a callable returning one: {err}"
-                         ) from None
+    return jax.tree_util.tree_unflatten(treedef, [lookup(p) for p in paths])
 
 
 def map_head_leaves(fn, skip, tree, axes, *rest):

@@ -25,11 +25,21 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
+
+from rowgeom._layout import (
+    ModelLayout,
+    block_position,
+    find_stacks,
+    find_vocab,
+    is_position_embedding,
+    stack_of,
+)
 
 LABELS = ("hidden", "head", "embedding", "vector")
 """The four parameter labels, one per update geometry.
@@ -45,17 +55,43 @@ Examples:
 
 DEFAULT_HEAD_NAMES = frozenset({
     "lm_head", "head", "output", "output_layer", "unembed", "unembedding", "unembedder",
-    "logits", "logits_dense", "to_logits",
+    "logits", "logits_dense", "logitdense", "to_logits",
 })
-# Token-embedding names: used to pick the tied table when several embeddings exist.
+"""Path components that name the output (unembedding) matrix: label ``"head"``.
+
+Examples:
+    >>> import rowgeom
+    >>> "lm_head" in rowgeom.DEFAULT_HEAD_NAMES and "logits_dense" in rowgeom.DEFAULT_HEAD_NAMES
+    True
+"""
+
 TOKEN_EMBEDDING_NAMES = frozenset({
     "wte", "tok_embeddings", "tok_embedding", "tok_embed", "token_embedder", "token_embedding",
-    "token_embeddings", "embed_tokens", "word_embeddings", "word_embedding",
+    "token_embeddings", "embed_tokens", "word_embeddings", "word_embedding", "input_embedding",
+    "shared_embedding",
 })
+"""Path components that name the token embedding table (the one a tied head reuses).
+
+Its ``(V, d)`` shape gives `label_params` the vocabulary size and the model width.
+
+Examples:
+    >>> import rowgeom
+    >>> "wte" in rowgeom.TOKEN_EMBEDDING_NAMES and "wpe" not in rowgeom.TOKEN_EMBEDDING_NAMES
+    True
+"""
+
 DEFAULT_EMBEDDING_NAMES = TOKEN_EMBEDDING_NAMES | frozenset({
     "embed", "embedding", "embeddings", "embedder", "wpe", "pos_embed", "pos_embedding",
     "position_embedding", "position_embeddings", "embed_positions",
 })
+"""Path components that name lookup tables (token and position embeddings): ``"embedding"``.
+
+Examples:
+    >>> import rowgeom
+    >>> rowgeom.TOKEN_EMBEDDING_NAMES <= rowgeom.DEFAULT_EMBEDDING_NAMES
+    True
+"""
+
 DEFAULT_HIDDEN_NAMES = frozenset({
     # block containers
     "layers", "layer", "blocks", "block", "h", "transformer_blocks",
@@ -68,6 +104,27 @@ DEFAULT_HIDDEN_NAMES = frozenset({
     "down_proj", "wi", "wi_0", "wi_1", "w1", "w2", "w3", "c_fc", "c_proj", "fc1", "fc2",
     "experts",
 })
+"""Path components that name blocks, attention and MLP projections: label ``"hidden"``.
+
+Examples:
+    >>> import rowgeom
+    >>> {"layers", "q_proj", "mlp"} <= rowgeom.DEFAULT_HIDDEN_NAMES
+    True
+"""
+
+DEFAULT_VECTOR_NAMES = frozenset({"scale", "bias", "biases", "gain", "beta", "gamma", "offset"})
+"""Leaf names that make a parameter a ``"vector"`` whatever its rank.
+
+A norm scale stacked over scanned layers ``(L, d)`` or a per-head bias ``(H, Dh)`` has rank 2
+but no matrix structure. A leaf whose own module is a norm (a component containing ``norm``,
+or ``ln_f``, ``ln_1``, ...) is a vector too, e.g. Hugging Face's ``input_layernorm/weight``.
+
+Examples:
+    >>> import rowgeom
+    >>> sorted(rowgeom.DEFAULT_VECTOR_NAMES)[:3]
+    ['beta', 'bias', 'biases']
+"""
+
 _TIED_POLICIES = (None, "embedding", "head")
 
 
@@ -134,7 +191,7 @@ def leaf_shape(x) -> tuple[int, ...]:
     return _shape(x, _box_types())
 
 
-def _check_names(names, argname):
+def _check_names(names, argname) -> frozenset[str]:
     if isinstance(names, str):
         raise TypeError(f"{argname} must be a collection of names, not the string {names!r}")
     return frozenset(str(n).lower() for n in names)
@@ -157,137 +214,293 @@ def _compile_rules(rules):
     return tuple(compiled)
 
 
-def make_labeler(
-    *,
-    head_names=DEFAULT_HEAD_NAMES,
-    embedding_names=DEFAULT_EMBEDDING_NAMES,
-    hidden_names=DEFAULT_HIDDEN_NAMES,
-    rules: Sequence[tuple[str, str]] = (),
-    tied: str | None = None,
-    default: str | None = None,
-) -> Callable:
-    """Returns ``labeler(params) -> tree of labels``: `label_params` with its options bound.
-
-    Arguments are checked once, here. The result suits ``optax.partition`` and
-    `partition_by_label`, which call it with the params at init and the updates at update.
-    """
-    head_names = _check_names(head_names, "head_names")
-    embedding_names = _check_names(embedding_names, "embedding_names")
-    hidden_names = _check_names(hidden_names, "hidden_names")
-    rules = _compile_rules(rules)
-    if tied not in _TIED_POLICIES:
-        raise ValueError(f"tied must be one of {_TIED_POLICIES}, got {tied!r}")
-    if default is not None and not isinstance(default, str):
-        raise TypeError(f"default must be a label string or None, got {default!r}")
-
-    def by_name(path):
-        # The first component (from the root) that names a known block decides, so
-        # "layers/0/attention/output/dense" (BERT) is hidden although "output" names a head.
-        for component in path:
-            c = component.lower()
-            if c in head_names:
-                return "head"
-            if c in embedding_names:
-                return "embedding"
-            if c in hidden_names:
-                return "hidden"
-        return None
-
-    def labeler(params):
-        box_types = _box_types()
-        labelled = {}  # path -> (label, source)
-        unmatched = []
-
-        def label_leaf(path, leaf):
-            shape = _shape(leaf, box_types)
-            if len(shape) < 2:
-                return "vector"
-            path_str = "/".join(path)
-            for pattern, label in rules:
-                if pattern.search(path_str):
-                    labelled[path] = (label, "rule")
-                    return label
-            label = by_name(path)
-            if label is None:
-                if default is None:
-                    unmatched.append(f"{path_str} {shape}")
-                    return None
-                label = default
-            labelled[path] = (label, "name")
-            return label
-
-        labels = map_with_paths(label_leaf, params)
-        if unmatched:
-            raise ValueError(
-                "label_params: no label for these matrices: " + ", ".join(unmatched)
-                + ". Name them with rules=[(regex, label)] (labels: hidden, head, embedding), "
-                "add their container names to hidden_names=/head_names=/embedding_names=, "
-                "or pass default='hidden' to send every unnamed matrix to Muon explicitly.")
-        retie = _tied_table(labelled, tied)
-        if retie is not None:
-            labels = map_with_paths(
-                lambda p, lab: "head" if p == retie else lab, labels)
-        return labels
-
-    return labeler
+_NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
 
 
-def _tied_table(labelled, tied):
+def _regex(path: tuple[str, ...]) -> str:
+    """A rule regex matching exactly this path (what error messages suggest)."""
+    return "^" + re.escape("/".join(path)) + "$"
+
+
+def _show(entries) -> str:
+    return ", ".join(f"{'/'.join(p)} {tuple(s)}" for p, s in entries)
+
+
+class _Leaf(NamedTuple):
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    label: str | None
+    source: str | None  # rank, rule, vector name, name, block, stack, shape, default, tied
+
+
+class _Config(NamedTuple):
+    head_names: frozenset
+    embedding_names: frozenset
+    hidden_names: frozenset
+    vector_names: frozenset
+    rules: tuple
+    tied: str | None
+    default: str | None
+
+
+def _by_name(path, cfg: _Config) -> str | None:
+    # The first component (from the root) that names a known block decides, so
+    # "layers/0/attention/output/dense" (BERT) is hidden although "output" names a head.
+    for component in path:
+        c = component.lower()
+        if c in cfg.head_names:
+            return "head"
+        if c in cfg.embedding_names:
+            return "embedding"
+        if c in cfg.hidden_names:
+            return "hidden"
+    return None
+
+
+def _first_pass(path, shape, cfg: _Config) -> _Leaf:
+    if len(shape) < 2:
+        return _Leaf(path, shape, "vector", "rank")
+    path_str = "/".join(path)
+    for pattern, label in cfg.rules:
+        if pattern.search(path_str):
+            return _Leaf(path, shape, label, "rule")
+    if path and (path[-1].lower() in cfg.vector_names
+                 or (len(path) > 1 and _NORM_MODULE.search(path[-2].lower())
+                     and path[-1].lower() not in ("kernel", "embedding"))):
+        return _Leaf(path, shape, "vector", "vector name")
+    label = _by_name(path, cfg)
+    return _Leaf(path, shape, label, None if label is None else "name")
+
+
+def model_layout(leaves) -> ModelLayout:
+    """V, d and the layer stacks of labelled leaves (``_Leaf``s, or (path, shape, label) tuples)."""
+    rank2 = lambda lab: [(p, s) for p, s, lb, *_ in leaves if lb == lab and len(s) == 2]
+    vocab, width, source = find_vocab(rank2("embedding"), rank2("head"), TOKEN_EMBEDDING_NAMES)
+    labels = {p: lb for p, _, lb, *_ in leaves}
+    stacks = find_stacks([(p, s) for p, s, *_ in leaves], width,
+                         lambda p, s: labels[p] == "vector")
+    return ModelLayout(vocab, width, source, stacks)
+
+
+def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayout]:
+    """Structural cross-checks and inference on top of the names (module docstring)."""
+    layout = model_layout([lf for lf in leaves if lf.source in ("rule", "name", "rank",
+                                                                 "vector name")])
+    vocab, width, source = layout.vocab_size, layout.width, layout.source
+    where_v = f"V={vocab}" + (f", from {'/'.join(source)}" if source else "")
+    # Every token table's size counts (an encoder-decoder may have two vocabularies).
+    vocabs = {vocab} | {lf.shape[0] for lf in leaves if lf.label == "embedding"
+                        and lf.source == "name" and len(lf.shape) == 2
+                        and not is_position_embedding(lf.path)} if vocab is not None else set()
+    out, unmatched, ambiguous, not_hidden, not_head = [], [], [], [], []
+    for leaf in leaves:
+        path, shape, label, why = leaf
+        if why in ("rank", "rule", "vector name"):
+            out.append(leaf)
+            continue
+        position = block_position(path)
+        stack = stack_of(path, layout.stacks)
+        if stack is not None and stack[1] is not None and len(shape) == 2 \
+                and shape[stack[1][0]] == stack[1][1] and label in (None, "hidden"):
+            out.append(_Leaf(path, shape, "vector", "stack"))  # a vector with a layer axis
+            continue
+        if label is None and position is not None:
+            label, why = "hidden", "block"
+        if label is None and vocab is not None and len(shape) == 2 and path != source:
+            if shape[0] == width and shape[1] in vocabs:
+                label, why = "head", "shape"
+            elif shape[1] == width and shape[0] in vocabs:
+                ambiguous.append((path, shape))
+        if label is None and cfg.default is not None:
+            label, why = cfg.default, "default"
+        if label is None:
+            unmatched.append((path, shape))
+        elif (label == "hidden" and position is None and vocabs & set(shape)
+              and path != source):
+            not_hidden.append((path, shape, why))
+        elif label == "head" and why == "name" and vocabs and not vocabs & set(shape):
+            not_head.append((path, shape))
+        out.append(_Leaf(path, shape, label, why))
+    if not_hidden:
+        path, shape, why = not_hidden[0]
+        reason = "default='hidden'" if why == "default" else "its name"
+        raise ValueError(
+            f"label_params: {_show([(p, s) for p, s, _ in not_hidden])} would be 'hidden' (by "
+            f"{reason}) but has an axis of the vocabulary size ({where_v}) and sits outside the "
+            "repeated blocks: it is the output head or an embedding table, not a hidden matrix. "
+            f"Label it explicitly: rules=[({_regex(path)!r}, 'head')] for the output matrix, or "
+            "'embedding' for a lookup table ('hidden' only if it truly is one)")
+    if not_head:
+        path, shape = not_head[0]
+        raise ValueError(
+            f"label_params: {_show(not_head)} is named as the head but has no axis of the "
+            f"vocabulary size ({where_v}). If it is not the LM head, label it with "
+            f"rules=[({_regex(path)!r}, 'hidden')]; if it is, label the true token table with "
+            "rules=[(regex, 'embedding')]")
+    if unmatched:
+        path, shape = unmatched[0]
+        note = ""
+        if ambiguous:
+            note = (f" ({_show(ambiguous)} is (V, d)-shaped: the head stored (V, d) -> 'head', or "
+                    "a lookup table -> 'embedding')")
+        raise ValueError(
+            "label_params: no label for these matrices: " + _show(unmatched) + note
+            + f". Name them with a (regex, label) rule, e.g. rules=[({_regex(path)!r}, "
+            "'hidden')] (labels: hidden, head, embedding), add their names with "
+            "extra_hidden_names=/extra_head_names=/extra_embedding_names=, or pass "
+            "default='hidden' to send every unnamed matrix to Muon explicitly")
+    return out, layout
+
+
+def _tied_table(leaves: list[_Leaf], layout: ModelLayout, tied) -> tuple[str, ...] | None:
     """Checks the tied-embedding policy; returns the path of a table to relabel "head"."""
-    heads = [p for p, (lab, _) in labelled.items() if lab == "head"]
-    embeds = [p for p, (lab, _) in labelled.items() if lab == "embedding"]
-    show = lambda paths: ", ".join("/".join(p) for p in paths)
+    heads = [lf for lf in leaves if lf.label == "head"]
+    embeds = [lf for lf in leaves if lf.label == "embedding"]
+    show = lambda lfs: _show([(lf.path, lf.shape) for lf in lfs])
     if tied is None:
         if embeds and not heads:
             raise ValueError(
-                f"label_params: found embedding table(s) {show(embeds)} but no head matrix; "
-                "the head may be tied to the embedding. Pass tied='embedding' (train the "
-                "table with AdamW as an embedding) or tied='head' (train it with the head "
-                "optimizer, uncentred RowNorm), or name the head with rules=...")
+                f"label_params: found embedding table(s) {show(embeds)} but no head matrix. If "
+                "the logits reuse the token table (tied embeddings, logits = h @ E.T), pass "
+                "tied='embedding' (train the table with AdamW as an embedding) or tied='head' "
+                "(train it with the head optimizer, uncentred RowNorm). If the model has its "
+                "own output matrix, label it with rules=[(regex, 'head')] or extra_head_names=")
         return None
-    named_heads = [p for p in heads if labelled[p][1] == "name"]
-    if named_heads:
+    untied = [lf for lf in heads if lf.source in ("name", "shape")]
+    if untied:
         raise ValueError(
-            f"label_params: tied={tied!r} but the params have a separate head {show(named_heads)}; "
-            "pass tied=None for an untied head")
+            f"label_params: tied={tied!r} but the params have a separate, untied head "
+            f"{show(untied)}; pass tied=None (the default) for an untied head")
     if tied == "embedding" or heads:  # a head labelled by a user rule is the tied table
         if not embeds and not heads:
             raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
         return None
+    if not embeds:
+        raise ValueError("label_params: tied='head' but no embedding table was found")
     if len(embeds) > 1:
-        tokens = [p for p in embeds if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in p)]
+        tokens = [lf for lf in embeds if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in lf.path)]
+        if len(tokens) != 1:  # the table V and d were read from (position tables excluded)
+            tokens = [lf for lf in embeds if lf.path == layout.source]
         if len(tokens) != 1:
             raise ValueError(
                 f"label_params: tied='head' but several embedding tables {show(embeds)}; "
                 "label the tied one with rules=[(regex, 'head')]")
         embeds = tokens
-    if not embeds:
-        raise ValueError("label_params: tied='head' but no embedding table was found")
-    return embeds[0]
+    return embeds[0].path
 
 
-def label_params(
-    params,
+def _names(base, extra, argname: str) -> frozenset[str]:
+    return _check_names(base, argname) | _check_names(extra, "extra_" + argname)
+
+
+def make_labeler(
     *,
-    head_names=DEFAULT_HEAD_NAMES,
-    embedding_names=DEFAULT_EMBEDDING_NAMES,
-    hidden_names=DEFAULT_HIDDEN_NAMES,
+    head_names: Collection[str] = DEFAULT_HEAD_NAMES,
+    embedding_names: Collection[str] = DEFAULT_EMBEDDING_NAMES,
+    hidden_names: Collection[str] = DEFAULT_HIDDEN_NAMES,
+    vector_names: Collection[str] = DEFAULT_VECTOR_NAMES,
+    extra_head_names: Collection[str] = (),
+    extra_embedding_names: Collection[str] = (),
+    extra_hidden_names: Collection[str] = (),
+    extra_vector_names: Collection[str] = (),
     rules: Sequence[tuple[str, str]] = (),
     tied: str | None = None,
     default: str | None = None,
-):
+) -> Callable[[Any], Any]:
+    """Returns ``labeler(params) -> tree of labels``: `label_params` with its options bound.
+
+    Arguments are checked once, here. The result suits ``optax.partition`` and
+    `partition_by_label`, which call it with the params at init and the updates at update.
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> labeler = rowgeom.make_labeler(extra_hidden_names={"router"})
+      >>> params = {"embed": {"embedding": jnp.zeros((100, 16))},
+      ...           "router": {"kernel": jnp.zeros((16, 4))},
+      ...           "lm_head": {"kernel": jnp.zeros((16, 100))}}
+      >>> labeler(params)["router"]["kernel"]
+      'hidden'
+    """
+    cfg = _config(head_names, embedding_names, hidden_names, vector_names, extra_head_names,
+                  extra_embedding_names, extra_hidden_names, extra_vector_names, rules, tied,
+                  default)
+
+    def labeler(params):
+        leaves, _ = _label_leaves(params, cfg)
+        table = {lf.path: lf.label for lf in leaves}
+        return map_with_paths(lambda p, _: table[p], params)
+
+    return labeler
+
+
+def _config(head_names, embedding_names, hidden_names, vector_names, extra_head_names,
+            extra_embedding_names, extra_hidden_names, extra_vector_names, rules, tied,
+            default) -> _Config:
+    if tied not in _TIED_POLICIES:
+        raise ValueError(f"tied must be one of {_TIED_POLICIES}, got {tied!r}")
+    if default is not None and not isinstance(default, str):
+        raise TypeError(f"default must be a label string or None, got {default!r}")
+    return _Config(
+        _names(head_names, extra_head_names, "head_names"),
+        _names(embedding_names, extra_embedding_names, "embedding_names"),
+        _names(hidden_names, extra_hidden_names, "hidden_names"),
+        _names(vector_names, extra_vector_names, "vector_names"),
+        _compile_rules(rules), tied, default)
+
+
+def _label_leaves(params, cfg: _Config) -> tuple[list[_Leaf], ModelLayout]:
+    box_types = _box_types()
+    first = [_first_pass(p, _shape(x, box_types), cfg) for p, x in tree_paths(params)]
+    leaves, layout = _resolve(first, cfg)
+    retie = _tied_table(leaves, layout, cfg.tied)
+    if retie is not None:
+        leaves = [lf._replace(label="head", source="tied") if lf.path == retie else lf
+                  for lf in leaves]
+    return leaves, layout
+
+
+def label_params(
+    params: Any,
+    *,
+    head_names: Collection[str] = DEFAULT_HEAD_NAMES,
+    embedding_names: Collection[str] = DEFAULT_EMBEDDING_NAMES,
+    hidden_names: Collection[str] = DEFAULT_HIDDEN_NAMES,
+    vector_names: Collection[str] = DEFAULT_VECTOR_NAMES,
+    extra_head_names: Collection[str] = (),
+    extra_embedding_names: Collection[str] = (),
+    extra_hidden_names: Collection[str] = (),
+    extra_vector_names: Collection[str] = (),
+    rules: Sequence[tuple[str, str]] = (),
+    tied: str | None = None,
+    default: str | None = None,
+) -> Any:
     """Labels every leaf of `params` with one of `LABELS` (or a custom label from `rules`).
 
-    - Rank < 2 leaves (biases, norm scales, scalars): ``"vector"``.
-    - Matrices (rank >= 2): the first `rules` entry ``(regex, label)`` whose regex
-      ``re.search``-es the ``"/"``-joined path; else the first path component, from the
-      root, found in `head_names`, `embedding_names` or `hidden_names` (in that priority
-      within one component); else `default`; else ValueError naming the path.
-    - Tied embeddings: a model with an embedding table but no head raises unless `tied`
-      says how to train the table: ``"embedding"`` (AdamW) or ``"head"`` (the head
-      optimizer; arXiv 2608.22253 geometry without centring, since the shift is no symmetry
-      of an input embedding). With ``tied="head"`` the single (token) embedding table is
-      labelled ``"head"``, or the table a rule labelled ``"head"``.
+    Names first, then shapes as a cross-check (the vocabulary size ``V`` and width ``d`` come
+    from the token embedding ``(V, d)`` or a named head):
+
+    1. Rank < 2 leaves (biases, norm scales, scalars): ``"vector"``.
+    2. The first `rules` entry ``(regex, label)`` whose regex ``re.search``-es the
+       ``"/"``-joined path. Rules are the user's word: no cross-check overrides them.
+    3. A leaf whose own name is in `vector_names` (``scale``, ``bias``, ...) or whose module is
+       a norm (``*norm*``, ``ln_*``): ``"vector"``, whatever its rank (stacked or per-head).
+    4. The first path component, from the root, in `head_names`, `embedding_names` or
+       `hidden_names` (in that priority within one component).
+    5. Structure, for matrices no name matched: inside the repeated blocks (``layers/0``,
+       ``h/3``, ``blocks_1``, a stack of scanned layers) ``"hidden"``; a ``(d, V)`` matrix
+       outside them ``"head"`` (Flax's automatic ``Dense_0`` head); else `default`; else
+       ValueError naming the path and the fixes.
+
+    Cross-checks, each a ValueError naming the leaf and the fix: a matrix outside the blocks
+    with an axis of size ``V`` is never ``"hidden"``; a matrix named as the head has an axis
+    of size ``V``; in a stack of scanned layers a rank-2 leaf with the layer axis is a
+    ``"vector"`` (a layer axis is not a matrix axis).
+
+    Tied embeddings: a model with an embedding table but no head raises unless `tied` says
+    how to train the table: ``"embedding"`` (AdamW) or ``"head"`` (the head optimizer; no
+    centring, since the shift is no symmetry of an input embedding). With ``tied="head"`` the
+    (token) embedding table is labelled ``"head"``, or the table a rule labelled ``"head"``.
+    `tied` given while an untied head exists raises.
 
     Matching is on whole, case-insensitive path components: ``"h"`` matches GPT-2's
     ``h/0/attn`` but not ``head``. Flax boxes (``nnx.Variable``, ``nn.Partitioned``) are
@@ -296,17 +509,21 @@ def label_params(
 
     Args:
       params: any pytree of arrays, ``jax.ShapeDtypeStruct`` or Flax boxes (shapes only).
-      head_names: path component names that mean ``"head"``.
-      embedding_names: path component names that mean ``"embedding"``.
-      hidden_names: path component names that mean ``"hidden"``.
+      head_names: path component names that mean ``"head"`` (replaces `DEFAULT_HEAD_NAMES`).
+      embedding_names: names that mean ``"embedding"`` (replaces `DEFAULT_EMBEDDING_NAMES`).
+      hidden_names: names that mean ``"hidden"`` (replaces `DEFAULT_HIDDEN_NAMES`).
+      vector_names: leaf names that mean ``"vector"`` (replaces `DEFAULT_VECTOR_NAMES`).
+      extra_head_names: names added to `head_names`.
+      extra_embedding_names: names added to `embedding_names`.
+      extra_hidden_names: names added to `hidden_names`.
+      extra_vector_names: names added to `vector_names`.
       rules: ``(regex, label)`` pairs tried first, in order, on matrices.
       tied: None, ``"embedding"`` or ``"head"``: policy for a head tied to the embedding.
       default: label for matrices nothing names (e.g. ``"hidden"``); None raises instead.
 
     Returns:
       A tree of label strings with the structure of `params` (boxes replaced by labels).
-      For an ``optax.partition`` label function use `make_labeler` or
-      ``functools.partial(label_params, ...)``.
+      For an ``optax.partition`` label function use `make_labeler`.
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
@@ -329,7 +546,9 @@ def label_params(
     """
     return make_labeler(
         head_names=head_names, embedding_names=embedding_names, hidden_names=hidden_names,
-        rules=rules, tied=tied, default=default)(params)
+        vector_names=vector_names, extra_head_names=extra_head_names,
+        extra_embedding_names=extra_embedding_names, extra_hidden_names=extra_hidden_names,
+        extra_vector_names=extra_vector_names, rules=rules, tied=tied, default=default)(params)
 
 
 def _lookup(table: Mapping[tuple[str, ...], object], path: tuple[str, ...]):
@@ -340,7 +559,9 @@ def _lookup(table: Mapping[tuple[str, ...], object], path: tuple[str, ...]):
     return False, None
 
 
-def partition_by_label(transforms: Mapping[str, optax.GradientTransformation], labels):
+def partition_by_label(
+    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
+) -> optax.GradientTransformationExtraArgs:
     """``optax.partition`` with labels checked and matched to the tree by path.
 
     `labels` is a tree of label strings (the same structure as the params or a prefix of
@@ -383,7 +604,8 @@ def partition_by_label(transforms: Mapping[str, optax.GradientTransformation], l
         box_types = _box_types()
         # Labels boxed in Variables (a map without is_leaf) are unboxed to their strings.
         table = {p: _unbox(lab, box_types) for p, lab in tree_paths(tree)}
-        missing_label, missing_tx = [], {}
+        missing_label: list[str] = []
+        missing_tx: dict[str, list[str]] = {}
 
         def label_of(path, _):
             found, label = _lookup(table, path)

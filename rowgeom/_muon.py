@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +74,19 @@ class MuonDimensionNumbers(NamedTuple):
     output_axis: int | tuple[int, ...] = 1
 
 
+def as_dimension_numbers(dims: Any) -> MuonDimensionNumbers | None:
+    """`dims` as rowgeom's `MuonDimensionNumbers` (optax.contrib's converted); None otherwise."""
+    if isinstance(dims, MuonDimensionNumbers):
+        return dims
+    if isinstance(dims, optax.contrib.MuonDimensionNumbers):
+        return MuonDimensionNumbers(dims.reduction_axis, dims.output_axis)
+    return None
+
+
+def _is_dims(x) -> bool:
+    return as_dimension_numbers(x) is not None
+
+
 _DEFAULT_DIMS = MuonDimensionNumbers(0, 1)
 _PASS = object()  # a None / MaskedNode entry of a dimension-numbers tree: leave the leaf as is
 
@@ -95,9 +108,9 @@ def _dims_per_leaf(dims, updates, n_leaves: int) -> list:
     """Broadcasts a dimension-numbers tree (prefix) to one entry per update leaf."""
     if dims is None:
         return [None] * n_leaves  # None at the root: the rank-2 default rule, checked per leaf.
-    if isinstance(dims, MuonDimensionNumbers):
+    if _is_dims(dims):
         return [dims] * n_leaves
-    is_dims_leaf = lambda d: _is_passthrough(d) or isinstance(d, MuonDimensionNumbers)
+    is_dims_leaf = lambda d: _is_passthrough(d) or _is_dims(d)
     expand = lambda d, sub: jax.tree.map(lambda _: _Box(d), sub, is_leaf=_is_passthrough)
     try:
         boxed = jax.tree.map(expand, dims, updates, is_leaf=is_dims_leaf)
@@ -119,10 +132,11 @@ def _axes(value, ndim: int, field: str, where: str) -> tuple[int, ...]:
     for ax in axes:
         if isinstance(ax, bool) or not isinstance(ax, numbers.Integral):
             raise TypeError(f"dimension_numbers.{field} for {where} must be ints, got {value!r}")
-        if not -ndim <= ax < ndim:
+        index = int(ax)
+        if not -ndim <= index < ndim:
             raise ValueError(f"dimension_numbers.{field}={value!r} for {where} is out of range "
                              f"for rank {ndim}")
-        out.append(int(ax) % ndim)
+        out.append(index % ndim)
     return tuple(out)
 
 
@@ -145,9 +159,10 @@ def _plan(path, x, dims, *, scale, rms_scale) -> _Plan:
                     "MuonDimensionNumbers for it (e.g. (L, in, out) -> reduction_axis=1, "
                     "output_axis=2), or None there to pass it through unchanged")
         dims = _DEFAULT_DIMS
-    if not isinstance(dims, MuonDimensionNumbers):
-        raise TypeError(f"dimension_numbers for {where} must be a MuonDimensionNumbers or None, "
-                        f"got {dims!r}")
+    if not _is_dims(dims):
+        raise TypeError(f"dimension_numbers for {where} must be a MuonDimensionNumbers (rowgeom's "
+                        f"or optax.contrib's) or None, got {dims!r}")
+    dims = as_dimension_numbers(dims)
     red = _axes(dims.reduction_axis, x.ndim, "reduction_axis", where)
     out = _axes(dims.output_axis, x.ndim, "output_axis", where)
     if len(set(red + out)) != len(red) + len(out):
@@ -180,9 +195,10 @@ def _whole_matrices(stacked: jax.Array) -> jax.Array:
     return jax.sharding.reshard(stacked, jax.sharding.PartitionSpec(spec[0], None, None))
 
 
-def muon_orthogonalize(*, ns_steps=5, ns_coeffs="keller", eps=1e-7, compute_dtype=None,
-                       scale="rms", rms_scale=0.2,
-                       dimension_numbers=None) -> optax.GradientTransformation:
+def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: float = 1e-7,
+                       compute_dtype: Any = None, scale: str | None = "rms",
+                       rms_scale: float = 0.2,
+                       dimension_numbers: Any = None) -> optax.GradientTransformation:
     """Replaces every matrix of the updates by `scale(m, n) * newton_schulz(matrix)`.
 
     Args:
@@ -198,7 +214,7 @@ def muon_orthogonalize(*, ns_steps=5, ns_coeffs="keller", eps=1e-7, compute_dtyp
         `MuonDimensionNumbers` for every leaf, a tree (prefix of the updates) of
         `MuonDimensionNumbers` or `None` (`None` passes that subtree through unchanged), or a
         callable receiving the updates (same structure and shapes as the params) and returning
-        such a tree.
+        such a tree. ``optax.contrib.MuonDimensionNumbers`` is accepted wherever rowgeom's is.
 
     Returns:
       A stateless `optax.GradientTransformation` (`optax.EmptyState`). `None` and
@@ -277,7 +293,8 @@ def muon_orthogonalize(*, ns_steps=5, ns_coeffs="keller", eps=1e-7, compute_dtyp
                     part = jnp.swapaxes(part, -1, -2)
                 part = (part * plan.scale).astype(x.dtype)
                 permuted = tuple(x.shape[ax] for ax in plan.perm)
-                out[i] = jnp.transpose(part.reshape(permuted), np.argsort(plan.perm))
+                inverse = tuple(int(a) for a in np.argsort(plan.perm))
+                out[i] = jnp.transpose(part.reshape(permuted), inverse)
         return jax.tree_util.tree_unflatten(treedef, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -14,58 +14,103 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
 ``vector``     ``adamw`` (no weight decay by default)
 =============  =========================================================================
 
-Why these defaults follow from one learning rate ``lr``:
+Why these defaults follow from one learning rate ``lr`` (`lm_optimizer_hparams` returns every
+group's resolved values; `describe` prints them per parameter):
 
 - Muon's step is scaled to RMS ``0.2`` (``scale="rms"``: ``0.2·sqrt(max(m, n))`` times the polar
   factor), the typical RMS of an AdamW step, so Muon and AdamW groups share ``lr`` (Liu et al.,
   "Muon is Scalable for LLM Training", arXiv 2502.16982).
-- The RowNorm head moves every token row by ``r = head_lr`` (``D(step) <= 2·head_lr``, spec §5),
-  so its per-entry RMS is ``head_lr/sqrt(d)``. ``head_lr = 5·lr`` (`ROWNORM_HEAD_LR_MULTIPLIER`)
-  is the ratio of the head learning rates Lau & Su (arXiv 2605.18106) report: RowNorm head
-  2.5e-3..5e-3 against an AdamW head 5e-4..1e-3. It is also the RMS match:
-  ``5/sqrt(d) ≈ 0.2`` at ``d ≈ 625``. Heads much narrower or wider may want
-  ``head_learning_rate`` set directly.
+- What a RowNorm head step does to each token row: with ``n_i`` the unit-length centred momentum
+  rows and ``n̄`` their mean, the step's rows are ``s_i = -head_lr·(n_i - n̄)``. Every row lies at
+  distance exactly ``head_lr`` from the common point ``head_lr·n̄``, so ``D(step) <= 2·head_lr``;
+  moving all rows by that common vector (a shift the softmax cannot see) would give every row
+  norm ``head_lr``. The stored rows' own norms are *not* all ``head_lr``: they spread over
+  ``head_lr·(1 ± ||n̄||)`` (rows whose centred momentum is below ``eps`` move less). Weight
+  decay adds ``-head_lr·wd·W``. With ``tied="head"`` (no centring) every row norm is
+  ``head_lr``. See the geometry page (docs/geometry.md) for the proofs.
+- Default head rates, from the head study's learning-rate sweep (docs/results/head_study.md:
+  base rate 0.006, V 4096, d 128, a factor-3 grid per head on one seed, lowest final validation
+  loss): ``head_lr = HEAD_LR_MULTIPLIERS[head] · lr``, i.e. RowNorm ``5·lr`` (chosen 0.03),
+  AdamW ``3·lr`` and Muon ``3·lr`` (chosen 0.018 each). Each head therefore gets its own
+  tuned-at-small-scale rate by default, so ``head=`` comparisons are fair without options; the
+  grid is a factor 3 apart, so treat the multipliers as accurate to about ``sqrt(3)``, and set
+  ``head_learning_rate`` directly for a model much wider or narrower than ``d = 128``.
 - The head momentum is an EMA ``M = β M + (1-β) G`` in float32, without Nesterov, before the
-  normalisation, exactly the reference step of spec §5 and Lau & Su's ``RowNormM``. Hidden
-  momentum is ``optax.trace`` (``M = β M + G``) with Nesterov as in Muon; the two forms differ
-  by the factor ``1/(1-β)``, which the normalisation after them removes (up to eps).
-- The head momentum and step stay float32 whatever the parameter dtype (spec §6: means and
-  norms never in bf16); ``optax.apply_updates`` casts the step to the parameter's dtype.
-- Weight decay 0.1 for the matrices (hidden, head, embedding), 0 for vectors. The head's decay per
-  step is ``head_lr·wd``, and `track_row_diameter` sits at the very end of the head chain so it
-  measures the step the softmax sees, weight decay included (spec §6).
+  normalisation (Lau & Su's ``RowNormM``, arXiv 2605.18106). Hidden momentum is ``optax.trace``
+  (``M = β M + G``) with Nesterov as in Muon; the two forms differ by the factor ``1/(1-β)``,
+  which the normalisation after them removes (up to eps).
+- The head momentum and step stay float32 whatever the parameter dtype (means and norms are
+  never taken in bf16); ``optax.apply_updates`` casts the step to the parameter's dtype.
+- Weight decay 0.1 for the matrices (hidden, head, embedding), 0 for vectors. `track_row_diameter`
+  sits at the very end of the head chain so it measures the step the softmax sees, weight decay
+  included.
 
-The head's vocabulary axis is ``head_vocab_axis`` if given, else inferred from the parameter's
-name: ``kernel`` (Flax ``Linear``/``Dense``, ``(d, V)``) → 1; ``embedding`` (a tied ``Embed``
-table, ``(V, d)``) or ``weight`` (PyTorch layout, ``(V, d)``) → 0; anything else raises.
-With ``tied="head"`` the tied table is trained by RowNorm *without* centring (spec §6: the
-shift is no symmetry of an input embedding and its gradient is not zero-sum).
+Shapes, not only names, decide the rest (`label_params` reads the vocabulary size ``V`` and the
+width ``d`` from the token embedding): the head's vocabulary axis is ``head_vocab_axis`` if
+given, else the one axis of size ``V``, else inferred from the name (``kernel`` → 1,
+``embedding``/``weight`` → 0); hidden kernels of rank 3–4 (per-head attention, einsum and
+``DenseGeneral`` kernels, scanned layers with a layer axis) get Muon dimension numbers from the
+layout, or an error naming the leaf. With ``tied="head"`` the tied table is trained by RowNorm
+*without* centring: the shift is no symmetry of an input embedding and its gradient is not
+zero-sum.
 """
 
 from __future__ import annotations
 
 import numbers
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import leaf_shape, make_labeler, map_with_paths, partition_by_label
-from rowgeom._muon import muon_orthogonalize
+from rowgeom._labels import (
+    _box_types,
+    _lookup,
+    _shape,
+    leaf_shape,
+    make_labeler,
+    map_with_paths,
+    model_layout,
+    partition_by_label,
+    tree_paths,
+)
+from rowgeom._layout import LayoutError, muon_axes, vocab_axis_of
+from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers, muon_orthogonalize
 from rowgeom._rownorm import projected_rownorm
 
-ROWNORM_HEAD_LR_MULTIPLIER = 5.0
 HEADS = ("rownorm", "adamw", "muon")
+HEAD_LR_MULTIPLIERS = types.MappingProxyType({"rownorm": 5.0, "adamw": 3.0, "muon": 3.0})
+"""Default head learning rate per head optimizer, as a multiple of the base rate.
+
+From the head study's sweep (docs/results/head_study.md): at base rate 0.006 the lowest final
+validation loss was at head rate 0.03 for projected RowNorm and 0.018 for AdamW and Muon heads.
+
+Examples:
+    >>> import rowgeom
+    >>> dict(rowgeom.HEAD_LR_MULTIPLIERS)   # read-only
+    {'rownorm': 5.0, 'adamw': 3.0, 'muon': 3.0}
+"""
+ROWNORM_HEAD_LR_MULTIPLIER = HEAD_LR_MULTIPLIERS["rownorm"]
 DEFAULT_NS_STEPS = 5
 STATIC_ARGS = ("ns_steps", "ns_coeffs", "head_vocab_axis", "labels", "muon_dimension_numbers")
-"""For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``: needed only when
-one of these is passed explicitly as a number, an array or a callable (their defaults are
-never injected)."""
+"""For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.
+
+Needed only when one of these is passed explicitly as a number, an array, a callable or a
+tree (their defaults are never injected).
+
+Examples:
+    >>> import optax, rowgeom
+    >>> tx = optax.inject_hyperparams(rowgeom.lm_optimizer, static_args=rowgeom.STATIC_ARGS)(
+    ...     learning_rate=1e-3, ns_steps=6)
+"""
 
 _VOCAB_AXIS_BY_NAME = {"kernel": 1, "embedding": 0, "weight": 0}
 _INJECT_HINT = ("under optax.inject_hyperparams list it in static_args "
-                "(rowgeom._recipe.STATIC_ARGS)")
+                "(rowgeom.STATIC_ARGS)")
 
 
 def infer_head_vocab_axis(path: tuple[str, ...], shape: tuple[int, ...]) -> int:
@@ -75,22 +120,9 @@ def infer_head_vocab_axis(path: tuple[str, ...], shape: tuple[int, ...]) -> int:
         return _VOCAB_AXIS_BY_NAME[name]
     raise ValueError(
         f"cannot infer the vocabulary axis of head parameter {'/'.join(path) or '<root>'!r} "
-        f"(shape {tuple(shape)}): only rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' "
-        "or 'weight' ((V, d) -> 0) are recognised. Pass head_vocab_axis=<int>")
-
-
-def _head_vocab_axes(head_vocab_axis: int | None):
-    """`vocab_axis` for the head transforms: tree -> tree of ints (head leaves) / None."""
-    masked = lambda x: x is None or isinstance(x, optax.MaskedNode)
-
-    def axis(path, leaf):
-        if masked(leaf):
-            return None  # not a head parameter: the partition masked it out
-        if head_vocab_axis is not None:
-            return head_vocab_axis
-        return infer_head_vocab_axis(path, leaf_shape(leaf))
-
-    return lambda tree: map_with_paths(axis, tree, is_leaf=masked)
+        f"(shape {tuple(shape)}): it has not exactly one axis of the vocabulary size, and only "
+        "rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' or 'weight' ((V, d) -> 0) are "
+        "recognised by name. Pass head_vocab_axis=<int>")
 
 
 def _scaled(learning_rate, factor: float):
@@ -123,45 +155,249 @@ def _muon_chain(learning_rate, weight_decay, *, momentum, nesterov, ns_steps, ns
     )
 
 
-def lm_optimizer(
-    learning_rate,
+class GroupHyperparams(NamedTuple):
+    """One optimizer group's resolved settings, as `lm_optimizer` uses them.
+
+    ``optimizer``: ``"muon"``, ``"rownorm"``, ``"rownorm (uncentred)"`` (a tied table) or
+    ``"adamw"``; ``learning_rate``: float or schedule; ``weight_decay``: decoupled, per step
+    times the learning rate; ``momentum``: Muon/RowNorm momentum or AdamW's ``b1``.
+
+    Examples:
+      >>> import rowgeom
+      >>> rowgeom.lm_optimizer_hparams(1e-3)["head"]
+      GroupHyperparams(optimizer='rownorm', learning_rate=0.005, weight_decay=0.1, momentum=0.95)
+    """
+
+    optimizer: str
+    learning_rate: Any
+    weight_decay: Any
+    momentum: Any
+
+
+def lm_optimizer_hparams(
+    learning_rate: float | Callable[[Any], Any],
     *,
     head: str = "rownorm",
-    labels=None,
     tied: str | None = None,
-    hidden_learning_rate=None,
-    head_learning_rate=None,
-    embedding_learning_rate=None,
-    vector_learning_rate=None,
-    weight_decay=0.1,
-    hidden_weight_decay=None,
-    head_weight_decay=None,
-    embedding_weight_decay=None,
-    vector_weight_decay=0.0,
-    momentum=0.95,
+    hidden_learning_rate: float | Callable[[Any], Any] | None = None,
+    head_learning_rate: float | Callable[[Any], Any] | None = None,
+    embedding_learning_rate: float | Callable[[Any], Any] | None = None,
+    vector_learning_rate: float | Callable[[Any], Any] | None = None,
+    weight_decay: float = 0.1,
+    hidden_weight_decay: float | None = None,
+    head_weight_decay: float | None = None,
+    embedding_weight_decay: float | None = None,
+    vector_weight_decay: float = 0.0,
+    momentum: float = 0.95,
+    head_momentum: float = 0.95,
+    adam_b1: float = 0.9,
+) -> dict[str, GroupHyperparams]:
+    """Every group's resolved learning rate, weight decay and momentum, as `lm_optimizer` uses.
+
+    The one source of truth for the defaults: `lm_optimizer` calls it, so a training script
+    that needs a group's rate (e.g. to measure the head step) reads it here instead of
+    re-deriving it. The arguments are `lm_optimizer`'s of the same names.
+
+    Returns:
+      ``{"hidden", "head", "embedding", "vector"} -> GroupHyperparams``. The head's default rate
+      is ``HEAD_LR_MULTIPLIERS[head] * learning_rate`` (a schedule stays a schedule).
+
+    Examples:
+      >>> import rowgeom
+      >>> hp = rowgeom.lm_optimizer_hparams(6e-3, head="adamw")
+      >>> round(hp["head"].learning_rate, 6), hp["hidden"].learning_rate, hp["vector"].weight_decay
+      (0.018, 0.006, 0.0)
+    """
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    if tied not in (None, "embedding", "head"):
+        raise ValueError(f"tied must be None, 'embedding' or 'head', got {tied!r}")
+    head_lr = _or(head_learning_rate, _scaled(learning_rate, HEAD_LR_MULTIPLIERS[head]))
+    head_opt = head
+    if head == "rownorm" and tied == "head":
+        head_opt = "rownorm (uncentred)"
+    head_mom = adam_b1 if head == "adamw" else head_momentum
+    return {
+        "hidden": GroupHyperparams("muon", _or(hidden_learning_rate, learning_rate),
+                                   _or(hidden_weight_decay, weight_decay), momentum),
+        "head": GroupHyperparams(head_opt, head_lr, _or(head_weight_decay, weight_decay),
+                                 head_mom),
+        "embedding": GroupHyperparams("adamw", _or(embedding_learning_rate, learning_rate),
+                                      _or(embedding_weight_decay, weight_decay), adam_b1),
+        "vector": GroupHyperparams("adamw", _or(vector_learning_rate, learning_rate),
+                                   vector_weight_decay, adam_b1),
+    }
+
+
+# --- What lm_optimizer reads from the whole parameter tree -----------------------------------
+
+
+class LeafPlan(NamedTuple):
+    """How `lm_optimizer` treats one parameter (what `describe` prints)."""
+
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    label: str
+    muon_dims: MuonDimensionNumbers | None  # hidden leaves (and a Muon head)
+    vocab_axis: int | None  # head leaves
+
+
+def _is_dims_override(dims) -> bool:
+    """A mapping ``{"/"-joined path: dimension numbers}`` (overrides of the inference)."""
+    return (isinstance(dims, Mapping) and bool(dims)
+            and all(isinstance(k, str) for k in dims)
+            and all(as_dimension_numbers(v) is not None for v in dims.values()))
+
+
+def plan_leaves(params: Any, *, labels: Any = None, tied: str | None = None,
+                head: str = "rownorm", head_vocab_axis: int | None = None,
+                muon_dimension_numbers: Any = None) -> list[LeafPlan]:
+    """Label, Muon matrix axes and head vocabulary axis of every leaf (raises naming a leaf)."""
+    box_types = _box_types()
+    labeler = make_labeler(tied=tied) if labels is None else labels
+    tree = labeler(params) if callable(labeler) else labeler
+    table = {p: lab for p, lab in tree_paths(tree)}
+    leaves = []
+    for path, x in tree_paths(params):
+        found, label = _lookup(table, path)
+        leaves.append((path, _shape(x, box_types), label if found else None))
+    missing = ["/".join(p) for p, _, lab in leaves if lab is None]
+    if missing:
+        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
+    layout = model_layout(leaves)
+    group = [p for p, _, lab in leaves if lab == "head"]
+    if not group and tied is None:
+        raise ValueError(
+            f"lm_optimizer(head={head!r}): no parameter is labelled 'head' by the given labels. "
+            "Label the output matrix 'head', or pass tied='embedding' if the logits reuse the "
+            "embedding table (tied='head' trains that table with the head optimizer: label it "
+            "'head')")
+    if not group and tied == "head":
+        raise ValueError("lm_optimizer(tied='head'): no parameter is labelled 'head'; label the "
+                         "tied embedding table 'head'")
+    infer = muon_dimension_numbers is None or _is_dims_override(muon_dimension_numbers)
+    overrides = {}
+    if infer and muon_dimension_numbers is not None:
+        overrides = {k: as_dimension_numbers(v) for k, v in muon_dimension_numbers.items()}
+        hidden = [p for p, _, lab in leaves if lab == "hidden"]
+        unknown = sorted(k for k in overrides
+                         if not any(_under(p, k) for p in hidden))
+        if unknown:
+            raise ValueError(f"muon_dimension_numbers names {unknown}, which are not hidden "
+                             "parameters (or their parents); hidden parameters are "
+                             f"{sorted('/'.join(p) for p in hidden)}")
+    plans = []
+    for path, shape, label in leaves:
+        dims = axis = None
+        if label == "hidden" and infer:
+            given = [k for k in overrides if _under(path, k)]
+            dims = (overrides[max(given, key=len)] if given
+                    else _infer_dims(path, shape, layout))
+        elif label == "head" and head == "muon" and len(shape) != 2:
+            raise ValueError(f"head={head!r}: the head {'/'.join(path)} {shape} must be a "
+                             "single matrix (rank 2)")
+        if label == "head":
+            axis = head_vocab_axis
+            if axis is None:
+                axis = vocab_axis_of(shape, layout.vocab_size)
+            if axis is None:
+                axis = infer_head_vocab_axis(path, shape)
+        plans.append(LeafPlan(path, shape, label, dims, axis))
+    return plans
+
+
+def _under(path: tuple[str, ...], key: str) -> bool:
+    """Whether the "/"-joined `key` names `path` or one of its parents."""
+    parts = tuple(key.split("/"))
+    return path[:len(parts)] == parts
+
+
+def _infer_dims(path, shape, layout) -> MuonDimensionNumbers:
+    try:
+        red, out = muon_axes(path, shape, layout.width, layout.stacks)
+    except LayoutError as err:
+        key = "/".join(path)
+        raise ValueError(
+            f"lm_optimizer: cannot infer Muon's matrix axes of a hidden parameter: {err}. "
+            f"Say them with muon_dimension_numbers={{{key!r}: rowgeom.MuonDimensionNumbers("
+            "reduction_axis=..., output_axis=...)} (other axes are batch axes; leaves not "
+            "named there are still inferred)") from None
+    unwrap = lambda axes: axes[0] if len(axes) == 1 else axes
+    return MuonDimensionNumbers(unwrap(red), unwrap(out))
+
+
+class _Plans:
+    """The leaf plans of the tree being processed, for the group transforms that see only
+    their masked share of it (set around each init/update by `_with_plans`)."""
+
+    def __init__(self):
+        self.stack: list[dict] = []
+
+    def get(self, path):
+        return self.stack[-1].get(path) if self.stack else None
+
+
+def _with_plans(inner, plans: _Plans, make) -> optax.GradientTransformationExtraArgs:
+    def run(tree, fn):
+        plans.stack.append({p.path: p for p in make(tree)})
+        try:
+            return fn()
+        finally:
+            plans.stack.pop()
+
+    def init_fn(params):
+        return run(params, lambda: inner.init(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        return run(updates, lambda: inner.update(updates, state, params, **extra_args))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _masked(x) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def lm_optimizer(
+    learning_rate: float | Callable[[Any], Any],
+    *,
+    head: str = "rownorm",
+    labels: Any = None,
+    tied: str | None = None,
+    hidden_learning_rate: float | Callable[[Any], Any] | None = None,
+    head_learning_rate: float | Callable[[Any], Any] | None = None,
+    embedding_learning_rate: float | Callable[[Any], Any] | None = None,
+    vector_learning_rate: float | Callable[[Any], Any] | None = None,
+    weight_decay: float = 0.1,
+    hidden_weight_decay: float | None = None,
+    head_weight_decay: float | None = None,
+    embedding_weight_decay: float | None = None,
+    vector_weight_decay: float = 0.0,
+    momentum: float = 0.95,
     nesterov: bool = True,
-    head_momentum=0.95,
-    adam_b1=0.9,
-    adam_b2=0.95,
-    adam_eps=1e-8,
+    head_momentum: float = 0.95,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
     ns_steps: int | None = None,
-    ns_coeffs="keller",
+    ns_coeffs: Any = "keller",
     muon_scale: str | None = "rms",
-    muon_dimension_numbers=None,
+    muon_dimension_numbers: Any = None,
     head_vocab_axis: int | None = None,
     head_rescale: str | None = None,
     track_head: bool = True,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """Muon for hidden matrices, projected RowNorm (or AdamW / Muon) for the head, AdamW else.
 
     Args:
-      learning_rate: float or schedule; every group's default derives from it (module docstring):
-        hidden, embedding, vector and an AdamW or Muon head use it as is, a RowNorm head
-        ``ROWNORM_HEAD_LR_MULTIPLIER`` (5) times it. Derived rates of a schedule are schedules.
+      learning_rate: float or schedule; every group's default derives from it (module docstring,
+        `lm_optimizer_hparams`): hidden, embedding and vector use it as is, the head
+        ``HEAD_LR_MULTIPLIERS[head]`` times it (RowNorm 5, AdamW 3, Muon 3: the head study's
+        sweep). Derived rates of a schedule are schedules.
       head: ``"rownorm"`` (projected RowNorm, arXiv 2608.22253), ``"adamw"`` or ``"muon"``.
       labels: None (``rowgeom.label_params`` defaults with `tied`), a tree of labels or a
-        callable ``params -> labels`` (see `rowgeom.partition_by_label`); labels must be in
-        ``rowgeom.LABELS``.
+        callable ``params -> labels`` (e.g. ``rowgeom.make_labeler(...)``); labels must be in
+        ``rowgeom.LABELS``. An empty head group raises unless `tied` is given.
       tied: None, ``"embedding"`` or ``"head"``: how a head tied to the embedding is trained
         (``rowgeom.label_params``). ``"head"`` also turns off RowNorm's centring.
       hidden_learning_rate: override of the hidden group's rate (float or schedule).
@@ -184,24 +420,31 @@ def lm_optimizer(
         injected by ``optax.inject_hyperparams``).
       ns_coeffs: Newton–Schulz preset name, triple or table (``rowgeom.ns_coefficients``).
       muon_scale: ``rowgeom.muon_orthogonalize`` ``scale`` (``"rms"``: step RMS 0.2).
-      muon_dimension_numbers: ``dimension_numbers`` of the hidden group's Muon (e.g. for
-        stacked ``(L, in, out)`` layers); a Muon head is always a single matrix.
-      head_vocab_axis: int vocabulary axis of every head leaf; None infers it from the name.
+      muon_dimension_numbers: None (inferred per hidden leaf from the model layout: rank 2 is
+        ``(in, out)``; scanned layers' layer axis and rank 3–4 attention/einsum kernels as in
+        the module docstring; an ambiguous leaf raises, naming it); a mapping
+        ``{"/"-joined path: MuonDimensionNumbers}`` overriding the inference for those leaves or
+        subtrees (rowgeom's or ``optax.contrib``'s type); or, as in
+        ``rowgeom.muon_orthogonalize``, one ``MuonDimensionNumbers`` for every hidden leaf, a
+        tree or a callable (no inference).
+      head_vocab_axis: int vocabulary axis of every head leaf; None: the one axis of size ``V``,
+        else by name (module docstring).
       head_rescale: ``None``, ``"exact"`` or ``"bound"``: ``projected_rownorm``'s ``rescale`` for
-        a RowNorm head (spec §4, "Beyond the paper"): ``"exact"`` multiplies the direction by
-        ``2/D(S*)`` so that the step (before weight decay) has ``D = 2·head_lr`` exactly, the
-        whole diameter budget (``O(V²d)`` per step); ``"bound"`` uses the ``O(Vd)`` upper bound.
-        Only valid with ``head="rownorm"``.
+        a RowNorm head: ``"exact"`` multiplies the direction by ``2/D(S*)`` so that the step
+        (before weight decay) has ``D = 2·head_lr`` exactly, the whole diameter budget
+        (``O(V²d)`` per step); ``"bound"`` uses the ``O(Vd)`` upper bound. Only valid with
+        ``head="rownorm"``.
       track_head: record ``RowDiameterStats`` of the full head step (``read_row_diameter``).
 
     Returns:
-      The ``optax.partition`` transformation over ``"hidden"``, ``"head"``, ``"embedding"``
-      and ``"vector"``.
+      An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"`` and ``"vector"``,
+      wrapped so that each group sees the layout read from the whole tree (its state is the
+      partition's state).
 
     Works under ``optax.inject_hyperparams(lm_optimizer)(learning_rate=...)``: float arguments
     become (possibly traced) arrays and nothing here branches on their values. Integers, arrays
-    of coefficients and callables other than schedules must then be listed in ``static_args``
-    (`STATIC_ARGS`) when passed explicitly, or they would be injected.
+    of coefficients, trees and callables other than schedules must then be listed in
+    ``static_args`` (`STATIC_ARGS`) when passed explicitly, or they would be injected.
 
     Examples:
       >>> import jax, jax.numpy as jnp, rowgeom
@@ -213,16 +456,19 @@ def lm_optimizer(
       >>> grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(0), p.shape), params)
       >>> updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
       >>> stats = rowgeom.read_row_diameter(state)                          # the head's step
-      >>> bool(stats.lower["lm_head"]["kernel"] <= 2 * 5e-3 * (1 + 1e-5))  # D <= 2 head_lr
+      >>> bool(stats.lower["lm_head/kernel"] <= 2 * 5e-3 * (1 + 1e-5))  # D <= 2 head_lr
       True
     """
-    if head not in HEADS:
-        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
-    if tied not in (None, "embedding", "head"):
-        raise ValueError(f"tied must be None, 'embedding' or 'head', got {tied!r}")
     if head_rescale is not None and head != "rownorm":
         raise ValueError(f"head_rescale applies to head='rownorm' only, got head={head!r} with "
                          f"head_rescale={head_rescale!r}")
+    hp = lm_optimizer_hparams(
+        learning_rate, head=head, tied=tied, hidden_learning_rate=hidden_learning_rate,
+        head_learning_rate=head_learning_rate, embedding_learning_rate=embedding_learning_rate,
+        vector_learning_rate=vector_learning_rate, weight_decay=weight_decay,
+        hidden_weight_decay=hidden_weight_decay, head_weight_decay=head_weight_decay,
+        embedding_weight_decay=embedding_weight_decay, vector_weight_decay=vector_weight_decay,
+        momentum=momentum, head_momentum=head_momentum, adam_b1=adam_b1)
     ns_steps = _static_int(_or(ns_steps, DEFAULT_NS_STEPS), "ns_steps")
     if head_vocab_axis is not None:
         head_vocab_axis = _static_int(head_vocab_axis, "head_vocab_axis")
@@ -235,43 +481,70 @@ def lm_optimizer(
         # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
         raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
                         f"{_INJECT_HINT}")
+    if isinstance(muon_dimension_numbers, jax.Array):
+        raise TypeError(f"muon_dimension_numbers must not be an array; {_INJECT_HINT}")
 
-    hidden_lr = _or(hidden_learning_rate, learning_rate)
-    head_factor = ROWNORM_HEAD_LR_MULTIPLIER if head == "rownorm" else 1.0
-    head_lr = _or(head_learning_rate, _scaled(learning_rate, head_factor))
-    embedding_lr = _or(embedding_learning_rate, learning_rate)
-    vector_lr = _or(vector_learning_rate, learning_rate)
-    hidden_wd = _or(hidden_weight_decay, weight_decay)
-    head_wd = _or(head_weight_decay, weight_decay)
-    embedding_wd = _or(embedding_weight_decay, weight_decay)
+    plans = _Plans()
+    infer_dims = muon_dimension_numbers is None or _is_dims_override(muon_dimension_numbers)
+    hidden_dims = muon_dimension_numbers
+    if infer_dims:
+        hidden_dims = lambda tree: map_with_paths(
+            lambda p, x: None if _masked(x) else _planned(plans, p, x).muon_dims, tree,
+            is_leaf=_masked)
+
+    def head_axes(tree):
+        def axis(path, leaf):
+            if _masked(leaf):
+                return None  # not a head parameter: the partition masked it out
+            plan = plans.get(path)
+            if plan is not None:
+                return plan.vocab_axis
+            if head_vocab_axis is not None:
+                return head_vocab_axis
+            return infer_head_vocab_axis(path, leaf_shape(leaf))
+        return map_with_paths(axis, tree, is_leaf=_masked)
 
     muon = dict(ns_steps=ns_steps, ns_coeffs=ns_coeffs, scale=muon_scale)
     adam = dict(b1=adam_b1, b2=adam_b2, eps=adam_eps)
-    vocab_axes = _head_vocab_axes(head_vocab_axis)
-
+    g = hp["head"]
     if head == "rownorm":
-        center = tied != "head"  # spec §6: no centring for a tied table
+        center = tied != "head"  # an input embedding has no shift symmetry: no centring
         head_tx = [
             optax.ema(decay=head_momentum, debias=False, accumulator_dtype=jnp.float32),
-            projected_rownorm(vocab_axis=vocab_axes, center_input=center, center_output=center,
+            projected_rownorm(vocab_axis=head_axes, center_input=center, center_output=center,
                               rescale=head_rescale),
-            optax.add_decayed_weights(head_wd),
-            optax.scale_by_learning_rate(head_lr),
+            optax.add_decayed_weights(g.weight_decay),
+            optax.scale_by_learning_rate(g.learning_rate),
         ]
     elif head == "adamw":
-        head_tx = [optax.adamw(head_lr, weight_decay=head_wd, **adam)]
+        head_tx = [optax.adamw(g.learning_rate, weight_decay=g.weight_decay, **adam)]
     else:
-        head_tx = [_muon_chain(head_lr, head_wd, momentum=head_momentum, nesterov=nesterov,
-                               dimension_numbers=None, **muon)]
+        head_tx = [_muon_chain(g.learning_rate, g.weight_decay, momentum=head_momentum,
+                               nesterov=nesterov, dimension_numbers=None, **muon)]
     if track_head:
-        # Last, so it sees -lr·(U + wd·W): the step the softmax sees (spec §6).
-        head_tx.append(track_row_diameter(vocab_axis=vocab_axes))
+        # Last, so it sees -lr·(U + wd·W): the step the softmax sees.
+        head_tx.append(track_row_diameter(vocab_axis=head_axes))
 
+    h, e, v = hp["hidden"], hp["embedding"], hp["vector"]
     transforms = {
-        "hidden": _muon_chain(hidden_lr, hidden_wd, momentum=momentum, nesterov=nesterov,
-                              dimension_numbers=muon_dimension_numbers, **muon),
+        "hidden": _muon_chain(h.learning_rate, h.weight_decay, momentum=momentum,
+                              nesterov=nesterov, dimension_numbers=hidden_dims, **muon),
         "head": optax.chain(*head_tx),
-        "embedding": optax.adamw(embedding_lr, weight_decay=embedding_wd, **adam),
-        "vector": optax.adamw(vector_lr, weight_decay=vector_weight_decay, **adam),
+        "embedding": optax.adamw(e.learning_rate, weight_decay=e.weight_decay, **adam),
+        "vector": optax.adamw(v.learning_rate, weight_decay=v.weight_decay, **adam),
     }
-    return partition_by_label(transforms, labels)
+    make = lambda tree: plan_leaves(
+        tree, labels=labels, tied=tied, head=head, head_vocab_axis=head_vocab_axis,
+        muon_dimension_numbers=muon_dimension_numbers if infer_dims else _NO_INFERENCE)
+    return _with_plans(partition_by_label(transforms, labels), plans, make)
+
+
+_NO_INFERENCE = MuonDimensionNumbers()  # plan_leaves: dimension numbers given, infer nothing
+
+
+def _planned(plans: _Plans, path, leaf) -> LeafPlan:
+    plan = plans.get(path)
+    if plan is None:  # only outside lm_optimizer's own init/update
+        raise ValueError(f"no layout for {'/'.join(path)}: lm_optimizer's group transforms "
+                         "must be used through lm_optimizer")
+    return plan

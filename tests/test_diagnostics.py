@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import rowgeom
 from rowgeom import RowDiameterStats, read_row_diameter, track_row_diameter
 
 
@@ -63,14 +64,14 @@ def test_read_row_diameter_in_nested_states(rng):
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
     updates, state = jax.jit(tx.update)(grads, state, params)
     stats = read_row_diameter(state)
-    assert isinstance(stats.lower["w"], optax.MaskedNode)  # other partition: masked, unharmed
+    assert set(stats.lower) == {"head"}  # plain arrays by path; the other partition is absent
     step = np.asarray(updates["head"])
     exact = np_diameter(step, 1)
     assert float(stats.lower["head"]) <= exact * (1 + 1e-5) <= float(stats.upper["head"]) * (
             1 + 1e-5) ** 2
     np.testing.assert_allclose(stats.row_sum_residual["head"],
                                np.linalg.norm(step.sum(axis=1)), rtol=1e-5, atol=1e-7)
-    assert read_row_diameter(state, which="head") is stats
+    chex.assert_trees_all_equal(read_row_diameter(state, which="head"), stats)
 
 
 def test_read_row_diameter_errors_and_which(rng):
@@ -90,3 +91,62 @@ def test_read_row_diameter_errors_and_which(rng):
         read_row_diameter(optax.adam(1e-3).init(params))
     with pytest.raises(ValueError, match=r"leaf \['b'\]: params must have rank >= 2"):
         track_row_diameter(vocab_axis=0).init({"b": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("wrapper", ["plain", "multi_steps", "inject", "apply_if_finite", "nnx"])
+def test_read_row_diameter_gives_plain_arrays_by_head_path_through_wrappers(wrapper):
+    """The same {"lm_head/kernel": array} through every wrapper, nnx.Optimizer included."""
+    from flax import nnx
+
+    class Lm(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(12, 4, rngs=rngs)
+            self.layers = nnx.List([nnx.Linear(4, 4, use_bias=False, rngs=rngs)])
+            self.lm_head = nnx.Linear(4, 12, use_bias=False, rngs=rngs)
+
+    model = Lm(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    grads_state = jax.tree.map(lambda p: jnp.ones(p.shape) + jnp.arange(p.size).reshape(
+        p.shape) % 3, params)  # an nnx.State of Variables, as nnx.grad returns
+    grads = nnx.to_pure_dict(grads_state)
+    make = {"plain": lambda: rowgeom.lm_optimizer(1e-2),
+            "multi_steps": lambda: optax.MultiSteps(rowgeom.lm_optimizer(1e-2), 1),
+            "inject": lambda: optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=1e-2),
+            "apply_if_finite": lambda: optax.apply_if_finite(rowgeom.lm_optimizer(1e-2), 3),
+            "nnx": lambda: rowgeom.lm_optimizer(1e-2)}[wrapper]
+    if wrapper == "nnx":
+        optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+        before = np.array(model.lm_head.kernel[...])
+        optimizer.update(model, grads_state)
+        state = optimizer.opt_state
+        step = np.asarray(model.lm_head.kernel[...]) - before
+    else:
+        tx = make()
+        plain = nnx.to_pure_dict(params)
+        updates, state = tx.update(grads, tx.init(plain), plain)
+        step = np.asarray(updates["lm_head"]["kernel"])
+    stats = read_row_diameter(state)
+    for field in stats:
+        assert list(field) == ["lm_head/kernel"]
+        value = field["lm_head/kernel"]
+        assert isinstance(value, jax.Array) and value.shape == ()
+    exact = np_diameter(step, 1)
+    assert float(stats.lower["lm_head/kernel"]) <= exact * (1 + 1e-5)
+    assert exact <= float(stats.upper["lm_head/kernel"]) * (1 + 1e-5)
+
+
+def test_partial_vocab_axis_tree_leaves_unnamed_leaves_untouched(rng):
+    params = {"lm_head": {"kernel": jnp.zeros((4, 10))}, "layers": {"w": jnp.zeros((4, 4))},
+              "norm": jnp.ones(4)}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    for partial in ({"lm_head": 1}, {"lm_head": {"kernel": 1}}):
+        tx = track_row_diameter(vocab_axis=partial)
+        updates, state = tx.update(grads, tx.init(params))
+        assert state.lower["layers"]["w"] is None and state.lower["norm"] is None
+        assert float(state.upper["lm_head"]["kernel"]) > 0
+        rn = rowgeom.projected_rownorm(vocab_axis=partial)
+        out, _ = rn.update(grads, rn.init(params))
+        chex.assert_trees_all_equal(out["layers"], grads["layers"])  # unnamed: untouched
+        assert np.abs(np.asarray(out["lm_head"]["kernel"]).sum(axis=1)).max() < 1e-5
+    with pytest.raises(ValueError, match=r"names \['lm_haed'\]"):  # a typo is never silent
+        track_row_diameter(vocab_axis={"lm_haed": 1}).init(params)

@@ -129,10 +129,16 @@ def test_custom_names_and_rules_take_priority():
     assert flat(labels) == {"tok": "embedding", "trunk/mix": "hidden", "readout": "head",
                             "lm_head/kernel": "hidden"}
     # The first matching rule wins; rules are plain re.search over the "/"-joined path.
-    labels = rowgeom.label_params(params, rules=[("mix", "embedding"), ("trunk", "head")],
-                                  default="hidden")
-    assert flat(labels)["trunk/mix"] == "embedding"
-    assert flat(labels)["tok"] == "hidden"  # the explicit default, opted in
+    labels = rowgeom.label_params(params, rules=[("mix", "hidden"), ("trunk", "head")],
+                                  default="hidden", extra_embedding_names={"tok"})
+    assert flat(labels)["trunk/mix"] == "hidden"
+    # Unnamed (d, V) matrices outside the blocks are heads by shape: "readout" and lm_head.
+    assert flat(labels)["readout"] == "head"
+    # The explicit default cannot send a vocabulary-sized matrix outside the blocks to Muon.
+    with pytest.raises(ValueError, match=r"readout \(64, 16\) would be 'hidden' \(by "
+                                         r"default='hidden'\)"):
+        rowgeom.label_params({"tok": {"embedding": np.zeros((V, D))}, "readout": np.zeros((V, D)),
+                              "lm_head": np.zeros((D, V))}, default="hidden")
 
 
 def test_unlabelled_matrix_raises_naming_its_path_and_the_fixes():
@@ -166,7 +172,7 @@ def test_tied_embedding_needs_a_policy():
 def test_tied_policy_contradicting_a_separate_head_raises():
     params = {"embed": np.zeros((V, D)), "lm_head": np.zeros((D, V))}
     for tied in ("head", "embedding"):
-        with pytest.raises(ValueError, match="separate head lm_head"):
+        with pytest.raises(ValueError, match="separate, untied head lm_head"):
             rowgeom.label_params(params, tied=tied)
     with pytest.raises(ValueError, match="tied must be one of"):
         rowgeom.label_params(params, tied="yes")
@@ -253,3 +259,162 @@ def test_partition_by_label_reports_missing_transforms_and_labels():
             params)
     with pytest.raises(TypeError, match=r"transforms\['head'\] must be an optax"):
         rowgeom.partition_by_label({"head": 1.0}, labels)
+
+
+# ------------------------------------------------ never silently wrong: the structural checks
+
+H, DH = 4, 4  # heads, head width (H * DH == D)
+
+
+def _suggested_rules(message: str) -> list:
+    """The ``rules=[...]`` literal an error message suggests (the fix a user would paste)."""
+    import ast
+    import re
+    match = re.search(r"rules=(\[\(.*?\)\])", message)
+    assert match, message
+    return ast.literal_eval(match.group(1))
+
+
+def _out_proj_model():
+    """Head named out_proj (a hidden name) and a token table under an unknown name."""
+    return {"vocab_table": {"embedding": np.zeros((V, D))},
+            "blocks": [{"attn": {"query": {"kernel": np.zeros((D, H, DH)),
+                                           "bias": np.zeros((H, DH))},
+                                 "out": {"kernel": np.zeros((H, DH, D))}},
+                        "ln": {"scale": np.zeros(D)}} for _ in range(LAYERS)],
+            "out_proj": {"kernel": np.zeros((D, V)), "bias": np.zeros(V)}}
+
+
+def test_regression_out_proj_head_is_never_sent_to_muon():
+    """Issue: the error said "the head may be tied"; tied='embedding' then sent the real head
+    and the per-head attention biases to Muon, silently."""
+    params = _out_proj_model()
+    for kwargs in ({}, {"tied": "embedding"}, {"default": "hidden"}):
+        with pytest.raises(ValueError, match=r"out_proj/kernel \(16, 64\) would be 'hidden'") as e:
+            rowgeom.label_params(params, **kwargs)
+    rules = _suggested_rules(str(e.value))
+    assert rules == [("^out_proj/kernel$", "head")]
+    labels = flat(rowgeom.label_params(params, rules=rules))  # following the fix: exact
+    assert labels["out_proj/kernel"] == "head" and labels["vocab_table/embedding"] == "embedding"
+    assert labels["blocks/0/attn/query/bias"] == "vector"  # per-head bias (H, Dh): a vector
+    assert labels["blocks/1/attn/out/kernel"] == "hidden"
+    assert labels["out_proj/bias"] == "vector"
+    # The other documented fix: extend the head names (out_proj inside the blocks stays hidden).
+    extended = flat(rowgeom.label_params(
+        {**params, "layers": {"0": {"out_proj": {"kernel": np.zeros((D, D))}}}},
+        extra_head_names={"out_proj"}))
+    assert extended["out_proj/kernel"] == "head"
+    assert extended["layers/0/out_proj/kernel"] == "hidden"
+
+
+def test_regression_auto_named_top_level_head_is_the_head():
+    """Issue: Flax's automatic name (Dense_0 / Linear_0) for a top-level head was not a head."""
+    for auto in ("Dense_0", "Linear_0"):
+        params = {"Embed_0": {"embedding": np.zeros((V, D))},
+                  "layers_0": {"Dense_0": {"kernel": np.zeros((D, 4 * D))},
+                               "Dense_1": {"kernel": np.zeros((4 * D, D))}},
+                  auto: {"kernel": np.zeros((D, V)), "bias": np.zeros(V)}}
+        labels = flat(rowgeom.label_params(params))
+        assert labels == {"Embed_0/embedding": "embedding",
+                          "layers_0/Dense_0/kernel": "hidden", "layers_0/Dense_1/kernel": "hidden",
+                          f"{auto}/kernel": "head", f"{auto}/bias": "vector"}
+        # Saying it is tied contradicts the head-shaped matrix: an error, not a silent table.
+        with pytest.raises(ValueError, match=f"separate, untied head {auto}/kernel"):
+            rowgeom.label_params(params, tied="embedding")
+
+
+def test_norms_and_biases_are_vectors_at_any_rank_and_layer_axes_are_not_matrix_axes():
+    L = 3
+    params = {"token_embedder": {"embedding": np.zeros((V, D))},
+              "decoder": {"layers": {  # scanned, layer axis 1 (MaxText's param_scan_axis=1)
+                  "pre_norm": {"scale": np.zeros((D, L))},
+                  "input_layernorm": {"weight": np.zeros((D, L))},
+                  "gate": {"w": np.zeros((D, L))},          # unnamed stacked vector
+                  "self_attention": {"query": {"kernel": np.zeros((D, L, H, DH))}},
+                  "mlp": {"wi": {"kernel": np.zeros((D, L, 4 * D))}}},
+                  "logits_dense": {"kernel": np.zeros((D, V))}}}
+    labels = flat(rowgeom.label_params(params))
+    assert labels["decoder/layers/pre_norm/scale"] == "vector"
+    assert labels["decoder/layers/input_layernorm/weight"] == "vector"
+    assert labels["decoder/layers/gate/w"] == "vector"
+    assert labels["decoder/layers/mlp/wi/kernel"] == "hidden"
+    assert labels["decoder/logits_dense/kernel"] == "head"
+
+
+def test_named_head_without_a_vocabulary_axis_raises_and_its_fix_works():
+    params = {"embed": {"embedding": np.zeros((V, D))}, "layers": [{"mlp": np.zeros((D, D))}],
+              "head": {"kernel": np.zeros((D, 10))},          # e.g. a classifier, not the LM head
+              "lm_out": {"kernel": np.zeros((D, V))}}
+    with pytest.raises(ValueError, match=r"head/kernel \(16, 10\) is named as the head") as e:
+        rowgeom.label_params(params)
+    labels = flat(rowgeom.label_params(params, rules=_suggested_rules(str(e.value))))
+    assert labels["head/kernel"] == "hidden" and labels["lm_out/kernel"] == "head"
+
+
+def test_every_unlabelled_matrix_suggestion_leads_to_a_labelling_or_a_clear_error():
+    params = {"embed": {"embedding": np.zeros((V, D))}, "lm_head": {"kernel": np.zeros((D, V))},
+              "router": {"kernel": np.zeros((D, 8))}}
+    with pytest.raises(ValueError, match=r"router/kernel \(16, 8\)") as e:
+        rowgeom.label_params(params)
+    msg = str(e.value)
+    assert flat(rowgeom.label_params(params, rules=_suggested_rules(msg)))["router/kernel"] \
+        == "hidden"
+    assert "extra_hidden_names=" in msg and "default='hidden'" in msg
+    assert flat(rowgeom.label_params(params, extra_hidden_names={"router"}))["router/kernel"] \
+        == "hidden"
+    assert flat(rowgeom.label_params(params, default="hidden"))["router/kernel"] == "hidden"
+    # A (V, d) matrix nobody names: the message says both readings; default='hidden' is refused.
+    pt = {"embed": {"embedding": np.zeros((V, D))}, "layers": [{"mlp": np.zeros((D, D))}],
+          "decoder_weight": np.zeros((V, D))}
+    with pytest.raises(ValueError, match=r"\(V, d\)-shaped") as e:
+        rowgeom.label_params(pt)
+    with pytest.raises(ValueError, match="would be 'hidden'"):
+        rowgeom.label_params(pt, default="hidden")
+    assert flat(rowgeom.label_params(pt, rules=[("^decoder_weight$", "head")]))[
+        "decoder_weight"] == "head"
+
+
+def test_tied_suggestions_lead_to_correct_labels():
+    params = {"wte": {"embedding": np.zeros((V, D))},
+              "h": [{"attn": {"c_attn": {"kernel": np.zeros((D, 3 * D))}}}]}
+    with pytest.raises(ValueError, match="tied='embedding'.*tied='head'") as e:
+        rowgeom.label_params(params)
+    assert "rules=[(regex, 'head')]" in str(e.value)
+    assert flat(rowgeom.label_params(params, tied="embedding"))["wte/embedding"] == "embedding"
+    assert flat(rowgeom.label_params(params, tied="head"))["wte/embedding"] == "head"
+
+
+def test_structure_edge_cases_route_or_raise():
+    # A root list of modules (sequential) is not a block container: the last entry's (d, V)
+    # matrix is the head, and an unnamed middle matrix is an error, never a silent 'hidden'.
+    seq = [{"embedding": np.zeros((V, D))}, {"w": np.zeros((D, D))}, {"kernel": np.zeros((D, V))}]
+    with pytest.raises(ValueError, match=r"no label for these matrices: 1/w \(16, 16\)"):
+        rowgeom.label_params(seq)
+    assert flat(rowgeom.label_params(seq, rules=[("^1/w$", "hidden")])) == {
+        "0/embedding": "embedding", "1/w": "hidden", "2/kernel": "head"}
+    # Two vocabularies (source and target tables): the head matches the target one.
+    seq2seq = {"encoder_embed": {"embedding": np.zeros((2 * V, D))},
+               "decoder_embed": {"embedding": np.zeros((V, D))},
+               "layers": [{"mlp": np.zeros((D, D))}], "logitdense": {"kernel": np.zeros((D, V))}}
+    assert flat(rowgeom.label_params(seq2seq))["logitdense/kernel"] == "head"
+    # A kernel inside a norm module (adaptive norms project a condition) is a matrix.
+    ada = {"embed": {"embedding": np.zeros((V, D))}, "lm_head": {"kernel": np.zeros((D, V))},
+           "layers": [{"ada_norm": {"kernel": np.zeros((D, 2 * D)), "scale": np.zeros(D)}}]}
+    labels = flat(rowgeom.label_params(ada))
+    assert labels["layers/0/ada_norm/kernel"] == "hidden"
+    assert labels["layers/0/ada_norm/scale"] == "vector"
+
+
+def test_an_unstacked_block_container_is_not_taken_for_scanned_layers():
+    """One block under "layers" with no numbered children: its rank-2 kernels are matrices
+    (no layer axis), never stacked vectors; with a scanned stack beside it nothing changes."""
+    one = {"embed": {"embedding": np.zeros((V, D))}, "lm_head": {"kernel": np.zeros((D, V))},
+           "layers": {"attn": {"q": {"kernel": np.zeros((D, D))}},
+                      "mlp": {"w": np.zeros((D, 4 * D))}, "norm": {"scale": np.zeros(D)}}}
+    labels = flat(rowgeom.label_params(one))
+    assert labels["layers/attn/q/kernel"] == "hidden" and labels["layers/mlp/w"] == "hidden"
+    rows = {r.path: r.geometry for r in rowgeom.describe(one)}
+    assert rows["layers/mlp/w"] == "Muon, in 0 out 1"
+    del one["layers"]["norm"]  # no norm either: every leaf's axis 0 is d, still no layer axis
+    labels = flat(rowgeom.label_params(one))
+    assert labels["layers/attn/q/kernel"] == "hidden" and labels["layers/mlp/w"] == "hidden"

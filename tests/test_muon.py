@@ -253,3 +253,15 @@ def test_matches_newton_schulz_on_batch(rng):
     out = apply(muon_orthogonalize(scale=None, dimension_numbers=MuonDimensionNumbers(1, 2)),
                 {"w": g})["w"]
     np.testing.assert_allclose(out, newton_schulz(g), atol=1e-6)
+
+
+def test_optax_contrib_dimension_numbers_are_accepted(rng):
+    """optax's own MuonDimensionNumbers work wherever rowgeom's do: one, per leaf, in a tree."""
+    g = {"w": randn(rng, 3, 8, 20), "v": randn(rng, 8, 12)}
+    ours = {"w": MuonDimensionNumbers(1, 2), "v": MuonDimensionNumbers()}
+    theirs = {"w": optax.contrib.MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,)),
+              "v": optax.contrib.MuonDimensionNumbers()}
+    want = apply(muon_orthogonalize(dimension_numbers=ours), g)
+    chex.assert_trees_all_close(apply(muon_orthogonalize(dimension_numbers=theirs), g), want)
+    one = muon_orthogonalize(dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 2))
+    chex.assert_trees_all_close(apply(one, {"w": g["w"]})["w"], want["w"])

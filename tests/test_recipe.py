@@ -102,7 +102,7 @@ def default_run(params):
 
 
 def np_rownorm(m, vocab_axis, center=True, eps=1e-8):
-    """Spec §5: centre over tokens, normalise each token row, centre again (fp64)."""
+    """Projected RowNorm reference: centre over tokens, normalise each token row, centre again."""
     x = np.moveaxis(np.asarray(m, np.float64), vocab_axis, 0)
     if center:
         x = x - x.mean(axis=0, keepdims=True)
@@ -120,7 +120,7 @@ def np_diameter(s, vocab_axis):
 # ---------------------------------------------------------------- the head geometry, numerically
 
 
-def test_rownorm_head_step_equals_the_spec_reference(default_run):
+def test_rownorm_head_step_equals_the_fp64_reference(default_run):
     steps, _ = default_run
     head_lr, mom = ROWNORM_HEAD_LR_MULTIPLIER * LR, 0.0
     for before, grads, updates in steps:
@@ -134,6 +134,17 @@ def test_rownorm_head_step_equals_the_spec_reference(default_run):
         assert np.abs(got - wrong).max() > 1e-3
         # Without weight decay every token column moves by at most head_lr (radius r = lr).
         assert np_diameter(got + head_lr * WD * w, 1) <= 2 * head_lr * (1 + 1e-5)
+        # What the docstring says: every row lies at distance exactly head_lr from the common
+        # point head_lr * nbar (nbar: mean of the unit centred momentum rows), while the rows'
+        # own norms spread around head_lr.
+        rows = (got + head_lr * WD * w).T
+        x = mom.T - mom.T.mean(axis=0)
+        nbar = (x / np.linalg.norm(x, axis=1, keepdims=True)).mean(axis=0)
+        np.testing.assert_allclose(np.linalg.norm(rows - head_lr * nbar, axis=1), head_lr,
+                                   rtol=1e-4)
+        norms = np.linalg.norm(rows, axis=1)
+        assert norms.max() - norms.min() > 1e-3 * head_lr
+        assert np.all(np.abs(norms / head_lr - 1) <= np.linalg.norm(nbar) * (1 + 1e-4))
 
 
 def test_hidden_step_is_muon_of_the_nesterov_momentum(default_run):
@@ -288,13 +299,16 @@ def test_head_vocab_axis_inference():
     for path, shape in ((("output", "w"), (D, V)), (("lm_head", "kernel"), (D, 2, V))):
         with pytest.raises(ValueError, match="head_vocab_axis"):
             infer_head_vocab_axis(path, shape)
+    # With the vocabulary size known from the embedding, the one axis of size V is the vocab axis.
     params = {"embed": np.zeros((V, D), np.float32), "output": {"w": np.zeros((D, V), np.float32)}}
-    with pytest.raises(ValueError, match="output/w"):
-        rowgeom.lm_optimizer(LR).init(params)
-    steps, _ = run_steps(rowgeom.lm_optimizer(LR, head_vocab_axis=1, track_head=False),
-                         params, n=1)
+    steps, _ = run_steps(rowgeom.lm_optimizer(LR, track_head=False), params, n=1)
     got = flat(steps[0][2])["output/w"]
-    assert np.abs(got.sum(axis=1)).max() < 1e-5  # centred over the given vocab axis
+    assert np.abs(got.sum(axis=1)).max() < 1e-5  # centred over the inferred vocab axis 1
+    # A square head (V == d) named neither kernel nor weight: an error naming it, then the fix.
+    square = {"embed": np.zeros((D, D), np.float32), "output": {"w": np.zeros((D, D), np.float32)}}
+    with pytest.raises(ValueError, match="output/w.*Pass head_vocab_axis"):
+        rowgeom.lm_optimizer(LR).init(square)
+    rowgeom.lm_optimizer(LR, head_vocab_axis=1).init(square)
 
 
 def test_bad_arguments_name_the_parameter():
@@ -306,3 +320,32 @@ def test_bad_arguments_name_the_parameter():
         rowgeom.lm_optimizer(LR, head_vocab_axis=jnp.asarray(1))
     with pytest.raises(TypeError, match="labels must be"):
         rowgeom.lm_optimizer(LR, labels="hidden")
+
+
+def test_empty_head_group_raises_unless_tied_is_said(params):
+    labels = rowgeom.label_params(params)
+    labels["lm_head"]["kernel"] = "hidden"  # a user labelling that forgot the head
+    with pytest.raises(ValueError, match=r"no parameter is labelled 'head'.*tied='embedding'"):
+        rowgeom.lm_optimizer(LR, labels=labels).init(params)
+    rowgeom.lm_optimizer(LR, labels=labels, tied="embedding").init(params)  # said: fine
+    with pytest.raises(ValueError, match=r"tied='head'\): no parameter is labelled 'head'"):
+        rowgeom.lm_optimizer(LR, labels=labels, tied="head").init(params)
+
+
+@pytest.mark.parametrize("head", ["adamw", "muon"])
+def test_default_head_rates_come_from_lm_optimizer_hparams(params, head):
+    """One source of truth: the head's step size is the rate lm_optimizer_hparams reports,
+    HEAD_LR_MULTIPLIERS[head] (3) times the base rate, as the head study chose."""
+    rate = rowgeom.lm_optimizer_hparams(LR, head=head)["head"].learning_rate
+    assert rate == pytest.approx(3 * LR)
+    tx = rowgeom.lm_optimizer(LR, head=head, weight_decay=0.0, track_head=False)
+    grads = random_grads(params, seed=0)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    step = np.asarray(updates["lm_head"]["kernel"], np.float64)
+    if head == "adamw":  # first AdamW step: -lr * g / (|g| + eps), so max |step| = lr
+        assert np.abs(step).max() == pytest.approx(rate, rel=1e-3)
+    else:  # Muon of the first Nesterov momentum (1 + beta) g, times the rate
+        g = grads["lm_head"]["kernel"]
+        orth = rowgeom.muon_orthogonalize()
+        want, _ = orth.update((1 + BETA) * g, orth.init(g))
+        np.testing.assert_allclose(step, -rate * np.asarray(want), rtol=1e-4, atol=1e-8)

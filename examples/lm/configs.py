@@ -22,15 +22,14 @@ import types
 import typing
 from collections.abc import Sequence
 
-# A RowNorm head moves every token row by exactly its learning rate; rowgeom.lm_optimizer's default
-# gives it 5x the base rate (Lau & Su's ratio, spec §5). The example passes the head rate explicitly
-# (it needs the value for the head-step diagnostics), using the library's own default factor.
-from rowgeom._recipe import ROWNORM_HEAD_LR_MULTIPLIER
+# The example passes the head rate explicitly (it needs the value for the head-step diagnostics),
+# resolved by the library's own rule (rowgeom.lm_optimizer_hparams), never a copy of it.
+import rowgeom
 
 SCHEDULES = ("cosine", "wsd")
 HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 # Heads trained by projected RowNorm (rowgeom.lm_optimizer(head="rownorm")); "rownorm-rescaled"
-# rescales each direction to the whole diameter budget (head_rescale="exact", spec §4).
+# rescales each direction to the whole diameter budget (head_rescale="exact").
 ROWNORM_HEADS = ("rownorm", "rownorm-rescaled")
 
 
@@ -65,7 +64,7 @@ class Config:
     # Muon's step is RMS-matched to AdamW (rowgeom: scale="rms"), so one base rate serves the hidden
     # (Muon), embedding and vector (AdamW) groups; None below means "derived from learning_rate".
     learning_rate: float = 6e-3
-    head_learning_rate: float | None = None  # None: 5x learning_rate (rownorm), 1x (adamw, muon)
+    head_learning_rate: float | None = None  # None: 5x learning_rate (rownorm), 3x (adamw, muon)
     embedding_learning_rate: float | None = None
     vector_learning_rate: float | None = None
     weight_decay: float = 0.1  # decoupled, matrices only (hidden, head, embedding)
@@ -98,11 +97,11 @@ class Config:
     seed: int = 0
 
     def resolved_head_learning_rate(self) -> float:
-        """Peak head learning rate (the default mirrors rowgeom.lm_optimizer's)."""
-        if self.head_learning_rate is not None:
-            return self.head_learning_rate
-        factor = ROWNORM_HEAD_LR_MULTIPLIER if self.head in ROWNORM_HEADS else 1.0
-        return factor * self.learning_rate
+        """Peak head learning rate: rowgeom.lm_optimizer_hparams' (each head's study default)."""
+        head = "rownorm" if self.head in ROWNORM_HEADS else self.head
+        return rowgeom.lm_optimizer_hparams(self.learning_rate, head=head,
+                                            head_learning_rate=self.head_learning_rate
+                                            )["head"].learning_rate
 
     def validate(self) -> Config:
         """Raise ValueError naming the field when a value is out of range; return self."""

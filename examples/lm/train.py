@@ -296,6 +296,12 @@ def train(cfg: configs.Config, workdir: str | Path, *, resume: bool = False,
     out(f"{mesh_lib.describe(mesh)}; {head}; "
         f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} parameters; "
         f"{'exact' if trainer.exact_diameter else 'bracketed'} head diameter")
+    out(str(rowgeom.describe(  # each parameter's label, geometry, peak learning rate and decay
+        state["params"], cfg.learning_rate, tied="embedding" if cfg.tied_embeddings else None,
+        head="rownorm" if cfg.head in configs.ROWNORM_HEADS else cfg.head,
+        head_learning_rate=cfg.resolved_head_learning_rate(), weight_decay=cfg.weight_decay,
+        embedding_learning_rate=cfg.embedding_learning_rate,
+        vector_learning_rate=cfg.vector_learning_rate)))
 
     train_batches = _Batches(tokens.train, cfg, mesh, batch_size=cfg.batch_size, seed=cfg.seed)
     val_batches = _Batches(tokens.val, cfg, mesh, batch_size=cfg.batch_size, seed=VAL_SEED)
