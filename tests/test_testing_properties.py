@@ -1,0 +1,118 @@
+"""rowgeom's own head transforms, property-tested with rowgeom.testing the way users will.
+
+Strategies from `rowgeom.testing.strategies` draw the inputs (cross-entropy head gradients with
+Zipf targets, adversarial token rows; both layouts, float32/bfloat16, padded vocabularies);
+`rowgeom.testing` assertions check the properties; `chex.variants` runs each transform with and
+without `jax.jit` and on device. Every assertion is checked against an independent float64
+numpy measurement in tests/test_testing.py.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from hypothesis import given, settings
+
+import rowgeom
+import rowgeom.testing as rt
+from rowgeom.testing import strategies
+
+# One shape, two layouts, two dtypes, two paddings: each combination is an XLA compile per
+# variant (`num_valid` is static), and compiles dominate the run time.
+SHAPES = dict(vocab_sizes=(12,), feature_sizes=(8,), padded=(0, 3))
+EXAMPLES = 6
+
+
+def _rownorm(u, *, vocab_axis, num_valid):
+    return rowgeom.project_rownorm(u, vocab_axis=vocab_axis, num_valid=num_valid)
+
+
+def _clip(u, *, vocab_axis, max_diameter):
+    tx = rowgeom.clip_row_diameter(max_diameter, vocab_axis=vocab_axis)
+    return tx.update({"head": u}, tx.init({"head": u}))[0]["head"]
+
+
+def _rounding(dtype) -> float:
+    """Relative error of one rounding of a float32 result to `dtype` (0 for float32)."""
+    return 0.0 if jnp.dtype(dtype) == jnp.float32 else float(jnp.finfo(dtype).eps)
+
+
+def _check_rownorm_step(step, ex):
+    """The properties of projected RowNorm's step (radius 1) on one example."""
+    assert step.shape == ex.update.shape and step.dtype == ex.update.dtype
+    assert bool(jnp.all(jnp.isfinite(step.astype(jnp.float32)))), ex.kind
+    slack = 1e-5 + _rounding(step.dtype)
+    rt.assert_row_diameter_at_most(step, 2.0, vocab_axis=ex.vocab_axis, rtol=slack)
+    rt.assert_rows_zero_sum(step, vocab_axis=ex.vocab_axis, num_valid=ex.num_valid)
+    head = step if ex.vocab_axis == 0 else step.T  # hilbert_perturbation takes (V, d) or (d, V)
+    rt.assert_hilbert_perturbation_at_most(head, ex.hidden, 2.0, vocab_axis=0, rtol=slack)
+
+
+class ProjectedRowNormProperties(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True, with_device=True)
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(ex=strategies.lm_head_gradients(**SHAPES))
+    def test_cross_entropy_gradients(self, ex):
+        fn = self.variant(_rownorm, static_argnames=("vocab_axis", "num_valid"))
+        _check_rownorm_step(fn(ex.update, vocab_axis=ex.vocab_axis, num_valid=ex.num_valid), ex)
+
+    @chex.variants(with_jit=True, without_jit=True, with_device=True)
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(ex=strategies.token_row_patterns(**SHAPES))
+    def test_adversarial_rows(self, ex):
+        fn = self.variant(_rownorm, static_argnames=("vocab_axis", "num_valid"))
+        _check_rownorm_step(fn(ex.update, vocab_axis=ex.vocab_axis, num_valid=ex.num_valid), ex)
+
+
+class ClipRowDiameterProperties(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(ex=strategies.token_row_patterns(**{**SHAPES, "padded": False}))
+    def test_clipped_update_is_within_the_cap(self, ex):
+        cap = 0.5
+        fn = self.variant(_clip, static_argnames=("vocab_axis",))
+        clipped = fn(ex.update, vocab_axis=ex.vocab_axis, max_diameter=cap)
+        # The O(Vd) bound clip: certified by the bracket's upper end, whatever V is.
+        rt.assert_row_diameter_at_most(clipped, cap, vocab_axis=ex.vocab_axis, method="bounds",
+                                       rtol=1e-5 + 2 * _rounding(clipped.dtype))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(ex=strategies.lm_head_gradients(**{**SHAPES, "padded": False}, dtypes=("float32",)))
+def test_cross_entropy_gradients_are_in_the_gauge(ex):
+    # Softmax minus one-hot sums to zero over the vocabulary, hence so do the gradient rows.
+    rt.assert_rows_zero_sum(ex.update, vocab_axis=ex.vocab_axis)
+    assert ex.update.shape[ex.vocab_axis] in SHAPES["vocab_sizes"]
+    assert ex.hidden.shape[-1] == ex.update.shape[1 - ex.vocab_axis]
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(ex=strategies.token_row_patterns(**SHAPES, dtypes=("float32",)))
+def test_assert_row_diameter_agrees_with_float64_brute_force(ex):
+    rows = np.moveaxis(np.asarray(ex.update, np.float64), ex.vocab_axis, 0)
+    exact = max(np.linalg.norm(rows[:, None] - rows[None], axis=-1).max(), 1e-30)
+    for kwargs in ({"method": "exact"}, {"method": "auto", "exact_max_vocab": 1}):
+        rt.assert_row_diameter_at_most(ex.update, exact * (1 + 1e-4), vocab_axis=ex.vocab_axis,
+                                       **kwargs)
+        with np.testing.assert_raises(AssertionError):
+            rt.assert_row_diameter_at_most(ex.update, exact * (1 - 1e-3),
+                                           vocab_axis=ex.vocab_axis, **kwargs)
+
+
+@settings(max_examples=1, deadline=None)
+@given(ex=strategies.lm_head_gradients(vocab_sizes=(12,), feature_sizes=(8,), vocab_axes=(1,),
+                                       dtypes=("float32",), padded=False))
+def test_optimizer_steps_on_a_drawn_gradient_do_not_retrace(ex):
+    params = {"embed": {"embedding": jnp.zeros((12, 8))},
+              "layers": {"0": {"mlp": {"kernel": jnp.eye(8)}}},
+              "norm": {"scale": jnp.ones(8)},
+              "lm_head": {"kernel": jnp.zeros((8, 12))}}
+    grads = jax.tree.map(jnp.ones_like, params)
+    grads["lm_head"]["kernel"] = ex.update
+    rt.assert_optimizer_does_not_retrace(rowgeom.lm_optimizer(1e-3), params, grads)
+    rt.assert_optimizer_does_not_retrace(
+        optax.chain(optax.ema(0.9), rowgeom.projected_rownorm(vocab_axis=1), optax.sgd(0.1)),
+        params["lm_head"], grads["lm_head"])
