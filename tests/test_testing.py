@@ -97,17 +97,31 @@ def test_row_diameter_auto_falls_back_to_exact():
         f"inconclusive bracket [{lower:.8g}, {upper:.8g}], V = 7)")
 
 
+@pytest.mark.xfail(strict=True, reason="rowgeom.row_diameter_bounds centres in float32: with a "
+                   "large common offset its bracket can miss D (found by token_row_patterns' "
+                   "'large_offset'); assert_row_diameter_at_most measures pivoted rows instead")
+def test_row_diameter_bounds_bracket_rows_with_a_large_offset():
+    rng = np.random.default_rng(3)
+    rows = (rng.standard_normal((2, 8)) + 1e5 * rng.standard_normal(8)).astype(np.float32)
+    diameter = np_row_diameter(rows, 0)
+    lower, upper = (float(b) for b in rowgeom.row_diameter_bounds(jnp.asarray(rows),
+                                                                  vocab_axis=0))
+    assert lower <= diameter * (1 + 1e-6) and diameter <= upper * (1 + 1e-6), (lower, diameter,
+                                                                               upper)
+    rt.assert_row_diameter_at_most(rows, diameter, vocab_axis=0, method="bounds")  # pivoted
+
+
 def test_row_diameter_nnx_state_paths_and_nan():
     class Head(nnx.Module):
         def __init__(self, rngs):
-            self.lm_head = nnx.Linear(4, 6, use_bias=False, rngs=rngs)
+            self.lm_head = nnx.Linear(8, 12, use_bias=False, rngs=rngs)
 
     state = nnx.state(Head(nnx.Rngs(0)), nnx.Param)  # leaves are nnx.Param Variables
     diameter = np_row_diameter(state["lm_head"]["kernel"].get_value(), 1)
     rt.assert_row_diameter_at_most(state, diameter, vocab_axis=1)
     with pytest.raises(AssertionError, match=r"^leaf 'lm_head/kernel': row diameter D = "):
         rt.assert_row_diameter_at_most(state, diameter / 2, vocab_axis=1)
-    bad = jnp.zeros((3, 2)).at[1, 0].set(jnp.nan)
+    bad = jnp.zeros((12, 8)).at[1, 0].set(jnp.nan)
     with pytest.raises(AssertionError, match=r"row diameter D = nan > bound 1 "):
         rt.assert_row_diameter_at_most({"w": bad}, 1.0, vocab_axis=0)
 
@@ -150,7 +164,7 @@ def test_zero_sum_passes_on_projected_rownorm_and_trips_on_the_gradient(dtype):
 
 def test_zero_sum_padded_rows():
     rng = np.random.default_rng(2)
-    grad = jnp.asarray(rng.standard_normal((12, 4)), jnp.float32)  # (V, d), 3 padded rows
+    grad = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)  # (V, d), 3 padded rows
     step = rowgeom.project_rownorm(grad, vocab_axis=0, num_valid=9)
     rt.assert_rows_zero_sum(step, vocab_axis=0, num_valid=9)
     with pytest.raises(AssertionError, match=r"token rows do not sum to zero"):
@@ -207,11 +221,16 @@ ROUTING = {"embed": "embedding", "layers": "hidden", "layers/0/bias": "vector",
            "norm": "vector", "lm_head": "head"}
 
 
+def abstract_state():
+    """The model's parameters as nnx.Param Variables of ShapeDtypeStructs (no compute)."""
+    return nnx.state(nnx.eval_shape(lambda: TinyLM(nnx.Rngs(0))), nnx.Param)
+
+
 def test_labels_equal_on_nnx_variable_trees():
-    state = nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param)  # Variables, as nnx.Optimizer's tx.init
+    state = abstract_state()  # Variables, as nnx.Optimizer hands them to tx.init
     labels = rowgeom.label_params(state)
     rt.assert_labels_equal(labels, ROUTING)
-    plain = jax.tree.map(lambda v: v, nnx.to_pure_dict(state))  # the plain arrays of tx.update
+    plain = nnx.to_pure_dict(state)  # a plain nested dict, as tx.update sees the params
     rt.assert_labels_equal(rowgeom.label_params(plain), labels)  # a labels tree as expected
     boxed = jax.tree.map(lambda v, label: v.replace(label), state, labels,
                          is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -219,7 +238,7 @@ def test_labels_equal_on_nnx_variable_trees():
 
 
 def test_labels_equal_readable_diff():
-    labels = rowgeom.label_params(nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param))
+    labels = rowgeom.label_params(abstract_state())
     wrong = {**ROUTING, "lm_head/kernel": "embedding", "decoder": "hidden"}
     del wrong["norm"]
     with pytest.raises(AssertionError) as err:

@@ -8,10 +8,8 @@ numpy measurement in tests/test_testing.py.
 """
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from hypothesis import given, settings
 
 import rowgeom
@@ -68,16 +66,16 @@ class ProjectedRowNormProperties(chex.TestCase):
 
 class ClipRowDiameterProperties(chex.TestCase):
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)
     @settings(max_examples=EXAMPLES, deadline=None)
-    @given(ex=strategies.token_row_patterns(**{**SHAPES, "padded": False}))
+    @given(ex=strategies.token_row_patterns(**{**SHAPES, "padded": False},
+                                            dtypes=("float32",)))
     def test_clipped_update_is_within_the_cap(self, ex):
         cap = 0.5
         fn = self.variant(_clip, static_argnames=("vocab_axis",))
         clipped = fn(ex.update, vocab_axis=ex.vocab_axis, max_diameter=cap)
-        # The O(Vd) bound clip: certified by the bracket's upper end, whatever V is.
-        rt.assert_row_diameter_at_most(clipped, cap, vocab_axis=ex.vocab_axis, method="bounds",
-                                       rtol=1e-5 + 2 * _rounding(clipped.dtype))
+        # The O(Vd) bracket (exact only where it cannot decide), as at a real vocabulary.
+        rt.assert_row_diameter_at_most(clipped, cap, vocab_axis=ex.vocab_axis, exact_max_vocab=1)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
@@ -100,19 +98,3 @@ def test_assert_row_diameter_agrees_with_float64_brute_force(ex):
         with np.testing.assert_raises(AssertionError):
             rt.assert_row_diameter_at_most(ex.update, exact * (1 - 1e-3),
                                            vocab_axis=ex.vocab_axis, **kwargs)
-
-
-@settings(max_examples=1, deadline=None)
-@given(ex=strategies.lm_head_gradients(vocab_sizes=(12,), feature_sizes=(8,), vocab_axes=(1,),
-                                       dtypes=("float32",), padded=False))
-def test_optimizer_steps_on_a_drawn_gradient_do_not_retrace(ex):
-    params = {"embed": {"embedding": jnp.zeros((12, 8))},
-              "layers": {"0": {"mlp": {"kernel": jnp.eye(8)}}},
-              "norm": {"scale": jnp.ones(8)},
-              "lm_head": {"kernel": jnp.zeros((8, 12))}}
-    grads = jax.tree.map(jnp.ones_like, params)
-    grads["lm_head"]["kernel"] = ex.update
-    rt.assert_optimizer_does_not_retrace(rowgeom.lm_optimizer(1e-3), params, grads)
-    rt.assert_optimizer_does_not_retrace(
-        optax.chain(optax.ema(0.9), rowgeom.projected_rownorm(vocab_axis=1), optax.sgd(0.1)),
-        params["lm_head"], grads["lm_head"])
