@@ -122,8 +122,9 @@ def test_row_diameter_nnx_state_paths_and_nan():
     with pytest.raises(AssertionError, match=r"^leaf 'lm_head/kernel': row diameter D = "):
         rt.assert_row_diameter_at_most(state, diameter / 2, vocab_axis=1)
     bad = jnp.zeros((12, 8)).at[1, 0].set(jnp.nan)
-    with pytest.raises(AssertionError, match=r"row diameter D = nan > bound 1 "):
-        rt.assert_row_diameter_at_most({"w": bad}, 1.0, vocab_axis=0)
+    for kwargs in ({}, {"exact_max_vocab": 1}):  # exact, and the bracket's exact fallback
+        with pytest.raises(AssertionError, match=r"row diameter D = nan > bound 1 "):
+            rt.assert_row_diameter_at_most({"w": bad}, 1.0, vocab_axis=0, **kwargs)
 
 
 def test_row_diameter_bad_arguments(head):
@@ -132,6 +133,8 @@ def test_row_diameter_bad_arguments(head):
         rt.assert_row_diameter_at_most(tree, 1.0, vocab_axis={"lm_haed": 1})
     with pytest.raises(ValueError, match=r"leaf .norm/scale.: expected an array of rank >= 2 "):
         rt.assert_row_diameter_at_most(tree, 1.0, vocab_axis=0)
+    with pytest.raises(TypeError, match="leaf 'w': expected a floating array, got dtype int32"):
+        rt.assert_row_diameter_at_most({"w": jnp.ones((3, 2), jnp.int32)}, 1.0, vocab_axis=0)
     with pytest.raises(ValueError, match="bound must be finite and >= 0"):
         rt.assert_row_diameter_at_most(tree, -1.0, vocab_axis={"lm_head": 1})
     with pytest.raises(TypeError, match="call them outside jax.jit"):

@@ -10,7 +10,7 @@ numpy measurement in tests/test_testing.py.
 import chex
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import Phase, find, given, settings
 
 import rowgeom
 import rowgeom.testing as rt
@@ -19,7 +19,9 @@ from rowgeom.testing import strategies
 # One shape, two layouts, two dtypes, two paddings: each combination is an XLA compile per
 # variant (`num_valid` is static), and compiles dominate the run time.
 SHAPES = dict(vocab_sizes=(12,), feature_sizes=(8,), padded=(0, 3))
-EXAMPLES = 6
+# The `ci` profile's 20 examples per property would be mostly compiles here; 6 keep the file
+# within its time budget. A larger profile (HYPOTHESIS_PROFILE=thorough) runs its full count.
+EXAMPLES = 6 if settings.default.max_examples <= 20 else settings.default.max_examples
 
 
 def _rownorm(u, *, vocab_axis, num_valid):
@@ -98,3 +100,37 @@ def test_assert_row_diameter_agrees_with_float64_brute_force(ex):
         with np.testing.assert_raises(AssertionError):
             rt.assert_row_diameter_at_most(ex.update, exact * (1 - 1e-3),
                                            vocab_axis=ex.vocab_axis, **kwargs)
+
+
+def test_strategies_draw_every_layout_dtype_padding_and_pattern():
+    seen = set()
+    collect = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                       phases=[Phase.generate])
+
+    for strategy in (strategies.lm_head_gradients(**SHAPES),
+                     strategies.token_row_patterns(**SHAPES)):
+        @collect
+        @given(ex=strategy)
+        def draw(ex):
+            assert ex.update.shape[ex.vocab_axis] == 12 and ex.hidden.shape[-1] == 8
+            assert ex.num_valid in (None, 9)
+            seen.add((ex.kind == "cross_entropy", ex.vocab_axis, str(ex.update.dtype),
+                      ex.num_valid))
+            seen.add(ex.kind)
+
+        draw()
+    combos = {(ce, axis, dtype, nv) for ce in (True, False) for axis in (0, 1)
+              for dtype in ("float32", "bfloat16") for nv in (None, 9)}
+    assert combos <= seen, combos - seen
+    assert set(strategies.PATTERNS) <= seen, set(strategies.PATTERNS) - seen
+    with np.testing.assert_raises_regex(ValueError, "vocab_axes must be 0"):
+        find(strategies.token_row_patterns(vocab_axes=[2]), lambda ex: True)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(tokens=strategies.zipf_token_batches(vocab_size=50, shape=(64, 64)))
+def test_zipf_token_batches_are_skewed(tokens):
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=50)
+    assert tokens.dtype == jnp.int32 and counts.sum() == 64 * 64
+    # Exponent >= 0.8 over 50 tokens: the top token has >= 10% of the mass (uniform: 2%).
+    assert counts.max() >= 0.07 * counts.sum()
