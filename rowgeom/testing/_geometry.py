@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,7 +42,11 @@ def _pivoted(leaf, axis: int):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"expected a floating array, got dtype {x.dtype}")
     x = x.astype(jnp.float32)
-    return x - jnp.take(x, jnp.array([0]), axis=axis)
+    # The first row by a one-hot contraction, not a gather: a vocabulary-sharded array under
+    # Explicit mesh axes allows a contraction (an all-reduce of one row) but no gather.
+    onehot = (jnp.arange(x.shape[axis]) == 0).astype(jnp.float32)
+    first = jnp.tensordot(x, onehot, axes=(axis, 0), precision=jax.lax.Precision.HIGHEST)
+    return x - jnp.expand_dims(first, axis)
 
 
 def _bracket_rounding(shape, axis: int) -> float:
