@@ -1,0 +1,142 @@
+"""Leaf paths for the assertions: ``"lm_head/kernel"`` for any tree a user holds.
+
+A nested dict, an ``nnx.State`` of ``nnx.Variable`` (as ``nnx.state(model)`` returns it), the same
+state as plain arrays and a Flax Linen ``{"params": ...}`` tree with boxed leaves all name a leaf
+by the same ``"/"``-joined path, the form `rowgeom.label_params` uses in its messages. Flax is
+never imported: its boxes are recognised only when the caller already loaded it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+ROOT = "(root)"
+"""How the path of a bare array (a tree with one leaf and no keys) is shown."""
+
+
+def box_types() -> tuple[type, ...]:
+    types = []
+    variablelib = sys.modules.get("flax.nnx.variablelib")
+    if variablelib is not None:
+        types.append(variablelib.Variable)
+    meta = sys.modules.get("flax.core.meta")
+    if meta is not None:
+        types.append(meta.AxisMetadata)
+    return tuple(types)
+
+
+def unbox(x, boxes=None):
+    """The value inside a Flax box (``nnx.Variable``, ``nn.Partitioned``); `x` otherwise."""
+    boxes = box_types() if boxes is None else boxes
+    if boxes and isinstance(x, boxes):
+        if hasattr(x, "get_value"):
+            return x.get_value()
+        if hasattr(x, "unbox"):
+            return x.unbox()
+        return x.value
+    return x
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_string(path) -> str:
+    """``"a/b/0"`` for a key path (DictKey, GetAttrKey, SequenceKey, ...); `ROOT` when empty."""
+    return "/".join(_key_name(k) for k in path) or ROOT
+
+
+def leaves_with_paths(tree, *, keep_none: bool = False) -> list[tuple[str, object]]:
+    """``[(path, leaf)]`` in tree order, Flax boxes unwrapped into their values."""
+    boxes = box_types()
+
+    def is_leaf(x):
+        return (keep_none and x is None) or (bool(boxes) and isinstance(x, boxes))
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(path_string(p), unbox(x, boxes)) for p, x in flat]
+
+
+def components(path: str) -> tuple[str, ...]:
+    return () if path == ROOT else tuple(path.split("/"))
+
+
+def prefix_lookup(table: dict[str, object], path: str):
+    """``(key, value)`` of the longest entry of `table` that is a whole-component prefix of
+    `path` (``"layers"`` covers ``"layers/0/kernel"``, not ``"layers_norm/scale"``)."""
+    parts = components(path)
+    for n in range(len(parts), -1, -1):
+        key = "/".join(parts[:n]) or ROOT
+        if key in table:
+            return key, table[key]
+    return None, None
+
+
+def per_leaf_axes(vocab_axis, tree, *, argname: str = "vocab_axis", rank=(2, None)):
+    """``[(path, array, axis)]`` for the leaves of `tree` that `vocab_axis` selects.
+
+    `vocab_axis` is an int (every leaf), or a mapping -- nested like the tree, or flat with
+    ``"/"``-joined keys -- from paths to an int or None (None, or a leaf no entry covers: not
+    checked). Every entry must cover some leaf and at least one leaf must be selected, so a
+    misspelt path fails loudly instead of checking nothing. Every selected leaf must have a rank
+    in ``rank = (min, max or None)`` and ``vocab_axis`` in range, checked before any is measured.
+    """
+    leaves = leaves_with_paths(tree)
+    if not leaves:
+        raise ValueError(f"the tree has no array leaves to check (got {type(tree).__name__})")
+    if isinstance(vocab_axis, (bool, np.bool_)):
+        raise TypeError(f"{argname} must be an int or a mapping from paths to ints, "
+                        f"got {vocab_axis!r}")
+    if isinstance(vocab_axis, (int, np.integer)):
+        return _checked([(path, leaf, int(vocab_axis)) for path, leaf in leaves], rank, argname)
+    if not isinstance(vocab_axis, Mapping):
+        raise TypeError(f"{argname} must be an int or a mapping from paths to ints, "
+                        f"got {type(vocab_axis).__name__}")
+    table = dict(leaves_with_paths(vocab_axis, keep_none=True))
+    for key, value in table.items():
+        if value is not None and (isinstance(value, (bool, np.bool_))
+                                  or not isinstance(value, (int, np.integer))):
+            raise TypeError(f"{argname}[{key!r}] must be an int or None, got {value!r}")
+    selected, used = [], set()
+    for path, leaf in leaves:
+        key, axis = prefix_lookup(table, path)
+        if key is not None:
+            used.add(key)
+            if axis is not None:
+                selected.append((path, leaf, int(axis)))
+    unused = sorted(set(table) - used)
+    if unused:
+        raise ValueError(f"{argname} names paths with no leaf under them: {unused}; the tree's "
+                         f"leaves are {[p for p, _ in leaves]}")
+    if not selected:
+        raise ValueError(f"{argname} selects no leaf of the tree (every entry is None)")
+    return _checked(selected, rank, argname)
+
+
+def _checked(selected, rank, argname):
+    low, high = rank
+    for path, leaf, axis in selected:
+        shape = np.shape(leaf)
+        if len(shape) < low or (high is not None and len(shape) > high):
+            want = f"rank {low}" if high == low else f"rank >= {low}"
+            raise ValueError(f"leaf {path!r}: expected an array of {want} with token rows along "
+                             f"{argname}={axis}, got shape {shape}")
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(f"leaf {path!r}: {argname}={axis} is out of range for shape {shape}")
+    return selected
+
+
+def check_concrete(x, *, what: str):
+    """Host value of `x` as a numpy array; a clear error for tracers (inside jit)."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{what} is a JAX tracer: rowgeom.testing assertions read concrete values, so call "
+            "them outside jax.jit / nnx.jit, on the step's outputs")
+    return np.asarray(jax.device_get(x))
