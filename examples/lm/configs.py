@@ -152,9 +152,10 @@ class Config:
         return self
 
     def effective_warmup(self) -> int:
-        """Warmup updates actually used: `warmup_steps`, or half the run when it is longer than
-        the run (so that any `steps >= 1` trains, with half the run left to decay)."""
-        return self.warmup_steps if self.warmup_steps <= self.steps else self.steps // 2
+        """Warmup updates actually used: `warmup_steps`, or half the run when the warmup would
+        fill the whole run (so that any `steps >= 1` trains, with part of the run left to
+        decay)."""
+        return self.warmup_steps if self.warmup_steps < self.steps else self.steps // 2
 
     def resolved_eval_tokens(self) -> int:
         """Size of the fixed validation set in tokens (before rounding to whole batches)."""
