@@ -86,10 +86,11 @@ class Config:
 
     # Evaluation and diagnostics.
     eval_every: int = 100
-    # The fixed validation set: the first `eval_tokens` tokens of the validation split (whole
-    # batches; None: `eval_batches` batches of `batch_size` sequences).
-    eval_tokens: int | None = 1 << 16
-    eval_batches: int = 4
+    # The fixed validation set: the first `eval_tokens` tokens of the validation split, in whole
+    # batches of `batch_size` sequences (None: `eval_batches` batches, 32 x 16 x 128 = 65536
+    # tokens here). The same at every evaluation and in every run on the same data.
+    eval_tokens: int | None = None
+    eval_batches: int = 32
     hilbert_sequences: int = 4  # validation sequences whose final hidden states probe the head step
     exact_diameter_max_elements: int = 1 << 24  # V*d above this: report the O(Vd) bracket only
     log_every: int = 10
@@ -166,21 +167,19 @@ class Config:
 
 _GPU = dict(
     vocab_size=50304, seq_len=1024, compute_dtype="bfloat16", batch_size=256, steps=20000,
-    warmup_steps=500, eval_every=500, eval_tokens=1 << 23, hilbert_sequences=2, log_every=50,
+    warmup_steps=500, eval_every=500, eval_batches=32, hilbert_sequences=2, log_every=50,
     save_every=1000, learning_rate=3e-3, weight_decay=0.1, schedule="wsd", grad_clip=1.0,
 )
 
 CONFIGS: dict[str, Config] = {
     "test": Config(
         vocab_size=512, d_model=32, num_layers=2, num_heads=2, mlp_dim=64, seq_len=32,
-        batch_size=8, steps=8, warmup_steps=2, learning_rate=0.05, eval_every=4, eval_tokens=None,
-        eval_batches=1,
+        batch_size=8, steps=8, warmup_steps=2, learning_rate=0.05, eval_every=4, eval_batches=1,
         hilbert_sequences=2, log_every=1, save_every=4),
     "cpu-tiny": Config(),
     "cpu-small": Config(
         vocab_size=8192, d_model=256, num_layers=4, num_heads=4, mlp_dim=768, seq_len=256,
-        batch_size=16, steps=2000, warmup_steps=100, eval_every=250, save_every=500,
-        eval_tokens=1 << 17),
+        batch_size=16, steps=2000, warmup_steps=100, eval_every=250, save_every=500),
     "190m": Config(d_model=768, num_layers=14, num_heads=12, mlp_dim=2560, **_GPU),
     "380m": Config(d_model=1024, num_layers=22, num_heads=16, mlp_dim=2816, **_GPU),
     "640m": Config(d_model=1280, num_layers=26, num_heads=20, mlp_dim=3456, **_GPU),
