@@ -359,3 +359,35 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
         assert exit_info.value.code == 2, argv
         assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
         assert message in err and "Traceback" not in err, err
+
+
+def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
+    """With vocab_size 384 of which 300 are tokens, every update equals rowgeom.lm_optimizer's on
+    the same model cut to its 300 real rows, and the padding rows get exactly zero updates."""
+    from flax import nnx
+
+    from examples.lm import model as model_lib
+
+    test = configs.get_config("test")
+    padded = dataclasses.replace(test, vocab_size=384, valid_vocab_size=300)
+    real = dataclasses.replace(test, vocab_size=300)
+    model = model_lib.Transformer(train.model_config(padded), rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    cut = lambda tree: {**tree, "lm_head": {"kernel": tree["lm_head"]["kernel"][:, :300]},
+                        "embed": {"embedding": tree["embed"]["embedding"][:300]}}
+    tx_padded, tx_real = train.build_optimizer(padded), train.build_optimizer(real)
+    state_padded, state_real = tx_padded.init(params), tx_real.init(cut(params))
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    for _ in range(3):
+        grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+        # The masked loss gives the padding rows no gradient.
+        grads["lm_head"]["kernel"] = grads["lm_head"]["kernel"].at[:, 300:].set(0)
+        grads["embed"]["embedding"] = grads["embed"]["embedding"].at[300:].set(0)
+        up_padded, state_padded = tx_padded.update(grads, state_padded, params)
+        up_real, state_real = tx_real.update(cut(grads), state_real, cut(params))
+        assert np.all(np.asarray(up_padded["lm_head"]["kernel"][:, 300:]) == 0)
+        assert np.all(np.asarray(up_padded["embed"]["embedding"][300:]) == 0)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+                     cut(up_padded), up_real)
+        params = jax.tree.map(lambda p, u: p + u, params, up_padded)
+    assert np.all(np.asarray(params["lm_head"]["kernel"][:, 300:]) == 0)

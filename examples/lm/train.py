@@ -357,13 +357,19 @@ def resolve_resumed_config(cfg: configs.Config, meta: dict, *, explicit=None,
 
 
 class _Preemption:
-    """SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) sets a flag that the
-    loop checks after each step. Multi-process runs also ask orbax whether every host reached
-    JAX's preemption sync point, so that all hosts save at the same step."""
+    """Whether to save and stop after a step because the machine is going away.
+
+    One process: SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) sets a flag
+    that the loop checks after each step. Several processes: JAX's preemption notifier (started by
+    `jax.distributed.initialize`) receives the SIGTERM, and orbax's `reached_preemption` tells
+    every host the same step at which to save; no Python handler is installed then, as it would
+    replace JAX's.
+    """
 
     def __init__(self, ckpt):
         self.ckpt, self.signalled, self._previous = ckpt, False, None
-        if threading.current_thread() is threading.main_thread():
+        if (jax.process_count() == 1
+                and threading.current_thread() is threading.main_thread()):
             self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
