@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from examples.lm import checkpointing, configs, data, metrics, train
+from examples.lm import checkpointing, configs, data, metrics, resume
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, KEEP = 12, 2, 2
@@ -284,7 +284,7 @@ def test_damaged_checkpoints_give_a_clear_error(tmp_path, damage):
         if damage == "foreign metadata":  # valid JSON, but not the trainer's
             cfg = configs.get_config("test")
             with pytest.raises(ValueError, match="not written by this trainer"):
-                train.resolve_resumed_config(cfg, ckpt.restore_meta(1))
+                resume.resolve_config(cfg, ckpt.restore_meta(1))
         elif damage == "garbage metadata":
             with pytest.raises(ValueError, match=r"checkpoint 1 in .*ck cannot be read"):
                 ckpt.restore_meta(1)

@@ -30,9 +30,7 @@ import argparse
 import dataclasses
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -46,6 +44,7 @@ import rowgeom
 from examples.lm import checkpointing, configs, data, evaluate, metrics, throughput
 from examples.lm import mesh as mesh_lib
 from examples.lm import model as model_lib
+from examples.lm import resume as resume_lib
 
 # The head probe's validation sequences use a fixed seed, independent of the training seed, so
 # runs are comparable (the validation set itself is the start of the validation split).
@@ -279,16 +278,6 @@ def _head_stats(opt_state) -> dict:
 
 # ----------------------------------------------------------------------------- resuming
 
-# Fields that do not change what is trained or measured: a resumed run takes them from its
-# command line. Every other field defines the run and is followed from the checkpoint.
-RUNTIME_FIELDS = frozenset({
-    "data_dir", "checkpoint_dir", "keep_checkpoints", "save_every", "log_every", "eval_every",
-    "probe_last_steps", "exact_diameter_max_elements", "mesh_data", "mesh_fsdp", "mesh_tensor"})
-# Runtime fields that belong to the machine rather than the run: never taken from a checkpoint.
-_MACHINE_FIELDS = frozenset({"data_dir", "checkpoint_dir", "mesh_data", "mesh_fsdp",
-                             "mesh_tensor"})
-
-
 class UsageError(ValueError):
     """A problem with the command line, the data or the work directory, explained in one line."""
 
@@ -303,87 +292,16 @@ def with_tokenizer_vocab(cfg: configs.Config) -> configs.Config:
     return dataclasses.replace(cfg, vocab_size=padded, valid_vocab_size=n).validate()
 
 
-def resolve_resumed_config(cfg: configs.Config, meta: dict, *, explicit=None,
-                           change_horizon: bool = False, out=print) -> configs.Config:
-    """The config a resumed run follows: the checkpoint's, with runtime fields from `cfg`.
 
-    explicit: fields the command line set (None: all of them). Those that differ from the
-    checkpoint raise a ValueError if they define the run, except `steps` with `change_horizon`
-    (the schedule is then rebuilt for the new horizon). Fields not set explicitly are taken from
-    the checkpoint, so `train.py --workdir DIR` resumes any run.
-    """
-    saved = meta.get("config")
-    if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
-        raise ValueError("cannot resume: the checkpoint's metadata has no config and step "
-                         f"(not written by this trainer?): {str(meta)[:200]}")
-    names = {f.name for f in dataclasses.fields(configs.Config)}
-    unknown = sorted(set(saved) - names)
-    if unknown:
-        raise ValueError(f"cannot resume: the checkpoint's config has fields this trainer does not "
-                         f"know: {unknown}")
-    explicit = names if explicit is None else set(explicit)
-    merged, conflicts, changed = {}, {}, {}
-    for name in names:
-        now, was = getattr(cfg, name), saved.get(name, getattr(cfg, name))
-        if name in _MACHINE_FIELDS or (name in explicit and now != was and (
-                name in RUNTIME_FIELDS or (name == "steps" and change_horizon))):
-            merged[name] = now
-            if now != was and name not in _MACHINE_FIELDS:
-                changed[name] = (was, now)
-        elif name in explicit and now != was:
-            conflicts[name] = (was, now)
-        else:
-            merged[name] = was
-    if conflicts:
-        hint = " (or --change_horizon to change steps)" if "steps" in conflicts else ""
-        raise ValueError(
-            f"cannot resume: these fields differ from the checkpoint's (saved, now): "
-            f"{dict(sorted(conflicts.items()))}; rerun with the saved values{hint}, or start "
-            "fresh with --overwrite or a new --workdir")
-    resolved = configs.Config(**merged).validate()
+def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:
     if "steps" in changed:
-        step = meta["step"]
-        before = _scalar(lr_schedule(resolved.learning_rate, dataclasses.replace(
-            resolved, steps=changed["steps"][0]))(step))
-        after = _scalar(lr_schedule(resolved.learning_rate, resolved)(step))
+        old = dataclasses.replace(cfg, steps=changed["steps"][0])
+        before = _scalar(lr_schedule(cfg.learning_rate, old)(step))
+        after = _scalar(lr_schedule(cfg.learning_rate, cfg)(step))
         out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; the "
             f"learning rate of update {step + 1} changes from {before:.6g} to {after:.6g}")
     if changed:
-        out(f"resuming with changed settings (saved, now): {dict(sorted(changed.items()))}")
-    return resolved
-
-
-# ----------------------------------------------------------------------------- training loop
-
-
-class _Preemption:
-    """Whether to save and stop after a step because the machine is going away.
-
-    One process: SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) sets a flag
-    that the loop checks after each step. Several processes: JAX's preemption notifier (started by
-    `jax.distributed.initialize`) receives the SIGTERM, and orbax's `reached_preemption` tells
-    every host the same step at which to save; no Python handler is installed then, as it would
-    replace JAX's.
-    """
-
-    def __init__(self, ckpt):
-        self.ckpt, self.signalled, self._previous = ckpt, False, None
-        if (jax.process_count() == 1
-                and threading.current_thread() is threading.main_thread()):
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signalled = True
-
-    def reached(self, step: int) -> bool:
-        if jax.process_count() > 1 and self.ckpt.reached_preemption(step):
-            return True
-        return self.signalled
-
-    def close(self):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        out(f"resuming with changed settings (saved, now): {changed}")
 
 
 def _default_data_dir(workdir: str) -> str:
@@ -407,8 +325,9 @@ def _setup(cfg, workdir, *, explicit, overwrite, change_horizon, out):
     meta = None
     if latest is not None:
         meta = ckpt.restore_meta(latest)
-        cfg = resolve_resumed_config(cfg, meta, explicit=explicit,
-                                     change_horizon=change_horizon, out=out)
+        cfg, changed = resume_lib.resolve_config(cfg, meta, explicit=explicit,
+                                                 change_horizon=change_horizon)
+        _report_changes(changed, meta["step"], cfg, out)
         mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
     _check_batch(cfg, mesh)
     if cfg.effective_warmup() != cfg.warmup_steps:
@@ -438,7 +357,7 @@ def train(cfg: configs.Config, workdir, *, resume: bool = True, overwrite: bool 
     """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
 
     A workdir with checkpoints is resumed from the latest complete one, following the run's
-    saved config (see `resolve_resumed_config`; `explicit` names the fields the caller set,
+    saved config (see `resume.resolve_config`; `explicit` names the fields the caller set,
     None = all). resume: accepted for compatibility; resuming is the default. overwrite: delete
     the checkpoints and metrics and start fresh. change_horizon: accept a new `steps` on resume.
     stop_after: stop after this many optimizer steps without a final save, as if interrupted
@@ -489,7 +408,7 @@ def train(cfg: configs.Config, workdir, *, resume: bool = True, overwrite: bool 
     last_eval: dict = {}
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = _progress(total=cfg.steps, initial=start, enabled=progress and lead)
-    preemption = _Preemption(ckpt)
+    preemption = resume_lib.PreemptionWatcher(ckpt)
     window_start, window_steps = time.perf_counter(), 0
     try:
         with jax.set_mesh(mesh):
