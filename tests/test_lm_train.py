@@ -206,6 +206,21 @@ def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
     assert first["step"] == 4 and first["learning_rate"] == float(new)
 
 
+def test_overwrite_starts_fresh(corpus, interrupted):
+    fresh = corpus / "overwritten"
+    shutil.copytree(interrupted[0], fresh)
+    out = []
+    # Another seed would be refused on resume; --overwrite deletes the run and starts it anew.
+    train.train(_cfg(corpus, seed=3), fresh, overwrite=True, stop_after=1, progress=False,
+                print_fn=out.append)
+    assert any("--overwrite: deleting checkpoints [3]" in line for line in out), out
+    assert any("starting fresh" in line for line in out), out
+    assert [r["step"] for r in metrics.read_metrics(fresh)] == [1]
+    assert checkpointing.Checkpointer(fresh / "checkpoints").all_steps() == []
+    args = train._parser().parse_args(["--resume", "--overwrite", "--change-horizon"])
+    assert args.resume and args.overwrite and args.change_horizon  # all still accepted
+
+
 _EIGHT_DEVICES = textwrap.dedent("""
     import dataclasses, json, sys
     import jax
