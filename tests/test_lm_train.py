@@ -46,6 +46,11 @@ def _lines(workdir):
     return (Path(workdir) / metrics.METRICS_FILE).read_text().splitlines()
 
 
+def _records(workdir):
+    """metrics.jsonl without the wall-clock keys: what a resumed run must reproduce exactly."""
+    return [metrics.deterministic_part(r) for r in metrics.read_metrics(workdir)]
+
+
 @pytest.fixture(scope="module")
 def baseline(corpus):
     """An uninterrupted run through the command line: (workdir, stdout)."""
@@ -165,16 +170,55 @@ def test_resume_is_bit_identical(baseline, corpus, interrupted):
     out = []
     train.train(_cfg(corpus), resumed, resume=True, progress=False, print_fn=out.append)
     assert any("resumed from step 3" in line for line in out)
-    assert _lines(resumed) == _lines(baseline[0])
+    assert _records(resumed) == _records(baseline[0])
+    assert all(r["tokens_per_sec"] > 0 and r["sec_per_step"] > 0
+               for r in metrics.read_metrics(resumed))
 
 
-def test_refuses_mismatched_workdir(baseline, corpus):
+def test_resume_follows_the_saved_schedule(baseline, corpus, interrupted):
+    """Options the command line does not set come from the checkpoint: a resumed run with
+    another default horizon and learning rate follows the saved ones exactly."""
+    resumed = corpus / "resumed_saved_schedule"
+    shutil.copytree(interrupted[0], resumed)
+    other = _cfg(corpus, steps=40, learning_rate=1.0, warmup_steps=7)
+    train.train(other, resumed, explicit=frozenset(), progress=False, print_fn=lambda *a: None)
+    assert _records(resumed) == _records(baseline[0])
+
+
+def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
     quiet = lambda *a: None
-    with pytest.raises(ValueError, match="--resume"):
-        train.train(_cfg(corpus), baseline[0], progress=False, print_fn=quiet)
+    # A finished run rerun with the same options: nothing to do, the final evaluation reported.
+    out = []
+    train.train(_cfg(corpus), baseline[0], progress=False, print_fn=out.append)
+    assert out[-1] == train.summary_line(metrics.read_metrics(baseline[0])[-1])
     with pytest.raises(ValueError, match=r"cannot resume.*'d_model': \(32, 64\)"):
-        train.train(_cfg(corpus, d_model=64), baseline[0], resume=True, progress=False,
-                    print_fn=quiet)
+        train.train(_cfg(corpus, d_model=64), baseline[0], progress=False, print_fn=quiet)
+    with pytest.raises(ValueError, match=r"'steps': \(8, 12\).*--change_horizon"):
+        train.train(_cfg(corpus, steps=12), interrupted[0], progress=False, print_fn=quiet)
+    longer = corpus / "longer"
+    shutil.copytree(interrupted[0], longer)
+    out = []
+    train.train(_cfg(corpus, steps=12), longer, change_horizon=True, stop_after=4,
+                progress=False, print_fn=out.append)
+    assert any("--change_horizon: steps 8 -> 12" in line for line in out), out
+    first = metrics.read_metrics(longer)[3]  # step 4, the first update under the new horizon
+    new = train.lr_schedule(_cfg(corpus).learning_rate, _cfg(corpus, steps=12))(3)
+    assert first["step"] == 4 and first["learning_rate"] == float(new)
+
+
+def test_overwrite_starts_fresh(corpus, interrupted):
+    fresh = corpus / "overwritten"
+    shutil.copytree(interrupted[0], fresh)
+    out = []
+    # Another seed would be refused on resume; --overwrite deletes the run and starts it anew.
+    train.train(_cfg(corpus, seed=3), fresh, overwrite=True, stop_after=1, progress=False,
+                print_fn=out.append)
+    assert any("--overwrite: deleting checkpoints [3]" in line for line in out), out
+    assert any("starting fresh" in line for line in out), out
+    assert [r["step"] for r in metrics.read_metrics(fresh)] == [1]
+    assert checkpointing.Checkpointer(fresh / "checkpoints").all_steps() == []
+    args = train._parser().parse_args(["--resume", "--overwrite", "--change-horizon"])
+    assert args.resume and args.overwrite and args.change_horizon  # all still accepted
 
 
 _EIGHT_DEVICES = textwrap.dedent("""
@@ -216,11 +260,150 @@ def test_eight_devices_match_one(baseline, corpus, interrupted):
     specs = json.loads(lines[-1])
     assert specs.pop("opt_like_head") >= 1
     assert specs == {"lm_head": ["fsdp", "tensor"], "embed": ["tensor", "fsdp"]}
-    expected = [json.loads(line) for line in _lines(baseline[0])]
+    expected = _records(baseline[0])
     for workdir in (fresh, moved):
-        got = [json.loads(line) for line in _lines(workdir)]
+        got = _records(workdir)
         assert [r.keys() for r in got] == [r.keys() for r in expected]
         for g, e in zip(got, expected, strict=True):
             for key in e:
                 np.testing.assert_allclose(g[key], e[key], rtol=2e-4, atol=1e-6,
                                            err_msg=f"{workdir.name} step {e['step']} {key}")
+
+
+# --------------------------------------------------------------------------- runs of real data
+
+
+def test_every_config_trains_for_any_number_of_steps():
+    """--steps N for N >= 1: the warmup is clamped, the schedule is positive and finite and
+    ends at min_lr_ratio x peak on the last update."""
+    for name, base in configs.CONFIGS.items():
+        for steps in (1, 2, 3, 24):
+            cfg = dataclasses.replace(base, steps=steps).validate()
+            assert 0 <= cfg.effective_warmup() < steps
+            lr = np.asarray(train.lr_schedule(1.0, cfg)(np.arange(steps)))
+            assert np.all(np.isfinite(lr)) and np.all(lr > 0), (name, steps, lr)
+            np.testing.assert_allclose(lr[-1], cfg.min_lr_ratio, rtol=1e-5,
+                                       err_msg=f"{name} steps={steps}")
+
+
+def _gcs_mock(root: Path):
+    """epath's mock backend with gs://bucket/... stored under `root` (no network)."""
+    from etils import epath
+
+    def local(path):
+        text = os.fspath(path)
+        return str(root / text[len("gs://"):]) if text.startswith("gs://") else text
+
+    def forward(original, path, *args, **kwargs):
+        args = [local(a) if isinstance(a, (str, os.PathLike)) else a for a in args]
+        return original(local(path), *args, **kwargs)
+
+    names = ("copy", "exists", "glob", "isdir", "listdir", "makedirs", "mkdir", "open", "remove",
+             "rename", "replace", "rmtree", "stat", "walk")
+    return epath.testing.mock_epath(**{name: forward for name in names})
+
+
+def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
+    """llm.c shards encoded with a tokenizer.json, trained with --tokenizer into gs://bucket/run:
+    the vocabulary is the tokenizer's padded to 128, the padding rows stay exactly zero and are
+    never predicted, and metrics land in the bucket (epath's mock backend)."""
+    from tests.test_lm_formats import make_tokenizer, write_llmc_shard
+
+    texts = [f.read_text() for f in sorted((corpus / "corpus").iterdir())]
+    tok = make_tokenizer(tmp_path / "tokenizer.json", texts, vocab_size=300)
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = [i for t in texts for i in tok.encode(t).ids + [eos]]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_llmc_shard(shards / "corpus_val_000000.bin", ids[:2000])
+    write_llmc_shard(shards / "corpus_train_000001.bin", ids[2000:])
+    bucket = tmp_path / "gcs"
+    cfg = dataclasses.replace(configs.get_config("test"), data_source=str(shards),
+                              tokenizer=str(tmp_path / "tokenizer.json"), steps=2,
+                              checkpoint_dir=str(tmp_path / "ckpt"))
+    out = []
+    with _gcs_mock(bucket):
+        record = train.train(cfg, "gs://bucket/run", progress=False, print_fn=out.append)
+    assert not Path("gs:").exists()  # no local directory named after the URL
+    assert any("warming up over 1 steps" in line for line in out), out
+    assert any("data: llmc" in line for line in out), out
+    records = metrics.read_metrics(bucket / "bucket" / "run")
+    assert [r["step"] for r in records] == [1, 2] and math.isfinite(record["val_loss"])
+    assert record["val_tokens"] == 256  # the test config's one batch of 8 x 32
+    state, meta = _restore(tmp_path / "ckpt", 2)
+    assert (meta["config"]["vocab_size"], meta["config"]["valid_vocab_size"]) == (384, 300)
+    head = state["params"]["lm_head"]["kernel"]
+    embed = state["params"]["embed"]["embedding"]
+    assert head.shape == (32, 384) and np.all(head[:, 300:] == 0) and np.any(head[:, :300])
+    assert np.all(embed[300:] == 0)
+    # Padding ids are never predicted: their probability is exactly 0.
+    trainer = train.Trainer(dataclasses.replace(cfg, vocab_size=384, valid_vocab_size=300),
+                            mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    from flax import nnx
+    model = nnx.merge(trainer.graphdef, state["params"], state["rest"])
+    probs = jax.nn.softmax(model(np.asarray(ids[:32])[None]), axis=-1)
+    assert np.all(np.asarray(probs)[..., 300:] == 0)
+
+
+def _restore(ckdir, step):
+    ckpt = checkpointing.Checkpointer(ckdir)
+    try:
+        meta = ckpt.restore_meta(step)
+        cfg = configs.Config(**meta["config"])
+        trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+        state, _ = ckpt.restore(step, trainer.abstract_state)
+    finally:
+        ckpt.close()
+    return jax.device_get(state), meta
+
+
+def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
+    small = tmp_path / "small.txt"
+    small.write_text("".join(f"line {i}\n" for i in range(40)))
+    for argv, message in (
+            (["--head", "sgd"], "head must be one of"),
+            (["--nope", "1"], "unrecognized arguments: --nope 1"),
+            (["--data_source", str(tmp_path / "missing")], "missing does not exist"),
+            (["--config", "test", "--data_source", str(small)],
+             "fewer than one batch of batch_size x seq_len + 1 = 257"),
+            (["--config", "test", "--tokenizer", str(small)], "is not a Hugging Face")):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main([*argv, "--workdir", str(tmp_path / "w"), "--no-progress",
+                        "--set", f"data_dir={tmp_path / 'data'}"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, argv
+        assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
+        assert message in err and "Traceback" not in err, err
+
+
+def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
+    """With vocab_size 384 of which 300 are tokens, every update equals rowgeom.lm_optimizer's on
+    the same model cut to its 300 real rows, and the padding rows get exactly zero updates."""
+    from flax import nnx
+
+    from examples.lm import model as model_lib
+
+    test = configs.get_config("test")
+    padded = dataclasses.replace(test, vocab_size=384, valid_vocab_size=300)
+    real = dataclasses.replace(test, vocab_size=300)
+    model = model_lib.Transformer(train.model_config(padded), rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    cut = lambda tree: {**tree, "lm_head": {"kernel": tree["lm_head"]["kernel"][:, :300]},
+                        "embed": {"embedding": tree["embed"]["embedding"][:300]}}
+    tx_padded, tx_real = train.build_optimizer(padded), train.build_optimizer(real)
+    state_padded, state_real = tx_padded.init(params), tx_real.init(cut(params))
+    update_padded, update_real = jax.jit(tx_padded.update), jax.jit(tx_real.update)
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    for _ in range(3):
+        grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+        # The masked loss gives the padding rows no gradient.
+        grads["lm_head"]["kernel"] = grads["lm_head"]["kernel"].at[:, 300:].set(0)
+        grads["embed"]["embedding"] = grads["embed"]["embedding"].at[300:].set(0)
+        up_padded, state_padded = update_padded(grads, state_padded, params)
+        up_real, state_real = update_real(cut(grads), state_real, cut(params))
+        assert np.all(np.asarray(up_padded["lm_head"]["kernel"][:, 300:]) == 0)
+        assert np.all(np.asarray(up_padded["embed"]["embedding"][300:]) == 0)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+                     cut(up_padded), up_real)
+        params = jax.tree.map(lambda p, u: p + u, params, up_padded)
+    assert np.all(np.asarray(params["lm_head"]["kernel"][:, 300:]) == 0)

@@ -8,7 +8,11 @@
 - `restore` takes an abstract target (`jax.ShapeDtypeStruct`s carrying the *target* shardings), so a
   checkpoint written on one mesh restores onto another (e.g. 1 device -> 8 devices, or a different
   pod slice); arrays are read straight into their target shards.
-- The directory may be local or a `gs://` path (orbax/tensorstore handle Cloud Storage).
+- The directory may be local or remote (`gs://...`): paths are `etils.epath` paths, which orbax
+  and tensorstore read and write directly. A local relative path is made absolute.
+- Preemption: `reached_preemption(step)` is orbax's multi-host preemption sync point (JAX's
+  preemption notifier, active after `jax.distributed.initialize()`), so that every host saves at
+  the same step; a single process relies on the trainer's own SIGTERM handler.
 - Nothing is unpickled: orbax stores arrays with tensorstore and metadata as JSON. Before a restore
   the stored tree, shapes and dtypes are compared with the target (orbax would silently cast a
   dtype), and an unreadable checkpoint raises a ValueError naming it.
@@ -20,14 +24,22 @@ import os
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 STATE = "state"
 META = "meta"
 
 
-def _absolute(directory: str | os.PathLike) -> str:
-    directory = os.fspath(directory)
-    return directory if "://" in directory else os.path.abspath(directory)
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for URL-style paths (`gs://`, `s3://`, ...), which must not go through pathlib."""
+    return "://" in os.fspath(path)
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    """An `etils.epath.Path`: remote paths stay URLs (pathlib would turn `gs://b` into
+    `gs:/b`); local ones are made absolute."""
+    path = os.fspath(path)
+    return epath.Path(path if is_remote(path) else os.path.abspath(os.path.expanduser(path)))
 
 
 class Checkpointer:
@@ -36,7 +48,7 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
-        self.directory = _absolute(directory)
+        self.directory = as_path(directory)
         # Explicit handlers (rather than item names) so stored metadata is readable before restore.
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
@@ -49,6 +61,18 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether every host has reached JAX's preemption sync point at `step` (multi-host
+        runs; False when JAX's preemption service is not running)."""
+        return self._manager.reached_preemption(step)
+
+    def delete_all(self) -> None:
+        """Delete every checkpoint (for a fresh start with --overwrite)."""
+        self._manager.wait_until_finished()
+        for step in self.all_steps():
+            self._manager.delete(step)
+        self._manager.reload()
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `state` (a pytree of arrays) and JSON-serialisable `meta` at `step`."""

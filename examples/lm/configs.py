@@ -31,7 +31,11 @@ HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 # Heads trained by projected RowNorm (rowgeom.lm_optimizer(head="rownorm")); "rownorm-rescaled"
 # rescales each direction to the whole diameter budget (head_rescale="exact").
 ROWNORM_HEADS = ("rownorm", "rownorm-rescaled")
-
+DTYPES = ("float32", "bfloat16", "float16")
+# Fields whose values are checked against a fixed set (shown by --help).
+CHOICES = {"head": HEADS, "schedule": SCHEDULES, "compute_dtype": DTYPES, "param_dtype": DTYPES}
+# The padded vocabulary of a --tokenizer run is a multiple of this (lane- and shard-friendly).
+VOCAB_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +55,15 @@ class Config:
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
 
-    # Data. `data_source` None: the interpreter's standard library; else a text file, a directory of
-    # text, or a directory of `train*.bin` / `val*.bin` token shards (see data.py).
+    # Data. `data_source` None: the interpreter's standard library; else token files (a directory
+    # or glob of llm.c / rowgeom shards, a nanoGPT directory) or text / jsonl (see data.py).
     data_source: str | None = None
     data_dir: str | None = None  # tokenizer / token cache; None -> WORKDIR/data
+    # A Hugging Face tokenizer.json: the vocabulary follows it, padded up to a multiple of 128.
+    tokenizer: str | None = None
+    # Rows >= valid_vocab_size of the head and embedding are padding: zero, never predicted, and
+    # masked out of the RowNorm head. Set from --tokenizer; None: every row is a token.
+    valid_vocab_size: int | None = None
     batch_size: int = 16  # sequences per micro-batch (global, over all processes)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (optax.MultiSteps)
 
@@ -76,7 +85,11 @@ class Config:
 
     # Evaluation and diagnostics.
     eval_every: int = 100
-    eval_batches: int = 4  # validation batches (of `batch_size` sequences) per evaluation
+    # The fixed validation set: the first `eval_tokens` tokens of the validation split, in whole
+    # batches of `batch_size` sequences (None: `eval_batches` batches, 32 x 16 x 128 = 65536
+    # tokens here). The same at every evaluation and in every run on the same data.
+    eval_tokens: int | None = None
+    eval_batches: int = 32
     hilbert_sequences: int = 4  # validation sequences whose final hidden states probe the head step
     exact_diameter_max_elements: int = 1 << 24  # V*d above this: report the O(Vd) bracket only
     log_every: int = 10
@@ -120,9 +133,8 @@ class Config:
         if not 0 <= self.probe_last_steps <= self.steps:
             raise ValueError(f"probe_last_steps must be in [0, steps={self.steps}], "
                              f"got {self.probe_last_steps}")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}], "
-                             f"got {self.warmup_steps}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.decay_fraction <= 1.0:
             raise ValueError(f"decay_fraction must be in [0, 1], got {self.decay_fraction}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -130,15 +142,31 @@ class Config:
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
         for name in ("compute_dtype", "param_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"{name} must be float32, bfloat16 or float16, "
-                                 f"got {getattr(self, name)!r}")
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if self.valid_vocab_size is not None and not 1 <= self.valid_vocab_size <= self.vocab_size:
+            raise ValueError(f"valid_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                             f"got {self.valid_vocab_size}")
+        if self.eval_tokens is not None and self.eval_tokens < 1:
+            raise ValueError(f"eval_tokens must be >= 1 or None, got {self.eval_tokens}")
         return self
+
+    def effective_warmup(self) -> int:
+        """Warmup updates actually used: `warmup_steps`, or half the run when the warmup would
+        fill the whole run (so that any `steps >= 1` trains, with part of the run left to
+        decay)."""
+        return self.warmup_steps if self.warmup_steps < self.steps else self.steps // 2
+
+    def resolved_eval_tokens(self) -> int:
+        """Size of the fixed validation set in tokens (before rounding to whole batches)."""
+        if self.eval_tokens is not None:
+            return self.eval_tokens
+        return self.eval_batches * self.batch_size * self.seq_len
 
 
 _GPU = dict(
     vocab_size=50304, seq_len=1024, compute_dtype="bfloat16", batch_size=256, steps=20000,
-    warmup_steps=500, eval_every=500, eval_batches=16, hilbert_sequences=2, log_every=50,
+    warmup_steps=500, eval_every=500, eval_batches=32, hilbert_sequences=2, log_every=50,
     save_every=1000, learning_rate=3e-3, weight_decay=0.1, schedule="wsd", grad_clip=1.0,
 )
 
@@ -197,22 +225,33 @@ def parse_value(name: str, text: str):
         raise ValueError(f"{name} expects {typ.__name__}, got {text!r}") from None
 
 
+def _type_name(name: str) -> str:
+    typ, optional = _field_types()[name]
+    text = "{" + ",".join(CHOICES[name]) + "}" if name in CHOICES else typ.__name__.upper()
+    return text + ("|none" if optional else "")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `--config`, `--set name=value` and one `--<field>` option per Config field."""
-    parser.add_argument("--config", default=DEFAULT_CONFIG, choices=sorted(CONFIGS),
-                        help=f"named configuration (default {DEFAULT_CONFIG})")
+    """Add `--config`, `--set name=value` and one `--<field>` option per Config field.
+
+    The field options default to None ("not given"), so `explicit_fields` can tell which ones the
+    command line set; --help shows each field's type, choices and value in the default config.
+    """
+    parser.add_argument("--config", default=None, choices=sorted(CONFIGS),
+                        help=f"named configuration (default: {DEFAULT_CONFIG})")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override a config field (repeatable)")
-    group = parser.add_argument_group("config fields (override the named config)")
+    group = parser.add_argument_group(
+        "config fields (each overrides the named config; also --set NAME=VALUE)")
     for f in dataclasses.fields(Config):
         flags = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         default = getattr(CONFIGS[DEFAULT_CONFIG], f.name)
-        group.add_argument(*flags, dest=f"field__{f.name}", default=None, metavar="V",
-                           help=f"(default from --config; {default!r} in {DEFAULT_CONFIG})")
+        group.add_argument(*flags, dest=f"field__{f.name}", default=None,
+                           metavar=_type_name(f.name),
+                           help=f"(default: {default!r} in {DEFAULT_CONFIG})")
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The named config with `--set` and `--<field>` overrides applied (`--<field>` wins)."""
+def _overrides(args: argparse.Namespace) -> dict:
     overrides = {}
     for item in args.set:
         if "=" not in item:
@@ -224,7 +263,21 @@ def config_from_args(args: argparse.Namespace) -> Config:
         text = getattr(args, f"field__{f.name}")
         if text is not None:
             overrides[f.name] = parse_value(f.name, text)
-    return dataclasses.replace(get_config(args.config), **overrides).validate()
+    return overrides
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The named config with `--set` and `--<field>` overrides applied (`--<field>` wins)."""
+    name = args.config or DEFAULT_CONFIG
+    return dataclasses.replace(get_config(name), **_overrides(args)).validate()
+
+
+def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
+    """Config fields the command line set: every field when `--config` is given, else the
+    `--set` / `--<field>` overrides. A resumed run takes the others from its checkpoint."""
+    if args.config is not None:
+        return frozenset(f.name for f in dataclasses.fields(Config))
+    return frozenset(_overrides(args))
 
 
 def parse_config(argv: Sequence[str]) -> Config:

@@ -1,23 +1,26 @@
-"""Token data for the LM example: a corpus, a cached byte-level BPE, token shards and batches.
+"""Token data for the LM example: sources, tokenizers, the token cache, batches, validation set.
 
-The default corpus needs no download: the `.py` sources of the running interpreter's standard
-library (about 11 MiB on CPython 3.11, tests excluded), split by file into train and validation. A
-byte-level BPE (`tokenizers`) is trained on the train split and cached under the work directory
-together with the encoded tokens, stored as token shards. A text file or directory of the user's
-goes the same way; a directory of pre-tokenized `train*.bin` / `val*.bin` shards is memory-mapped
-as is.
+`prepare_tokens(source=...)` turns a data source into train and validation token arrays:
 
-Nothing here unpickles or evaluates: shards are a fixed binary header plus raw little-endian
-integers, the tokenizer and cache metadata are JSON, and every header, size and dtype is checked
-before use.
+- None: the running interpreter's standard library `.py` sources (about 11 MiB on CPython 3.11,
+  tests excluded), split by file. No download.
+- Token files (a directory, a glob or a `.bin` file; see formats.py): rowgeom shards, llm.c /
+  modded-nanogpt shards, nanoGPT `train.bin` / `val.bin`. Memory-mapped as they are.
+- Text: a UTF-8 file, a `.jsonl` file (one JSON object with a "text" field per line, each a
+  document), or a directory of them (split by file; a single file is split by lines or records).
+  Tokenized with `tokenizer` (a Hugging Face `tokenizer.json`) or with a byte-level BPE trained
+  on the train split, and cached under the work directory as rowgeom shards.
+
+Nothing here unpickles or evaluates: shards are a checked binary header plus raw little-endian
+integers, and the tokenizer and cache metadata are JSON.
 """
 
+import glob as globlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-import struct
 import sys
 import sysconfig
 import tempfile
@@ -27,6 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from examples.lm import formats
+
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"  # separates documents (files); the tokenizer's only special token, id 0
@@ -35,9 +40,10 @@ _CHUNK_CHARS = 1 << 20  # texts are encoded in ~1 MiB pieces so encode_batch can
 
 
 class TokenSplits(NamedTuple):
-    train: np.ndarray  # 1-D token ids (a read-only memmap, or ShardedTokens for several shards)
+    train: np.ndarray  # 1-D token ids (a read-only memmap, or formats.ShardedTokens)
     val: np.ndarray
-    vocab_size: int  # every id is < vocab_size
+    vocab_size: int  # every id is < vocab_size (the tokenizer's size, or the given bound)
+    format: str = "text"  # "text" (tokenized here) or one of formats.FORMATS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,135 +83,6 @@ def split_files(files, *, val_fraction: float = 0.05) -> tuple[list[Path], list[
 
 
 # ---------------------------------------------------------------------------------------------
-# Token shards: header (magic, version, dtype code, token count, max token id) + raw tokens.
-
-_MAGIC = b"RGTOKENS"
-_VERSION = 1
-_HEADER = struct.Struct("<8sIIQQ")  # 32 bytes, little-endian
-_DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
-
-
-class _ShardHeader(NamedTuple):
-    dtype: np.dtype
-    num_tokens: int
-    max_token: int
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits (vocab_size <= 65536): half the disk and page cache of uint32."""
-    return _DTYPE_CODES[1] if vocab_size <= 1 << 16 else _DTYPE_CODES[2]
-
-
-def write_shard(path, tokens) -> Path:
-    """Write 1-D non-negative integer `tokens` as a shard (uint16 if they fit, else uint32)."""
-    path = Path(path)
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(
-            f"write_shard({path}): tokens must be a non-empty 1-D integer array, got "
-            f"shape {tokens.shape} dtype {tokens.dtype}")
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= 1 << 32:
-        raise ValueError(f"write_shard({path}): token ids must be in [0, 2**32), got [{lo}, {hi}]")
-    code = 1 if hi < 1 << 16 else 2
-    header = _HEADER.pack(_MAGIC, _VERSION, code, tokens.size, hi)
-    # Write to a temporary name and rename, so a crash never leaves a half-written shard behind.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(tokens.astype(_DTYPE_CODES[code]).tobytes())
-    os.replace(tmp, path)
-    return path
-
-
-def _read_header(path: Path) -> _ShardHeader:
-    with open(path, "rb") as f:
-        raw = f.read(_HEADER.size)
-    if len(raw) < _HEADER.size:
-        raise ValueError(
-            f"token shard {path} is truncated: {len(raw)} bytes, shorter than its "
-            f"{_HEADER.size}-byte header")
-    magic, version, code, num_tokens, max_token = _HEADER.unpack(raw)
-    if magic != _MAGIC:
-        raise ValueError(
-            f"{path} is not a rowgeom token shard (magic {magic!r}, expected {_MAGIC!r})")
-    if version != _VERSION:
-        raise ValueError(f"token shard {path} has version {version}, this code reads {_VERSION}")
-    if code not in _DTYPE_CODES:
-        raise ValueError(
-            f"token shard {path} has unknown dtype code {code} (known: 1 = uint16, 2 = uint32)")
-    dtype = _DTYPE_CODES[code]
-    expected = _HEADER.size + num_tokens * dtype.itemsize
-    actual = path.stat().st_size
-    if actual != expected:
-        raise ValueError(
-            f"token shard {path}: header says {num_tokens} {dtype.name} tokens ({expected} bytes "
-            f"with header) but the file has {actual} bytes (truncated or corrupt)")
-    if num_tokens == 0:
-        raise ValueError(f"token shard {path} holds no tokens")
-    if max_token >= 1 << (8 * dtype.itemsize):
-        raise ValueError(
-            f"token shard {path}: header max token {max_token} does not fit {dtype.name}")
-    return _ShardHeader(dtype, num_tokens, max_token)
-
-
-def read_shard(path) -> np.memmap:
-    """Memory-map a shard read-only after validating its header against the file size."""
-    path = Path(path)
-    header = _read_header(path)
-    return np.memmap(path, dtype=header.dtype, mode="r", offset=_HEADER.size,
-                     shape=(header.num_tokens,))
-
-
-class ShardedTokens:
-    """Several shards seen as one 1-D token sequence without reading them: `len`, contiguous
-    slices (which may cross shard boundaries) and `np.asarray` (which does read everything)."""
-
-    ndim = 1
-
-    def __init__(self, shards):
-        self.shards = list(shards)
-        self._starts = np.cumsum([0] + [len(s) for s in self.shards])
-        self.dtype = np.result_type(*(s.dtype for s in self.shards))
-
-    def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    @property
-    def shape(self) -> tuple[int]:
-        return (len(self),)
-
-    def __getitem__(self, index):
-        if not isinstance(index, slice) or index.step not in (None, 1):
-            raise TypeError("ShardedTokens supports contiguous slices only, e.g. tokens[a:b]")
-        start, stop, _ = index.indices(len(self))
-        # Shards outside [start, stop) contribute empty slices; only the overlapping pages are read.
-        pieces = [s[max(start - a, 0): max(stop - a, 0)]
-                  for s, a in zip(self.shards, self._starts[:-1], strict=True)]
-        return np.concatenate(pieces).astype(self.dtype)
-
-    def __array__(self, dtype=None, copy=None):
-        return np.concatenate(self.shards).astype(dtype or self.dtype)
-
-
-def _load_shard_dir(directory: Path, vocab_size: int) -> TokenSplits:
-    splits = []
-    for prefix in ("train", "val"):
-        paths = sorted(directory.glob(f"{prefix}*.bin"))
-        if not paths:
-            raise ValueError(f"token shard directory {directory} has no {prefix}*.bin shards")
-        for path in paths:
-            header = _read_header(path)
-            if header.max_token >= vocab_size:
-                raise ValueError(
-                    f"token shard {path} holds token id {header.max_token}, which is not below "
-                    f"vocab_size {vocab_size}")
-        shards = [read_shard(p) for p in paths]
-        splits.append(shards[0] if len(shards) == 1 else ShardedTokens(shards))
-    return TokenSplits(splits[0], splits[1], vocab_size)
-
-
-# ---------------------------------------------------------------------------------------------
 # Byte-level BPE, trained on the train split and cached with the encoded tokens.
 
 def _tokenizers():
@@ -234,6 +111,35 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tokenizer
 
 
+# Candidates for the end-of-document token of a pretrained tokenizer, most common first.
+EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+def load_tokenizer(path):
+    """A Hugging Face `tokenizers.Tokenizer` from a `tokenizer.json` (JSON, nothing executed)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--tokenizer {path} does not exist (expected a tokenizer.json file)")
+    try:
+        return _tokenizers().Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises plain Exceptions
+        raise ValueError(f"--tokenizer {path} is not a Hugging Face tokenizer.json: {e}") from None
+
+
+def tokenizer_vocab_size(tokenizer) -> int:
+    """Number of ids the tokenizer can produce (added tokens included)."""
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def eos_id(tokenizer) -> int | None:
+    """The id that separates documents: the first of EOS_CANDIDATES the tokenizer knows."""
+    for token in EOS_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return None
+
+
 def _chunks(text: str) -> list[str]:
     """Split at line ends into ~_CHUNK_CHARS pieces. The byte-level pre-tokenizer splits at
     whitespace anyway, so this only changes how a run of newline + indentation is cut at a seam."""
@@ -248,14 +154,16 @@ def _chunks(text: str) -> list[str]:
 
 
 def encode_documents(tokenizer, texts: list[str], dtype) -> np.ndarray:
-    """Encode each document (in parallel, `encode_batch`) and follow it with EOS."""
+    """Encode each document (in parallel, `encode_batch`) and follow it with the tokenizer's
+    end-of-document token (none when it has no such token, see `eos_id`)."""
     pieces, ends = [], []
     for text in texts:
         pieces.extend(_chunks(text))
         ends.append(len(pieces))
     encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
-    eos = np.array([tokenizer.token_to_id(EOS)], dtype)
-    arrays, end = [], iter(ends)
+    separator = eos_id(tokenizer)
+    eos = np.array([] if separator is None else [separator], dtype)
+    arrays, end = [np.zeros(0, dtype)], iter(ends)
     next_end = next(end, None)
     for i, enc in enumerate(encodings, start=1):
         arrays.append(np.asarray(enc.ids, dtype))
@@ -265,14 +173,59 @@ def encode_documents(tokenizer, texts: list[str], dtype) -> np.ndarray:
     return np.concatenate(arrays)
 
 
-def _read_texts(files, *, strict: bool) -> list[str]:
-    texts = []
-    for f in files:
+# ---------------------------------------------------------------------------------------------
+# Text and jsonl documents.
+
+def _decode(raw: bytes, path: Path, strict: bool) -> str:
+    try:
+        return raw.decode("utf-8", errors="strict" if strict else "replace")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _jsonl_records(path: Path, text: str) -> list[str]:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
-            texts.append(f.read_bytes().decode("utf-8", errors="strict" if strict else "replace"))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return texts
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number} is not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f'{path}:{number}: each jsonl line must be an object with a string '
+                             f'"text" field')
+        records.append(record["text"])
+    return records
+
+
+def read_documents(files, *, strict: bool = True) -> list[str]:
+    """One document per text file, one per record of a `.jsonl` file."""
+    docs = []
+    for f in files:
+        text = _decode(Path(f).read_bytes(), f, strict)
+        docs.extend(_jsonl_records(f, text) if Path(f).suffix == ".jsonl" else [text])
+    return docs
+
+
+def split_documents(files, *, val_fraction: float, strict: bool = True):
+    """(train documents, validation documents): by file when there are several files, else the
+    last `val_fraction` of the single file's lines (text) or records (jsonl)."""
+    if len(files) > 1:
+        train_files, val_files = split_files(files, val_fraction=val_fraction)
+        return (read_documents(train_files, strict=strict),
+                read_documents(val_files, strict=strict))
+    path = Path(files[0])
+    jsonl = path.suffix == ".jsonl"
+    units = (read_documents(files, strict=strict) if jsonl
+             else _decode(path.read_bytes(), path, strict).splitlines(keepends=True))
+    if len(units) < 2:
+        raise ValueError(f"{path} needs at least 2 {'records' if jsonl else 'lines'} to split "
+                         "into train and validation")
+    n_val = min(len(units) - 1, max(1, round(len(units) * val_fraction)))
+    if jsonl:
+        return units[:-n_val], units[-n_val:]
+    return ["".join(units[:-n_val])], ["".join(units[-n_val:])]
 
 
 def _text_files(directory: Path) -> list[Path]:
@@ -284,12 +237,29 @@ def _text_files(directory: Path) -> list[Path]:
     return files
 
 
-def _fingerprint(name, root, files, vocab_size, val_fraction) -> dict:
+
+def text_files(source) -> tuple[Path | None, list[Path]]:
+    """(root, files) of a text source: a file, a directory (recursively) or a glob."""
+    text = str(source)
+    if any(c in text for c in "*?["):
+        files = sorted(Path(p).resolve() for p in globlib.glob(os.path.expanduser(text))
+                       if Path(p).is_file())
+        if not files:
+            raise ValueError(f"data source {text} matches no file")
+        return None, files
+    path = Path(text).expanduser().resolve()
+    if not path.exists():
+        raise ValueError(f"data source {path} does not exist")
+    return (path, _text_files(path)) if path.is_dir() else (None, [path])
+
+
+def _fingerprint(name, root, files, vocab_size, val_fraction, tokenizer_hash) -> dict:
     # Sizes and mtimes, not contents: a cache hit must not read a large corpus.
     stats = [[f.relative_to(root).as_posix() if root else f.name, st.st_size, st.st_mtime_ns]
              for f, st in ((f, f.stat()) for f in files)]
     return {"format": _CACHE_FORMAT, "source": name, "vocab_size": vocab_size,
-            "val_fraction": val_fraction, "tokenizers": _tokenizers().__version__, "files": stats}
+            "val_fraction": val_fraction, "tokenizers": _tokenizers().__version__,
+            "tokenizer": tokenizer_hash, "files": stats}
 
 
 def _load_cache(directory: Path, fingerprint: dict, vocab_size: int) -> TokenSplits:
@@ -298,46 +268,60 @@ def _load_cache(directory: Path, fingerprint: dict, vocab_size: int) -> TokenSpl
     if meta.get("fingerprint") != fingerprint:
         raise ValueError("fingerprint mismatch")
     tokenizer = _tokenizers().Tokenizer.from_file(str(directory / "tokenizer.json"))  # JSON only
-    if tokenizer.get_vocab_size() > vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} > {vocab_size} entries")
+    if tokenizer_vocab_size(tokenizer) > vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer_vocab_size(tokenizer)} > {vocab_size} entries")
     splits = []
     for name in ("train", "val"):
-        header = _read_header(directory / f"{name}.bin")
-        if header.num_tokens != meta[f"{name}_tokens"] or header.max_token >= vocab_size:
+        shard = formats.read_token_file(directory / f"{name}.bin")
+        if (shard.format != "rowgeom" or len(shard.tokens) != meta[f"{name}_tokens"]
+                or shard.max_token >= vocab_size):
             raise ValueError(f"{name}.bin does not match meta.json")
-        splits.append(read_shard(directory / f"{name}.bin"))
+        splits.append(shard.tokens)
     return TokenSplits(splits[0], splits[1], vocab_size)
 
 
-def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float = 0.05
-                   ) -> TokenSplits:
-    """Token ids for training and validation.
+def _token_files(found: formats.TokenFiles, vocab_size: int) -> TokenSplits:
+    if found.max_token is not None and found.max_token >= vocab_size:
+        for shard in (*found.train.paths, *found.val.paths):
+            top = formats.read_token_file(shard).max_token
+            if top >= vocab_size:
+                raise ValueError(f"token file {shard} holds token id {top}, which is not below "
+                                 f"the vocabulary size {vocab_size}")
+    return TokenSplits(found.train, found.val, vocab_size, found.format)
 
-    source: None (the standard library), a UTF-8 text file (split by lines: the last `val_fraction`
-    of them is validation), a directory of text files (split by file, see `split_files`) or a
-    directory holding `train*.bin` and `val*.bin` token shards (memory-mapped, no tokenizer).
-    Text is tokenized with a BPE trained on the train split at `vocab_size`; tokenizer and tokens
-    are cached under `workdir/tokens/`, keyed by the source files (names, sizes, mtimes),
-    `vocab_size` and `val_fraction`, and checked when reused. Each process builds the same cache
+
+def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float = 0.05,
+                   tokenizer=None) -> TokenSplits:
+    """Token ids for training and validation (see the module docstring for `source`).
+
+    vocab_size: the BPE's size when a text source is tokenized without `tokenizer`; the bound
+    every id of token files must be below. tokenizer: path of a `tokenizer.json` for text
+    sources; the vocabulary is then the tokenizer's (and the bound for token files too).
+    Text is cached under `workdir/tokens/`, keyed by the source files (names, sizes, mtimes), the
+    tokenizer and `val_fraction`, and checked when reused. Each process builds the same cache
     (training and encoding are deterministic); a shared directory is written atomically.
     """
-    workdir = Path(workdir).resolve()
+    workdir = Path(workdir).expanduser().resolve()
+    pretrained = None if tokenizer is None else load_tokenizer(tokenizer)
+    if pretrained is not None:
+        vocab_size = tokenizer_vocab_size(pretrained)
     if source is None:
         name, strict = "stdlib", False
         root, files = Path(sysconfig.get_paths()["stdlib"]), stdlib_source_files()
     else:
-        source = Path(source).resolve()
-        if not source.exists():
-            raise ValueError(f"data source {source} does not exist")
-        if source.is_dir() and any(source.glob("train*.bin")):
-            return _load_shard_dir(source, vocab_size)
+        found = formats.find_token_files(source)
+        if found is not None:
+            return _token_files(found, vocab_size)
         name, strict = str(source), True
-        root, files = (source, _text_files(source)) if source.is_dir() else (None, [source])
+        root, files = text_files(source)
         # A work directory inside the source must not feed its own cache back into the corpus.
         files = [f for f in files if not f.is_relative_to(workdir)]
-    fingerprint = _fingerprint(name, root, files, vocab_size, val_fraction)
+    tokenizer_hash = None
+    if pretrained is not None:
+        tokenizer_hash = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
+    fingerprint = _fingerprint(name, root, files, vocab_size, val_fraction, tokenizer_hash)
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-    label = "stdlib" if source is None else source.stem
+    label = "stdlib" if source is None else Path(str(source).rstrip("*/")).stem or "data"
     cache = workdir / "tokens" / f"{label}-v{vocab_size}-{key}"
     if cache.is_dir():
         try:
@@ -346,33 +330,26 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
             log.warning("token cache %s is unusable (%s); rebuilding it", cache, e)
             shutil.rmtree(cache, ignore_errors=True)
 
-    if len(files) == 1:
-        lines = _read_texts(files, strict=strict)[0].splitlines(keepends=True)
-        if len(lines) < 2:
-            raise ValueError(f"text file {files[0]} needs at least 2 lines to split")
-        n_val = min(len(lines) - 1, max(1, round(len(lines) * val_fraction)))
-        train_texts, val_texts = ["".join(lines[:-n_val])], ["".join(lines[-n_val:])]
-    else:
-        train_files, val_files = split_files(files, val_fraction=val_fraction)
-        train_texts = _read_texts(train_files, strict=strict)
-        val_texts = _read_texts(val_files, strict=strict)
-
+    train_texts, val_texts = split_documents(files, val_fraction=val_fraction, strict=strict)
     t0 = time.perf_counter()
-    tokenizer = train_tokenizer(train_texts, vocab_size)
+    tok = pretrained if pretrained is not None else train_tokenizer(train_texts, vocab_size)
     t1 = time.perf_counter()
-    dtype = token_dtype(vocab_size)
-    train_ids = encode_documents(tokenizer, train_texts, dtype)
-    val_ids = encode_documents(tokenizer, val_texts, dtype)
+    dtype = formats.token_dtype(vocab_size)
+    train_ids = encode_documents(tok, train_texts, dtype)
+    val_ids = encode_documents(tok, val_texts, dtype)
     t2 = time.perf_counter()
-    log.info("BPE %d trained in %.1f s, %d + %d tokens encoded in %.1f s",
-             vocab_size, t1 - t0, train_ids.size, val_ids.size, t2 - t1)
+    log.info("tokenizer ready in %.1f s, %d + %d tokens encoded in %.1f s",
+             t1 - t0, train_ids.size, val_ids.size, t2 - t1)
+    for split, ids in (("train", train_ids), ("validation", val_ids)):
+        if ids.size == 0:
+            raise ValueError(f"the {split} split of {name} encodes to no tokens")
 
     # Build in a private directory and rename it into place: readers never see a partial cache.
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}."))
-    tokenizer.save(str(tmp / "tokenizer.json"))
-    write_shard(tmp / "train.bin", train_ids)
-    write_shard(tmp / "val.bin", val_ids)
+    tok.save(str(tmp / "tokenizer.json"))
+    formats.write_shard(tmp / "train.bin", train_ids)
+    formats.write_shard(tmp / "val.bin", val_ids)
     meta = {"fingerprint": fingerprint, "train_tokens": int(train_ids.size),
             "val_tokens": int(val_ids.size), "python": sys.version,
             "train_seconds": round(t1 - t0, 3), "encode_seconds": round(t2 - t1, 3)}
@@ -386,7 +363,23 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches.
+# Batches and the validation set.
+
+def check_ids(windows, vocab_size, tokens, starts, what: str) -> None:
+    """Raise naming the file and position when a window holds an id >= vocab_size (the embedding
+    lookup would otherwise return garbage far from the cause)."""
+    if vocab_size is None or windows.size == 0 or windows.max() < vocab_size:
+        return
+    row, col = np.argwhere(windows >= vocab_size)[0]
+    position = int(starts[row]) + int(col)
+    where = f"position {position}"
+    if hasattr(tokens, "locate"):
+        path, offset = tokens.locate(position)
+        where = f"{path}, token {offset}" if path is not None else where
+    raise ValueError(f"{what}: token id {windows[row, col]} at {where} is not below the model's "
+                     f"vocab_size {vocab_size}; the data was made with another tokenizer "
+                     "(pass --tokenizer or --vocab_size to match it)")
+
 
 class BatchSampler:
     """Random windows of `seq_len + 1` tokens; inputs are the first `seq_len`, targets the last.
@@ -422,12 +415,39 @@ class BatchSampler:
         rng = np.random.default_rng([self.seed, step])
         starts_B = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
         lo = self.process_index * self.local_batch_size
-        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1])
-                for s in starts_B[lo: lo + self.local_batch_size]]
+        local_B = starts_B[lo: lo + self.local_batch_size]
+        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in local_B]
         windows_BT1 = np.stack(rows).astype(np.int32)
-        if self.vocab_size is not None and windows_BT1.max() >= self.vocab_size:
-            # An out-of-range id would make the embedding lookup return NaN, far from the cause.
-            raise ValueError(
-                f"BatchSampler: step {step} has token id {windows_BT1.max()} >= vocab_size "
-                f"{self.vocab_size}")
+        check_ids(windows_BT1, self.vocab_size, self.tokens, local_B, f"batch of step {step}")
         return windows_BT1[:, :-1], windows_BT1[:, 1:]
+
+
+class ValidationSet:
+    """The first `num_batches · batch_size · seq_len (+ 1)` tokens of the validation split as
+    consecutive, non-overlapping sequences: the same at every evaluation, in every run with the
+    same data, whatever the seed. `num_batches` is as many whole batches as `eval_tokens` allows
+    (at least one; fewer when the split is shorter). Each process reads its share of each batch.
+    """
+
+    def __init__(self, tokens, *, batch_size: int, seq_len: int, eval_tokens: int,
+                 process_index: int = 0, process_count: int = 1, vocab_size: int | None = None):
+        per_batch = batch_size * seq_len
+        available = (len(tokens) - 1) // per_batch
+        if available < 1:
+            raise ValueError(
+                f"the validation split has {len(tokens)} tokens, fewer than one batch of "
+                f"batch_size x seq_len + 1 = {per_batch + 1}; use more validation data or a "
+                "smaller batch_size / seq_len")
+        self.num_batches = min(available, max(1, eval_tokens // per_batch))
+        self.num_tokens = self.num_batches * per_batch  # target tokens scored per evaluation
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.local = batch_size // process_count
+        self.process_index, self.vocab_size = process_index, vocab_size
+
+    def get(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        T, first = self.seq_len, index * self.batch_size + self.process_index * self.local
+        window = np.asarray(self.tokens[first * T: (first + self.local) * T + 1]).astype(np.int32)
+        check_ids(window[None], self.vocab_size, self.tokens, [first * T], "validation set")
+        inputs = window[:-1].reshape(self.local, T)
+        targets = window[1:].reshape(self.local, T)
+        return inputs, targets

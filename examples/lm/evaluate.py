@@ -1,12 +1,12 @@
 """Evaluation: validation loss and the geometry of the last head update as the softmax sees it.
 
-Two head changes are measured (spec §6, "Weight decay in diagnostics"):
+Two head changes are measured (weight decay is part of what the softmax sees, not of the step):
 
 - the *full head change* `ΔW = W_new - W_old`, including decoupled weight decay: this is what the
   softmax sees. Reported as `head_diameter`, `hilbert_rms`, `hilbert_max`, `hilbert_tightness`.
 - the *head step* `-lr·U` (the optimizer's direction scaled by the head learning rate, without the
-  decay term): `ΔW + lr·wd·W_old` under the decoupled-decay convention of spec §5
-  (`W ← (1 - lr·wd)·W - lr·U`). Reported as `head_step_diameter`, `head_step_hilbert_rms`, ... For
+  decay term): `ΔW + lr·wd·W_old` under the decoupled-decay convention
+  `W ← (1 - lr·wd)·W - lr·U`. Reported as `head_step_diameter`, `head_step_hilbert_rms`, ... For
   projected RowNorm, `head_step_diameter <= 2·lr` (every token row moves at most `lr`).
   Without weight decay the two coincide.
 
@@ -29,7 +29,8 @@ import rowgeom
 
 
 def cross_entropy(logits, targets):
-    """Mean next-token cross entropy in fp32."""
+    """Mean next-token cross entropy in fp32. Padded vocabulary rows never win: the model sets
+    their logits to a large negative number (`model.Transformer`), so they get probability 0."""
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), targets).mean()
 

@@ -1,10 +1,14 @@
 """Metric sinks: DIR/metrics.jsonl, TensorBoard event files, and a PNG plot of the curves.
 
 `metrics.jsonl` holds one JSON object per line with at least `step` and `train_loss`; evaluation
-lines add `val_loss`, `head_diameter`, `hilbert_rms`, ... (see evaluate.py). Floats are written with
-`repr`, which round-trips exactly, and the file holds only values that are a deterministic function
-of the run (no wall-clock times), so an interrupted-and-resumed run writes the same bytes as an
-uninterrupted one. Throughput (tokens/s, step time) goes to TensorBoard and the progress bar only.
+lines add `val_loss`, `val_tokens`, `head_diameter`, `hilbert_rms`, ... (see evaluate.py). Floats
+are written with `repr`, which round-trips exactly. Every value except the wall-clock ones in
+`WALL_CLOCK_KEYS` (tokens/s, seconds per step, MFU) is a deterministic function of the run, so an
+interrupted-and-resumed run writes the same records as an uninterrupted one once those keys are
+left out (`deterministic_part`).
+
+DIR may be local or remote (`gs://...`, through `etils.epath`). TensorBoard event files are
+written for a local DIR only (tensorboardX does not go through epath).
 
 Only process 0 writes; other processes get a writer whose methods do nothing.
 """
@@ -13,13 +17,20 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
+import os
 
 import numpy as np
+from etils import epath
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
+WALL_CLOCK_KEYS = ("tokens_per_sec", "sec_per_step", "mfu")
+
+
+def deterministic_part(record: dict) -> dict:
+    """`record` without its wall-clock keys: what must match bit for bit across resumes."""
+    return {k: v for k, v in record.items() if k not in WALL_CLOCK_KEYS}
 
 
 def _plain(value):
@@ -33,8 +44,8 @@ def _plain(value):
     return value
 
 
-def read_metrics(workdir: str | Path) -> list[dict]:
-    path = Path(workdir) / METRICS_FILE
+def read_metrics(workdir: str | os.PathLike) -> list[dict]:
+    path = epath.Path(workdir) / METRICS_FILE
     if not path.exists():
         return []
     with path.open() as f:
@@ -44,8 +55,9 @@ def read_metrics(workdir: str | Path) -> list[dict]:
 class MetricsWriter:
     """Appends metric records to jsonl and TensorBoard; `enabled=False` makes every call a no-op."""
 
-    def __init__(self, workdir: str | Path, *, enabled: bool = True):
-        self.workdir = Path(workdir)
+    def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True):
+        self.workdir = epath.Path(workdir)
+        self.tensorboard = "://" not in os.fspath(workdir)
         self.enabled = enabled
         self._tb = None
         if enabled:
@@ -58,13 +70,17 @@ class MetricsWriter:
         path = self.workdir / METRICS_FILE
         if not path.exists():
             return
-        with path.open() as f:
-            lines = [ln for ln in f if ln.strip()]
+        lines = [ln + "\n" for ln in path.read_text().splitlines() if ln.strip()]
         kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
         if len(kept) != len(lines):
-            tmp = path.with_suffix(".jsonl.tmp")
+            tmp = self.workdir / (METRICS_FILE + ".tmp")
             tmp.write_text("".join(kept))
             tmp.replace(path)
+
+    def clear(self) -> None:
+        """Delete metrics.jsonl (a fresh start with --overwrite)."""
+        if self.enabled and (self.workdir / METRICS_FILE).exists():
+            (self.workdir / METRICS_FILE).unlink()
 
     def _tensorboard(self):
         if self._tb is None:
@@ -79,8 +95,12 @@ class MetricsWriter:
             return
         record = {k: _plain(v) for k, v in record.items()}
         step = record["step"]
-        with (self.workdir / METRICS_FILE).open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        path, line = self.workdir / METRICS_FILE, json.dumps(record) + "\n"
+        if not self.tensorboard:  # remote: object stores cannot append; rewrite the small file
+            path.write_text((path.read_text() if path.exists() else "") + line)
+            return
+        with path.open("a") as f:
+            f.write(line)
         tb = self._tensorboard()
         for key, value in {**record, **(extra_scalars or {})}.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -95,7 +115,7 @@ class MetricsWriter:
             self._tb.close()
             self._tb = None
 
-    def plot(self) -> Path | None:
+    def plot(self) -> epath.Path | None:
         """Write DIR/metrics.png: losses, head diameters and Hilbert perturbations against step."""
         if not self.enabled:
             return None
@@ -108,7 +128,7 @@ def _series(records, key):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_metrics(records: list[dict], path: str | Path) -> Path:
+def plot_metrics(records: list[dict], path: str | os.PathLike) -> epath.Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +154,8 @@ def plot_metrics(records: list[dict], path: str | Path) -> Path:
         ax.set_xlabel("step")
         if ax.get_lines():
             ax.legend()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
+    path = epath.Path(path)
+    with path.open("wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     return path

@@ -39,6 +39,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
+    # Token ids >= valid_vocab_size are padding (a vocabulary rounded up to a multiple of 128):
+    # their embedding and head rows start at zero and their logits are masked, so they are never
+    # predicted and get no gradient. None: every id is a token.
+    valid_vocab_size: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
@@ -53,6 +57,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig head_dim = d_model / num_heads = {self.head_dim} must be even "
                 "for RoPE")
+        valid = self.valid_vocab_size
+        if valid is not None and (not isinstance(valid, int) or not 1 <= valid <= self.vocab_size):
+            raise ValueError(f"ModelConfig.valid_vocab_size must be an int in [1, vocab_size="
+                             f"{self.vocab_size}] or None, got {valid!r}")
         for name in ("compute_dtype", "param_dtype"):
             dtype = jnp.dtype(getattr(self, name))
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -61,6 +69,25 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of real (predictable) tokens."""
+        return self.vocab_size if self.valid_vocab_size is None else self.valid_vocab_size
+
+
+def _zero_padding(init, num_tokens: int, vocab_axis: int):
+    """`init` with the rows >= num_tokens along `vocab_axis` set to zero."""
+
+    def padded_init(key, shape, dtype=jnp.float32):
+        value = init(key, shape, dtype)
+        if num_tokens >= shape[vocab_axis]:
+            return value
+        ids = jnp.arange(shape[vocab_axis]).reshape([-1 if a == vocab_axis else 1
+                                                     for a in range(len(shape))])
+        return jnp.where(ids < num_tokens, value, jnp.zeros((), dtype))
+
+    return padded_init
 
 
 def _sharded(names: tuple) -> dict:
@@ -182,7 +209,7 @@ class Transformer(nnx.Module):
         embed_std = 1.0 / math.sqrt(d) if cfg.tied_embeddings else 1.0
         self.embed = nnx.Embed(
             v, d, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
-            embedding_init=nnx.initializers.normal(embed_std),
+            embedding_init=_zero_padding(nnx.initializers.normal(embed_std), cfg.num_tokens, 0),
             embedding_metadata=_sharded((TENSOR, FSDP)), rngs=rngs)
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _rmsnorm(cfg, rngs)
@@ -194,7 +221,8 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Linear(
                 d, v, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
                 preferred_element_type=jnp.float32,
-                kernel_init=nnx.initializers.normal(1.0 / math.sqrt(d)),
+                kernel_init=_zero_padding(nnx.initializers.normal(1.0 / math.sqrt(d)),
+                                          cfg.num_tokens, 1),
                 kernel_metadata=_sharded((FSDP, TENSOR)), rngs=rngs)
 
     def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
@@ -223,15 +251,21 @@ class Transformer(nnx.Module):
         else:
             logits_BTV = self.lm_head(h_BTD)
         logits_BTV = logits_BTV.astype(jnp.float32)
+        if self.cfg.num_tokens < self.cfg.vocab_size:
+            # Padding ids are never predicted: a finite floor (not -inf) keeps the softmax's
+            # gradient exactly zero there without any inf - inf.
+            valid_V = jnp.arange(self.cfg.vocab_size) < self.cfg.num_tokens
+            logits_BTV = jnp.where(valid_V, logits_BTV, jnp.finfo(jnp.float32).min / 2)
         return (logits_BTV, h_BTD) if return_hidden else logits_BTV
 
 
 def head_matrix(model: Transformer) -> tuple[jax.Array, int]:
-    """The head weight and its vocabulary axis: `(kernel (d, V), 1)`, or `(table (V, d), 0)` if
-    tied."""
+    """The head weight's real-token rows and its vocabulary axis: `(kernel (d, V), 1)`, or
+    `(table (V, d), 0)` if tied (padding rows, if any, left out)."""
+    n = model.cfg.num_tokens
     if model.lm_head is None:
-        return model.embed.embedding[...], 0
-    return model.lm_head.kernel[...], 1
+        return model.embed.embedding[...][:n], 0
+    return model.lm_head.kernel[...][:, :n], 1
 
 
 def count_params(model: Transformer) -> int:

@@ -2,8 +2,14 @@
 
     python examples/lm/train.py                      # cpu-tiny, about 5 minutes on 2 CPU cores
     python examples/lm/train.py --config cpu-small --steps 3000 --head adamw --workdir runs/a
-    python examples/lm/train.py --workdir runs/a --resume          # continue the latest checkpoint
+    python examples/lm/train.py --workdir runs/a     # rerun on a workdir: resume its latest one
     python examples/lm/train.py --config 190m --mesh_fsdp 8 --workdir gs://bucket/run  # see README
+    python examples/lm/train.py --data_source 'fineweb10B/*.bin' --tokenizer gpt2/tokenizer.json
+
+Data: token files (llm.c / modded-nanogpt shards, nanoGPT train.bin / val.bin, rowgeom shards
+written by prepare.py) or text / jsonl, detected by content and name (see data.py, formats.py).
+A run is preemption-safe: SIGTERM saves a checkpoint at the current step and exits 0, and the same
+command resumes it; the schedule horizon and every run-defining option come from the checkpoint.
 
 Every config field is a flag (`--d_model 64` or `--set d_model=64`); see configs.py and README.md.
 The train state is one pytree of plain arrays, `{params, rest, opt_state, micro_step, rng}`, updated
@@ -23,6 +29,8 @@ if __package__ in (None, ""):  # run as a script: make `examples.lm` importable
 import argparse
 import dataclasses
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -33,12 +41,13 @@ import optax
 from flax import nnx
 
 import rowgeom
-from examples.lm import checkpointing, configs, data, evaluate, metrics
+from examples.lm import checkpointing, configs, data, evaluate, metrics, throughput
 from examples.lm import mesh as mesh_lib
 from examples.lm import model as model_lib
+from examples.lm import resume as resume_lib
 
-# Validation batches use fixed seeds, independent of the training seed, so runs are comparable.
-VAL_SEED = 0x5EED
+# The head probe's validation sequences use a fixed seed, independent of the training seed, so
+# runs are comparable (the validation set itself is the start of the validation split).
 PROBE_SEED = 0x5EED + 1
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(model_lib.ModelConfig))
 
@@ -52,28 +61,24 @@ def model_config(cfg: configs.Config) -> model_lib.ModelConfig:
 
 
 def lr_schedule(peak: float, cfg: configs.Config):
-    """Learning rate as a function of the number of updates already applied.
+    """Learning rate as a function of the number of updates already applied (optax schedules).
 
-    Linear warmup to `peak` over `warmup_steps` updates (the first update already uses
-    peak/warmup, never 0), then either a cosine decay ("cosine") or a constant phase followed by a
-    linear decay over the last `decay_fraction` of the run ("wsd"), both ending exactly at
-    `min_lr_ratio·peak` on the last update.
+    Linear warmup to `peak` over `cfg.effective_warmup()` updates (the first update already uses
+    peak/warmup, never 0), then `optax.warmup_cosine_decay_schedule`'s cosine ("cosine"), or a
+    constant phase and a linear decay over the last `decay_fraction` of the run ("wsd",
+    `optax.join_schedules`), both ending exactly at `min_lr_ratio·peak` on the last update.
     """
-    warm, total, end = cfg.warmup_steps, cfg.steps, peak * cfg.min_lr_ratio
-    decay = max(round(total * cfg.decay_fraction), 1)
-
-    def schedule(count):
-        t = jnp.asarray(count, jnp.float32)
-        warm_lr = peak * (t + 1) / max(warm, 1)
-        if cfg.schedule == "cosine":
-            frac = jnp.clip((t - warm + 1) / max(total - warm, 1), 0.0, 1.0)
-            main = end + (peak - end) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
-        else:
-            frac = jnp.clip((t - (total - decay) + 1) / decay, 0.0, 1.0)
-            main = peak + (end - peak) * frac
-        return jnp.where(t < warm, warm_lr, main)
-
-    return schedule
+    warm, total, end = cfg.effective_warmup(), cfg.steps, peak * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        base = optax.warmup_cosine_decay_schedule(0.0, peak, warm, total, end)
+    else:
+        stable_end = max(total - max(round(total * cfg.decay_fraction), 1), warm)
+        base = optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, warm), optax.constant_schedule(peak),
+             optax.linear_schedule(peak, end, total - stable_end)], [warm, stable_end])
+    # optax counts from 0 = "at the start of the warmup"; update t (0-based) uses the value at
+    # t + 1, so that the first update is not wasted with a zero learning rate.
+    return lambda count: base(jnp.asarray(count) + 1)
 
 
 def head_settings(cfg: configs.Config):
@@ -91,20 +96,54 @@ def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
     """Global-norm clipping -> rowgeom.lm_optimizer, wrapped in optax.MultiSteps to accumulate."""
     maybe = lambda peak: None if peak is None else lr_schedule(peak, cfg)
     rescaled = cfg.head == "rownorm-rescaled"
-    tx = rowgeom.lm_optimizer(
-        lr_schedule(cfg.learning_rate, cfg), head="rownorm" if rescaled else cfg.head,
-        head_rescale="exact" if rescaled else None,
-        tied="embedding" if cfg.tied_embeddings else None,
-        head_learning_rate=lr_schedule(cfg.resolved_head_learning_rate(), cfg),
-        embedding_learning_rate=maybe(cfg.embedding_learning_rate),
-        vector_learning_rate=maybe(cfg.vector_learning_rate),
-        weight_decay=cfg.weight_decay, head_weight_decay=cfg.weight_decay,
-        embedding_weight_decay=cfg.weight_decay)
+    padded = cfg.valid_vocab_size is not None and cfg.valid_vocab_size < cfg.vocab_size
+    if padded and cfg.head in configs.ROWNORM_HEADS and not cfg.tied_embeddings:
+        tx = _padded_rownorm_optimizer(cfg)
+    else:
+        tx = rowgeom.lm_optimizer(
+            lr_schedule(cfg.learning_rate, cfg), head="rownorm" if rescaled else cfg.head,
+            head_rescale="exact" if rescaled else None,
+            tied="embedding" if cfg.tied_embeddings else None,
+            head_learning_rate=lr_schedule(cfg.resolved_head_learning_rate(), cfg),
+            embedding_learning_rate=maybe(cfg.embedding_learning_rate),
+            vector_learning_rate=maybe(cfg.vector_learning_rate),
+            weight_decay=cfg.weight_decay, head_weight_decay=cfg.weight_decay,
+            embedding_weight_decay=cfg.weight_decay)
     if cfg.grad_clip is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
     if cfg.grad_accum_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum_steps)
     return tx
+
+
+def _or(value, fallback):
+    return fallback if value is None else value
+
+
+def _padded_rownorm_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
+    """rowgeom.lm_optimizer's groups and defaults, with the RowNorm head told which token rows
+    are padding (`projected_rownorm(num_valid=...)`): padding rows are left out of both
+    centrings and get a zero step, so they stay zero (model.py starts them at zero)."""
+    schedule = lambda peak: lr_schedule(peak, cfg)
+    lr, wd = cfg.learning_rate, cfg.weight_decay
+    adamw = lambda peak, decay: optax.adamw(schedule(peak), b1=0.9, b2=0.95, eps=1e-8,
+                                            weight_decay=decay)
+    head = optax.chain(
+        optax.ema(decay=0.95, debias=False, accumulator_dtype=jnp.float32),
+        rowgeom.projected_rownorm(vocab_axis=1, num_valid=cfg.valid_vocab_size,
+                                  rescale="exact" if cfg.head == "rownorm-rescaled" else None),
+        optax.add_decayed_weights(wd),
+        optax.scale_by_learning_rate(schedule(cfg.resolved_head_learning_rate())),
+        rowgeom.track_row_diameter(vocab_axis=1))
+    hidden = optax.chain(
+        optax.trace(decay=0.95, nesterov=True),
+        rowgeom.muon_orthogonalize(ns_steps=5, ns_coeffs="keller", scale="rms"),
+        optax.add_decayed_weights(wd), optax.scale_by_learning_rate(schedule(lr)))
+    return rowgeom.partition_by_label(
+        {"hidden": hidden, "head": head,
+         "embedding": adamw(_or(cfg.embedding_learning_rate, lr), wd),
+         "vector": adamw(_or(cfg.vector_learning_rate, lr), 0.0)},
+        rowgeom.label_params)
 
 
 # ----------------------------------------------------------------------------- train state
@@ -189,21 +228,27 @@ class Trainer:
 
 
 class _Batches:
-    """Global batches from a BatchSampler, sharded over the mesh's data-parallel axes."""
+    """Global batches from a BatchSampler or ValidationSet, sharded over the mesh's data axes."""
 
-    def __init__(self, tokens, cfg, mesh, *, batch_size, seed, replicated=False):
-        share = (0, 1) if replicated else (jax.process_index(), jax.process_count())
-        self.sampler = data.BatchSampler(tokens, batch_size=batch_size, seq_len=cfg.seq_len,
-                                         seed=seed, process_index=share[0],
-                                         process_count=share[1], vocab_size=cfg.vocab_size)
-        self.mesh, self.replicated = mesh, replicated
+    def __init__(self, source, mesh, *, replicated=False):
+        self.source, self.mesh = source, mesh
+        self.sharding = (mesh_lib.replicated(mesh) if replicated
+                         else mesh_lib.batch_sharding(mesh))
 
     def get(self, index):
-        inputs, targets = self.sampler.get(index)
-        sharding = (mesh_lib.replicated(self.mesh) if self.replicated
-                    else mesh_lib.batch_sharding(self.mesh))
-        put = lambda x: jax.make_array_from_process_local_data(sharding, x)
-        return put(inputs), put(targets)
+        put = lambda x: jax.make_array_from_process_local_data(self.sharding, x)
+        return tuple(put(x) for x in self.source.get(index))
+
+
+def _sampler(tokens, cfg, *, batch_size, seed, replicated=False):
+    share = (0, 1) if replicated else (jax.process_index(), jax.process_count())
+    return data.BatchSampler(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed,
+                             process_index=share[0], process_count=share[1],
+                             vocab_size=_num_tokens(cfg))
+
+
+def _num_tokens(cfg) -> int:
+    return _or(cfg.valid_vocab_size, cfg.vocab_size)
 
 
 def _check_batch(cfg, mesh):
@@ -231,71 +276,124 @@ def _head_stats(opt_state) -> dict:
     return out
 
 
-def _check_resume(meta: dict, cfg: configs.Config, out) -> None:
-    saved = meta.get("config")
-    if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
-        raise ValueError("cannot resume: the checkpoint's metadata has no config and step "
-                         f"(not written by this trainer?): {str(meta)[:200]}")
-    changed = {k: (saved.get(k), v) for k, v in dataclasses.asdict(cfg).items()
-               if k in saved and saved[k] != v}
-    # These fix the shapes and structure of the saved state (or the step count in micro-steps).
-    fixed = (*MODEL_FIELDS, "seq_len", "head", "grad_accum_steps")
-    clip_toggled = (saved.get("grad_clip") is None) != (cfg.grad_clip is None)
-    structural = {k: c for k, c in changed.items() if k in fixed or (k == "grad_clip"
-                                                                     and clip_toggled)}
-    if structural:
-        raise ValueError(f"cannot resume: these fields differ from the checkpoint's "
-                         f"(saved, now): {structural}")
+# ----------------------------------------------------------------------------- resuming
+
+class UsageError(ValueError):
+    """A problem with the command line, the data or the work directory, explained in one line."""
+
+
+def with_tokenizer_vocab(cfg: configs.Config) -> configs.Config:
+    """With `cfg.tokenizer`: vocab_size = the tokenizer's size rounded up to a multiple of 128
+    and valid_vocab_size = the tokenizer's size (the rest is padding)."""
+    if cfg.tokenizer is None:
+        return cfg
+    n = data.tokenizer_vocab_size(data.load_tokenizer(cfg.tokenizer))
+    padded = -(-n // configs.VOCAB_MULTIPLE) * configs.VOCAB_MULTIPLE
+    return dataclasses.replace(cfg, vocab_size=padded, valid_vocab_size=n).validate()
+
+
+
+def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:
+    if "steps" in changed:
+        old = dataclasses.replace(cfg, steps=changed["steps"][0])
+        before = _scalar(lr_schedule(cfg.learning_rate, old)(step))
+        after = _scalar(lr_schedule(cfg.learning_rate, cfg)(step))
+        out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; the "
+            f"learning rate of update {step + 1} changes from {before:.6g} to {after:.6g}")
     if changed:
         out(f"resuming with changed settings (saved, now): {changed}")
 
 
-def train(cfg: configs.Config, workdir: str | Path, *, resume: bool = False,
-          stop_after: int | None = None, progress: bool = True, print_fn=print) -> dict:
-    """Train `cfg` in `workdir`; return the last evaluation record.
+def _default_data_dir(workdir: str) -> str:
+    if checkpointing.is_remote(workdir):  # the token cache is memory-mapped: keep it local
+        return str(Path("~/.cache/rowgeom/lm-data").expanduser())
+    return str(Path(workdir) / "data")
 
-    resume: continue from the latest complete checkpoint (fresh start when there is none).
+
+def _setup(cfg, workdir, *, explicit, overwrite, change_horizon, out):
+    """Everything before the first step; each problem is a ValueError in one line."""
+    cfg = with_tokenizer_vocab(cfg.validate())
+    mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    ckpt = checkpointing.Checkpointer(
+        cfg.checkpoint_dir or checkpointing.as_path(workdir) / "checkpoints",
+        keep=cfg.keep_checkpoints)
+    latest = ckpt.latest_step()
+    if latest is not None and overwrite:
+        out(f"--overwrite: deleting checkpoints {ckpt.all_steps()} in {ckpt.directory}")
+        ckpt.delete_all()
+        latest = None
+    meta = None
+    if latest is not None:
+        meta = ckpt.restore_meta(latest)
+        cfg, changed = resume_lib.resolve_config(cfg, meta, explicit=explicit,
+                                                 change_horizon=change_horizon)
+        _report_changes(changed, meta["step"], cfg, out)
+        mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    _check_batch(cfg, mesh)
+    if cfg.effective_warmup() != cfg.warmup_steps:
+        out(f"warmup_steps={cfg.warmup_steps} does not fit steps={cfg.steps}: warming up over "
+            f"{cfg.effective_warmup()} steps instead")
+    tokens = data.prepare_tokens(source=cfg.data_source,
+                                 workdir=cfg.data_dir or _default_data_dir(workdir),
+                                 vocab_size=cfg.vocab_size, tokenizer=cfg.tokenizer)
+    if tokens.vocab_size > _num_tokens(cfg):
+        raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model has "
+                         f"{_num_tokens(cfg)} (vocab_size / valid_vocab_size)")
+    need = cfg.batch_size * cfg.seq_len + 1
+    if len(tokens.train) < need:
+        raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
+                         f"batch of batch_size x seq_len + 1 = {need}; use more data or a "
+                         "smaller batch_size / seq_len")
+    val_set = data.ValidationSet(
+        tokens.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
+        process_count=jax.process_count(), vocab_size=_num_tokens(cfg))
+    return cfg, mesh, ckpt, latest, tokens, val_set
+
+
+def train(cfg: configs.Config, workdir, *, resume: bool = True, overwrite: bool = False,
+          change_horizon: bool = False, explicit=None, stop_after: int | None = None,
+          progress: bool = True, print_fn=print) -> dict:
+    """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
+
+    A workdir with checkpoints is resumed from the latest complete one, following the run's
+    saved config (see `resume.resolve_config`; `explicit` names the fields the caller set,
+    None = all). resume: accepted for compatibility; resuming is the default. overwrite: delete
+    the checkpoints and metrics and start fresh. change_horizon: accept a new `steps` on resume.
     stop_after: stop after this many optimizer steps without a final save, as if interrupted
     (the schedule still follows `cfg.steps`); for tests of exact resumption.
+    On SIGTERM the run saves a checkpoint at the current step and returns.
     """
-    cfg = cfg.validate()
-    workdir = Path(workdir)
+    del resume  # the default behaviour; the argument stays for callers that pass it
+    workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
     out = print_fn if lead else (lambda *a, **k: None)
-    mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
-    _check_batch(cfg, mesh)
-
-    data_dir = Path(cfg.data_dir) if cfg.data_dir else workdir / "data"
-    tokens = data.prepare_tokens(source=cfg.data_source, workdir=data_dir,
-                                 vocab_size=cfg.vocab_size)
-    if tokens.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but vocab_size is "
-                         f"{cfg.vocab_size}")
+    try:
+        cfg, mesh, ckpt, latest, tokens, val_set = _setup(
+            cfg, workdir, explicit=explicit, overwrite=overwrite,
+            change_horizon=change_horizon, out=out)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
     trainer = Trainer(cfg, mesh)
-    ckpt = checkpointing.Checkpointer(cfg.checkpoint_dir or workdir / "checkpoints",
-                                      keep=cfg.keep_checkpoints)
     writer = metrics.MetricsWriter(workdir, enabled=lead)
-
-    latest = ckpt.latest_step()
-    if latest is not None and not resume:
-        raise ValueError(f"{ckpt.directory} already holds checkpoints (latest step {latest}): "
-                         "pass --resume to continue, or use a new --workdir")
+    if overwrite:
+        writer.clear()
     with jax.set_mesh(mesh):
-        if resume and latest is not None:
-            _check_resume(ckpt.restore_meta(latest), cfg, out)
+        if latest is not None:
             state, _ = ckpt.restore(latest, trainer.abstract_state)
             out(f"resumed from step {latest} ({ckpt.directory})")
         else:
             state = trainer.init()
-            if resume:
-                out(f"no checkpoint in {ckpt.directory}: starting fresh")
+            out(f"no checkpoint in {ckpt.directory}: starting fresh")
     accum = cfg.grad_accum_steps
     start = int(jax.device_get(state["micro_step"])) // accum
     writer.truncate_after(start)
     head = "tied head (trained as the embedding)" if cfg.tied_embeddings else f"{cfg.head} head"
     out(f"{mesh_lib.describe(mesh)}; {head}; "
         f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} parameters; "
-        f"{'exact' if trainer.exact_diameter else 'bracketed'} head diameter")
+        f"{'exact' if trainer.exact_diameter else 'bracketed'} head diameter; data: "
+        f"{tokens.format}, {len(tokens.train):,} train / {len(tokens.val):,} validation tokens, "
+        f"{val_set.num_tokens:,} evaluated")
     out(str(rowgeom.describe(  # each parameter's label, geometry, peak learning rate and decay
         state["params"], cfg.learning_rate, tied="embedding" if cfg.tied_embeddings else None,
         head="rownorm" if cfg.head in configs.ROWNORM_HEADS else cfg.head,
@@ -303,53 +401,74 @@ def train(cfg: configs.Config, workdir: str | Path, *, resume: bool = False,
         embedding_learning_rate=cfg.embedding_learning_rate,
         vector_learning_rate=cfg.vector_learning_rate)))
 
-    train_batches = _Batches(tokens.train, cfg, mesh, batch_size=cfg.batch_size, seed=cfg.seed)
-    val_batches = _Batches(tokens.val, cfg, mesh, batch_size=cfg.batch_size, seed=VAL_SEED)
-    probe_inputs = _Batches(tokens.val, cfg, mesh, batch_size=cfg.hilbert_sequences,
-                            seed=PROBE_SEED, replicated=True).get(0)[0]
+    train_batches = _Batches(
+        _sampler(tokens.train, cfg, batch_size=cfg.batch_size, seed=cfg.seed), mesh)
+    val_batches = _Batches(val_set, mesh)
+    probe_inputs = _Batches(_sampler(tokens.val, cfg, batch_size=cfg.hilbert_sequences,
+                                     seed=PROBE_SEED, replicated=True),
+                            mesh, replicated=True).get(0)[0]
     tokens_per_step = cfg.batch_size * cfg.seq_len * accum
+    flops_per_token = model_lib.flops_per_token(trainer.model_cfg)
+    peak = throughput.peak_flops()
 
     last_eval: dict = {}
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = _progress(total=cfg.steps, initial=start, enabled=progress and lead)
+    preemption = resume_lib.PreemptionWatcher(ckpt)
     window_start, window_steps = time.perf_counter(), 0
-    with jax.set_mesh(mesh):
-        for step in range(start + 1, end + 1):
-            is_eval = step % cfg.eval_every == 0 or step == cfg.steps
-            is_probe = not is_eval and step > cfg.steps - cfg.probe_last_steps
-            is_log = is_eval or is_probe or step % cfg.log_every == 0
-            need_old = is_eval or is_probe
-            head_old = trainer.head_of(state["params"], state["rest"]) if need_old else None
-            losses = []
-            for micro in range(accum):
-                inputs, targets = train_batches.get((step - 1) * accum + micro)
-                state, loss = trainer.train_step(state, inputs, targets)
-                losses.append(loss)
-            window_steps += 1
-            record = {}
-            if is_log:
-                record = {"step": step, "train_loss": _scalar(sum(losses) / accum),
-                          "learning_rate": _scalar(lr_schedule(cfg.learning_rate, cfg)(step - 1)),
-                          "head_learning_rate": _scalar(trainer.head_lr(step - 1))}
-            if is_eval:
-                record |= _evaluate(trainer, state, head_old, val_batches, probe_inputs, step)
-                last_eval = record
-            elif is_probe:
-                record |= _probe(trainer, state, head_old, probe_inputs, step)
-            if is_log:
-                elapsed = time.perf_counter() - window_start
-                speed = {"tokens_per_sec": window_steps * tokens_per_step / elapsed,
-                         "sec_per_step": elapsed / window_steps}
-                writer.write(record, extra_scalars=speed)
-                bar.set_postfix(loss=f"{record['train_loss']:.4f}",
-                                tok_s=f"{speed['tokens_per_sec']:.0f}")
-                window_start, window_steps = time.perf_counter(), 0
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                ckpt.save(step, state, _meta(cfg, step, accum, mesh))
-            bar.update(1)
-    bar.close()
-    ckpt.close()
-    writer.close()
+    try:
+        with jax.set_mesh(mesh):
+            for step in range(start + 1, end + 1):
+                is_eval = step % cfg.eval_every == 0 or step == cfg.steps
+                is_probe = not is_eval and step > cfg.steps - cfg.probe_last_steps
+                is_log = is_eval or is_probe or step % cfg.log_every == 0
+                need_old = is_eval or is_probe
+                head_old = trainer.head_of(state["params"], state["rest"]) if need_old else None
+                losses = []
+                for micro in range(accum):
+                    inputs, targets = train_batches.get((step - 1) * accum + micro)
+                    state, loss = trainer.train_step(state, inputs, targets)
+                    losses.append(loss)
+                window_steps += 1
+                record = {}
+                if is_log:
+                    record = {"step": step, "train_loss": _scalar(sum(losses) / accum),
+                              "learning_rate": _scalar(
+                                  lr_schedule(cfg.learning_rate, cfg)(step - 1)),
+                              "head_learning_rate": _scalar(trainer.head_lr(step - 1))}
+                if is_eval:
+                    record |= _evaluate(trainer, state, head_old, val_batches, probe_inputs,
+                                        step)
+                    last_eval = record
+                elif is_probe:
+                    record |= _probe(trainer, state, head_old, probe_inputs, step)
+                if is_log:
+                    elapsed = time.perf_counter() - window_start
+                    speed = window_steps * tokens_per_step / elapsed
+                    record |= {"tokens_per_sec": speed, "sec_per_step": elapsed / window_steps}
+                    utilisation = throughput.mfu(speed, flops_per_token, peak=peak)
+                    if utilisation is not None:
+                        record["mfu"] = utilisation
+                    writer.write(record)
+                    bar.set_postfix(loss=f"{record['train_loss']:.4f}", tok_s=f"{speed:.0f}")
+                    window_start, window_steps = time.perf_counter(), 0
+                saved = step % cfg.save_every == 0 or step == cfg.steps
+                if saved:
+                    ckpt.save(step, state, _meta(cfg, step, accum, mesh))
+                bar.update(1)
+                if step < end and preemption.reached(step):
+                    if not saved:
+                        ckpt.save(step, state, _meta(cfg, step, accum, mesh))
+                    ckpt.wait()
+                    out(f"preempted (SIGTERM): saved a checkpoint at step {step} in "
+                        f"{ckpt.directory}; rerun the same command to resume")
+                    end = step
+                    break
+    finally:
+        preemption.close()
+        bar.close()
+        ckpt.close()
+        writer.close()
     if end == cfg.steps:
         writer.plot()
         if not last_eval and lead:  # resumed a finished run: report its last evaluation
@@ -369,15 +488,17 @@ def _probe(trainer, state, head_old, probe_inputs, step) -> dict:
 
 
 def _evaluate(trainer, state, head_old, val_batches, probe_inputs, step) -> dict:
-    cfg = trainer.cfg
+    """Mean loss over the fixed validation set (every batch has the same number of tokens)."""
+    val_set = val_batches.source
     total = 0.0
-    for i in range(cfg.eval_batches):
+    for i in range(val_set.num_batches):
         total += _scalar(trainer.val_loss(state["params"], state["rest"], *val_batches.get(i)))
-    record = {"val_loss": total / cfg.eval_batches}
+    record = {"val_loss": total / val_set.num_batches, "val_tokens": val_set.num_tokens}
     return record | _probe(trainer, state, head_old, probe_inputs, step)
 
 
 def _meta(cfg, step, accum, mesh) -> dict:
+    # `config` is the whole run definition (schedule horizon included): a resumed run follows it.
     return {"step": step, "data_position": step * accum, "config": dataclasses.asdict(cfg),
             "mesh": {a: int(mesh.shape[a]) for a in mesh_lib.AXES},
             "process_count": jax.process_count()}
@@ -452,30 +573,56 @@ def benchmark(cfg: configs.Config, *, steps: int = 20, print_fn=print) -> dict:
 # ----------------------------------------------------------------------------- command line
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--workdir", default=None,
-                        help="metrics, TensorBoard, plot, data cache, checkpoints "
-                             "(default runs/<config>)")
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `train.py: error: ...` and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="train.py", description=__doc__.split("\n\n")[0],
+                     epilog="Resuming: rerunning a command on a workdir with checkpoints resumes "
+                            "the run from the latest complete one, following its saved config.")
+    parser.add_argument("--workdir", default=None, metavar="PATH",
+                        help="metrics, TensorBoard, plot, data cache, checkpoints; local or "
+                             "remote, e.g. gs://bucket/run (default: runs/<config>)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest complete checkpoint (fresh if none)")
+                        help="accepted for compatibility: resuming is the default")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete the workdir's checkpoints and metrics and start fresh")
+    parser.add_argument("--change_horizon", "--change-horizon", action="store_true",
+                        help="on resume, accept a --steps different from the checkpoint's and "
+                             "rebuild the learning-rate schedule for it (the rate jumps)")
     parser.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
-                        help="jax.distributed.initialize(): auto-detect multi-process launches")
+                        help="jax.distributed.initialize(): auto-detect multi-process launches "
+                             "(default: auto)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--benchmark", type=int, default=0, metavar="N",
                         help="instead of training, time N steps with and without the optimizer")
     configs.add_config_arguments(parser)
+    return parser
+
+
+def main(argv=None) -> dict:
+    """The command line: user errors print one line and exit with status 2."""
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         cfg = configs.config_from_args(args)
+        explicit = configs.explicit_fields(args)
     except ValueError as e:
         parser.error(str(e))
     mesh_lib.maybe_initialize_distributed(args.distributed)
     if args.benchmark:
         return benchmark(cfg, steps=args.benchmark)
-    workdir = args.workdir or f"runs/{args.config}"
-    return train(cfg, workdir, resume=args.resume, progress=not args.no_progress)
+    workdir = args.workdir or f"runs/{args.config or configs.DEFAULT_CONFIG}"
+    try:
+        return train(cfg, workdir, overwrite=args.overwrite, change_horizon=args.change_horizon,
+                     explicit=explicit, progress=not args.no_progress)
+    except UsageError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,213 @@
+"""Token data in the layouts people already have, written here the way their projects write them.
+
+- llm.c / modded-nanogpt shards: `dev/data/data_common.py:write_datafile` in karpathy/llm.c
+  (256 int32 header: magic 20240520, version 1, token count; then uint16 tokens).
+- nanoGPT: `data/openwebtext/prepare.py` in karpathy/nanoGPT (`np.memmap(..., dtype=np.uint16,
+  mode="w+")` into `train.bin` / `val.bin`, no header).
+- A Hugging Face `tokenizer.json` made with `tokenizers`, jsonl documents, and the `prepare`
+  command's shards read back through the trainer's loader.
+None of these files is written with the example's own writer.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples.lm import data, formats, prepare
+
+JSON_PACKAGE = Path(json.__file__).parent
+
+
+def write_llmc_shard(path, tokens):
+    """llm.c's write_datafile(filename, toks, model_desc="gpt-2")."""
+    header = np.zeros(256, dtype=np.int32)
+    header[0] = 20240520
+    header[1] = 1
+    header[2] = len(tokens)
+    toks_np = np.array(tokens, dtype=np.uint16)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(toks_np.tobytes())
+
+
+def write_nanogpt_split(path, tokens):
+    """nanoGPT's prepare.py: a raw uint16 memmap, no header."""
+    arr = np.memmap(path, dtype=np.uint16, mode="w+", shape=(len(tokens),))
+    arr[:] = tokens
+    arr.flush()
+    del arr
+
+
+def make_tokenizer(path, texts, vocab_size=300):
+    """A byte-level BPE with an end-of-text token, saved as tokenizer.json by `tokenizers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(path))
+    return tok
+
+
+# --------------------------------------------------------------------------- llm.c
+
+
+@pytest.mark.parametrize("as_glob", [False, True])
+def test_llmc_shards_by_directory_or_glob(tmp_path, rng, as_glob):
+    parts = {name: rng.integers(0, 50257, size=n) for name, n in
+             (("fineweb_train_000001.bin", 300), ("fineweb_train_000002.bin", 120),
+              ("fineweb_val_000000.bin", 90))}
+    for name, tokens in parts.items():
+        write_llmc_shard(tmp_path / name, tokens)
+    (tmp_path / "README.md").write_text("not a shard")  # other files are ignored
+    source = str(tmp_path / "fineweb_*.bin") if as_glob else str(tmp_path)
+    splits = data.prepare_tokens(source=source, workdir=tmp_path / "w", vocab_size=50304)
+    assert splits.format == "llmc" and splits.vocab_size == 50304
+    np.testing.assert_array_equal(
+        np.asarray(splits.train), np.concatenate([parts["fineweb_train_000001.bin"],
+                                                  parts["fineweb_train_000002.bin"]]))
+    np.testing.assert_array_equal(np.asarray(splits.val), parts["fineweb_val_000000.bin"])
+    # A window across the shard boundary reads both files.
+    np.testing.assert_array_equal(splits.train[295:305], np.asarray(splits.train)[295:305])
+    assert splits.train.locate(301) == (tmp_path / "fineweb_train_000002.bin", 1)
+
+
+def test_llmc_header_errors_name_the_file(tmp_path):
+    write_llmc_shard(tmp_path / "x_train_0.bin", np.arange(100))
+    write_llmc_shard(tmp_path / "x_val_0.bin", np.arange(100))
+    raw = bytearray((tmp_path / "x_val_0.bin").read_bytes())
+    (tmp_path / "x_val_0.bin").write_bytes(raw[:-6])
+    with pytest.raises(ValueError, match=r"x_val_0\.bin: header says 100 uint16 tokens"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+    raw[4:8] = np.int32(2).tobytes()  # version 2 stores uint32 tokens
+    (tmp_path / "x_val_0.bin").write_bytes(raw)
+    with pytest.raises(ValueError, match=r"x_val_0\.bin has version 2"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+
+
+def test_split_by_name_and_unknown_files(tmp_path):
+    write_llmc_shard(tmp_path / "data_train_0.bin", np.arange(100))
+    with pytest.raises(ValueError, match=r"no val token file.*\*train\* and \*val\*"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+    write_llmc_shard(tmp_path / "extra.bin", np.arange(100))
+    with pytest.raises(ValueError, match=r"extra\.bin: cannot tell its split"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+    (tmp_path / "extra.bin").unlink()
+    (tmp_path / "data_val_0.bin").write_bytes(b"\x01\x02" * 50)  # raw, but not nanoGPT's name
+    with pytest.raises(ValueError, match=r"data_val_0\.bin is not a known token file"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+    formats.write_shard(tmp_path / "data_val_0.bin", np.arange(50))
+    with pytest.raises(ValueError, match=r"mixes token file layouts \['llmc', 'rowgeom'\]"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+
+
+def test_out_of_vocabulary_ids_name_the_file(tmp_path):
+    write_llmc_shard(tmp_path / "d_train_0.bin", np.arange(200))
+    tokens = np.zeros(200, dtype=np.int64)
+    tokens[150] = 700
+    write_llmc_shard(tmp_path / "d_train_1.bin", tokens)
+    write_llmc_shard(tmp_path / "d_val_0.bin", np.arange(100))
+    splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+    sampler = data.BatchSampler(splits.train, batch_size=64, seq_len=16, seed=0, vocab_size=512)
+    with pytest.raises(ValueError, match=r"token id 700 at .*d_train_1\.bin, token 150 is not "
+                                         r"below the model's vocab_size 512"):
+        for step in range(50):
+            sampler.get(step)
+
+
+# --------------------------------------------------------------------------- nanoGPT
+
+
+def test_nanogpt_train_and_val_bin(tmp_path, rng):
+    train, val = rng.integers(0, 50257, size=1000), rng.integers(0, 50257, size=101)
+    write_nanogpt_split(tmp_path / "train.bin", train)
+    write_nanogpt_split(tmp_path / "val.bin", val)
+    splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=50304)
+    assert splits.format == "nanogpt"
+    np.testing.assert_array_equal(np.asarray(splits.train), train)
+    np.testing.assert_array_equal(np.asarray(splits.val), val)
+    (tmp_path / "val.bin").write_bytes(b"\x00" * 7)
+    with pytest.raises(ValueError, match=r"val\.bin has 7 bytes"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=50304)
+
+
+# --------------------------------------------------------------------------- validation set
+
+
+def test_validation_set_is_the_start_of_the_split_whatever_the_seed():
+    tokens = np.arange(1000, dtype=np.uint16)
+    val = data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100)
+    assert (val.num_batches, val.num_tokens) == (2, 80)  # whole batches of 40 tokens
+    inputs = np.concatenate([val.get(i)[0] for i in range(val.num_batches)])
+    targets = np.concatenate([val.get(i)[1] for i in range(val.num_batches)])
+    np.testing.assert_array_equal(inputs.ravel(), np.arange(80))  # consecutive, no overlap
+    np.testing.assert_array_equal(targets, inputs + 1)
+    halves = [data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100,
+                                 process_index=i, process_count=2).get(1) for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate([h[0] for h in halves]), val.get(1)[0])
+    assert data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=10**9).num_batches \
+        == 24  # capped by the split: (1000 - 1) // 40
+    with pytest.raises(ValueError, match="fewer than one batch of batch_size x seq_len"):
+        data.ValidationSet(tokens[:40], batch_size=4, seq_len=10, eval_tokens=100)
+
+
+# --------------------------------------------------------------------------- text, jsonl, tokenizer
+
+
+def _jsonl(path, docs):
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+
+
+def test_pretrained_tokenizer_encodes_text_and_jsonl(tmp_path):
+    texts = [f.read_text() for f in sorted(JSON_PACKAGE.glob("*.py"))]
+    tok = make_tokenizer(tmp_path / "tokenizer.json", texts)
+    eos = tok.token_to_id("<|endoftext|>")
+    _jsonl(tmp_path / "docs.jsonl", texts)
+    splits = data.prepare_tokens(source=tmp_path / "docs.jsonl", workdir=tmp_path / "w",
+                                 vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
+    assert splits.vocab_size == tok.get_vocab_size() == 300
+    # One jsonl record per document: the last record is the validation split.
+    expected = tok.encode(texts[-1], add_special_tokens=False).ids + [eos]
+    np.testing.assert_array_equal(np.asarray(splits.val), expected)
+    assert np.asarray(splits.train).tolist().count(eos) == len(texts) - 1
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    with pytest.raises(ValueError, match=r'bad\.jsonl:2: .*string "text" field'):
+        data.prepare_tokens(source=tmp_path / "bad.jsonl", workdir=tmp_path / "w",
+                            vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"--tokenizer .*missing\.json does not exist"):
+        data.prepare_tokens(source=tmp_path / "docs.jsonl", workdir=tmp_path / "w",
+                            vocab_size=4096, tokenizer=tmp_path / "missing.json")
+
+
+def test_prepare_command_writes_shards_the_trainer_reads(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in sorted(JSON_PACKAGE.glob("*.py")):
+        shutil.copy(f, corpus / f.name)
+    texts = [f.read_text() for f in sorted(corpus.iterdir())]
+    make_tokenizer(tmp_path / "tokenizer.json", texts)
+    summary = prepare.main([str(corpus), "--out", str(tmp_path / "shards"), "--tokenizer",
+                            str(tmp_path / "tokenizer.json"), "--shard_tokens", "4000",
+                            "--no-progress"])
+    assert len(summary["train"]["shards"]) > 1  # split into several shards
+    splits = data.prepare_tokens(source=tmp_path / "shards", workdir=tmp_path / "w",
+                                 vocab_size=300)
+    assert splits.format == "rowgeom"
+    # The same tokens as the trainer's own text pipeline with the same tokenizer.
+    direct = data.prepare_tokens(source=corpus, workdir=tmp_path / "w", vocab_size=300,
+                                 tokenizer=tmp_path / "tokenizer.json")
+    np.testing.assert_array_equal(np.asarray(splits.train), np.asarray(direct.train))
+    np.testing.assert_array_equal(np.asarray(splits.val), np.asarray(direct.val))
+    assert (tmp_path / "shards" / "tokenizer.json").is_file()
+    with pytest.raises(SystemExit) as exit_info:  # refuses to mix into existing shards
+        prepare.main([str(corpus), "--out", str(tmp_path / "shards"), "--no-progress"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
