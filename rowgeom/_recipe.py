@@ -96,7 +96,8 @@ Examples:
 """
 ROWNORM_HEAD_LR_MULTIPLIER = HEAD_LR_MULTIPLIERS["rownorm"]
 DEFAULT_NS_STEPS = 5
-STATIC_ARGS = ("ns_steps", "ns_coeffs", "head_vocab_axis", "labels", "muon_dimension_numbers")
+STATIC_ARGS = ("ns_steps", "ns_coeffs", "head_vocab_axis", "labels", "muon_dimension_numbers",
+               "head_num_valid")
 """For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.
 
 Needed only when one of these is passed explicitly as a number, an array, a callable or a
@@ -385,6 +386,7 @@ def lm_optimizer(
     muon_dimension_numbers: Any = None,
     head_vocab_axis: int | None = None,
     head_rescale: str | None = None,
+    head_num_valid: int | None = None,
     track_head: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Muon for hidden matrices, projected RowNorm (or AdamW / Muon) for the head, AdamW else.
@@ -434,6 +436,11 @@ def lm_optimizer(
         (before weight decay) has ``D = 2·head_lr`` exactly, the whole diameter budget
         (``O(V²d)`` per step); ``"bound"`` uses the ``O(Vd)`` upper bound. Only valid with
         ``head="rownorm"``.
+      head_num_valid: the number of real tokens when the vocabulary is padded (e.g. to a
+        multiple of 128): token rows ``>= head_num_valid`` are padding, left out of RowNorm's
+        means and given a zero step (``projected_rownorm``'s ``num_valid``; static int). The
+        AdamW and Muon heads need no option: padding rows (logits masked out of the loss) get
+        a zero gradient and hence a zero step.
       track_head: record ``RowDiameterStats`` of the full head step (``read_row_diameter``).
 
     Returns:
@@ -470,6 +477,8 @@ def lm_optimizer(
         embedding_weight_decay=embedding_weight_decay, vector_weight_decay=vector_weight_decay,
         momentum=momentum, head_momentum=head_momentum, adam_b1=adam_b1)
     ns_steps = _static_int(_or(ns_steps, DEFAULT_NS_STEPS), "ns_steps")
+    if head_num_valid is not None:
+        head_num_valid = _static_int(head_num_valid, "head_num_valid")
     if head_vocab_axis is not None:
         head_vocab_axis = _static_int(head_vocab_axis, "head_vocab_axis")
     if isinstance(ns_coeffs, jax.Array):
@@ -512,7 +521,7 @@ def lm_optimizer(
         head_tx = [
             optax.ema(decay=head_momentum, debias=False, accumulator_dtype=jnp.float32),
             projected_rownorm(vocab_axis=head_axes, center_input=center, center_output=center,
-                              rescale=head_rescale),
+                              rescale=head_rescale, num_valid=head_num_valid),
             optax.add_decayed_weights(g.weight_decay),
             optax.scale_by_learning_rate(g.learning_rate),
         ]

@@ -349,3 +349,29 @@ def test_default_head_rates_come_from_lm_optimizer_hparams(params, head):
         orth = rowgeom.muon_orthogonalize()
         want, _ = orth.update((1 + BETA) * g, orth.init(g))
         np.testing.assert_allclose(step, -rate * np.asarray(want), rtol=1e-4, atol=1e-8)
+
+
+def test_head_num_valid_matches_the_recipe_on_the_real_rows():
+    """A vocabulary padded from 52 to 64 tokens: with head_num_valid=52 every head update equals
+    the recipe's on the 52 real rows alone, and the padding rows get exactly zero."""
+    real = 52
+    params = {"embed": {"embedding": jnp.zeros((V, D))}, "lm_head": {"kernel": jnp.zeros((D, V))},
+              "layers": {"0": {"mlp": {"up_proj": {"kernel": jnp.zeros((D, 2 * D))}}}}}
+    cut = lambda t: {**t, "embed": {"embedding": t["embed"]["embedding"][:real]},
+                     "lm_head": {"kernel": t["lm_head"]["kernel"][:, :real]}}
+    key = jax.random.key(3)
+    params = jax.tree.map(lambda p: jax.random.normal(key, p.shape), params)
+    params["lm_head"]["kernel"] = params["lm_head"]["kernel"].at[:, real:].set(0)
+    padded_tx = rowgeom.lm_optimizer(LR, head_num_valid=real)
+    real_tx = rowgeom.lm_optimizer(LR)
+    padded_state, real_state = padded_tx.init(params), real_tx.init(cut(params))
+    for k in jax.random.split(jax.random.key(4), 2):
+        grads = jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params)
+        grads["lm_head"]["kernel"] = grads["lm_head"]["kernel"].at[:, real:].set(0)
+        up_padded, padded_state = padded_tx.update(grads, padded_state, params)
+        up_real, real_state = real_tx.update(cut(grads), real_state, cut(params))
+        head = np.asarray(up_padded["lm_head"]["kernel"])
+        np.testing.assert_allclose(head[:, :real], up_real["lm_head"]["kernel"], atol=1e-6)
+        assert np.all(head[:, real:] == 0)
+    with pytest.raises(TypeError, match="head_num_valid"):
+        rowgeom.lm_optimizer(LR, head_num_valid=52.0)

@@ -96,54 +96,22 @@ def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
     """Global-norm clipping -> rowgeom.lm_optimizer, wrapped in optax.MultiSteps to accumulate."""
     maybe = lambda peak: None if peak is None else lr_schedule(peak, cfg)
     rescaled = cfg.head == "rownorm-rescaled"
-    padded = cfg.valid_vocab_size is not None and cfg.valid_vocab_size < cfg.vocab_size
-    if padded and cfg.head in configs.ROWNORM_HEADS and not cfg.tied_embeddings:
-        tx = _padded_rownorm_optimizer(cfg)
-    else:
-        tx = rowgeom.lm_optimizer(
-            lr_schedule(cfg.learning_rate, cfg), head="rownorm" if rescaled else cfg.head,
-            head_rescale="exact" if rescaled else None,
-            tied="embedding" if cfg.tied_embeddings else None,
-            head_learning_rate=lr_schedule(cfg.resolved_head_learning_rate(), cfg),
-            embedding_learning_rate=maybe(cfg.embedding_learning_rate),
-            vector_learning_rate=maybe(cfg.vector_learning_rate),
-            weight_decay=cfg.weight_decay, head_weight_decay=cfg.weight_decay,
-            embedding_weight_decay=cfg.weight_decay)
+    tx = rowgeom.lm_optimizer(
+        lr_schedule(cfg.learning_rate, cfg), head="rownorm" if rescaled else cfg.head,
+        head_rescale="exact" if rescaled else None,
+        tied="embedding" if cfg.tied_embeddings else None,
+        head_learning_rate=lr_schedule(cfg.resolved_head_learning_rate(), cfg),
+        embedding_learning_rate=maybe(cfg.embedding_learning_rate),
+        vector_learning_rate=maybe(cfg.vector_learning_rate),
+        weight_decay=cfg.weight_decay, head_weight_decay=cfg.weight_decay,
+        embedding_weight_decay=cfg.weight_decay,
+        # A padded vocabulary: padding rows stay out of RowNorm's means and get a zero step.
+        head_num_valid=cfg.valid_vocab_size)
     if cfg.grad_clip is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), tx)
     if cfg.grad_accum_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum_steps)
     return tx
-
-
-def _or(value, fallback):
-    return fallback if value is None else value
-
-
-def _padded_rownorm_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
-    """rowgeom.lm_optimizer's groups and defaults, with the RowNorm head told which token rows
-    are padding (`projected_rownorm(num_valid=...)`): padding rows are left out of both
-    centrings and get a zero step, so they stay zero (model.py starts them at zero)."""
-    schedule = lambda peak: lr_schedule(peak, cfg)
-    lr, wd = cfg.learning_rate, cfg.weight_decay
-    adamw = lambda peak, decay: optax.adamw(schedule(peak), b1=0.9, b2=0.95, eps=1e-8,
-                                            weight_decay=decay)
-    head = optax.chain(
-        optax.ema(decay=0.95, debias=False, accumulator_dtype=jnp.float32),
-        rowgeom.projected_rownorm(vocab_axis=1, num_valid=cfg.valid_vocab_size,
-                                  rescale="exact" if cfg.head == "rownorm-rescaled" else None),
-        optax.add_decayed_weights(wd),
-        optax.scale_by_learning_rate(schedule(cfg.resolved_head_learning_rate())),
-        rowgeom.track_row_diameter(vocab_axis=1))
-    hidden = optax.chain(
-        optax.trace(decay=0.95, nesterov=True),
-        rowgeom.muon_orthogonalize(ns_steps=5, ns_coeffs="keller", scale="rms"),
-        optax.add_decayed_weights(wd), optax.scale_by_learning_rate(schedule(lr)))
-    return rowgeom.partition_by_label(
-        {"hidden": hidden, "head": head,
-         "embedding": adamw(_or(cfg.embedding_learning_rate, lr), wd),
-         "vector": adamw(_or(cfg.vector_learning_rate, lr), 0.0)},
-        rowgeom.label_params)
 
 
 # ----------------------------------------------------------------------------- train state
@@ -248,7 +216,7 @@ def _sampler(tokens, cfg, *, batch_size, seed, replicated=False):
 
 
 def _num_tokens(cfg) -> int:
-    return _or(cfg.valid_vocab_size, cfg.vocab_size)
+    return cfg.vocab_size if cfg.valid_vocab_size is None else cfg.valid_vocab_size
 
 
 def _check_batch(cfg, mesh):
