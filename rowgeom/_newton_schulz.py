@@ -8,7 +8,8 @@ an odd quintic to every singular value at once,
 
 so after the input is normalised to spectral norm <= 1, a few steps push every non-zero singular
 value towards 1 while keeping the singular vectors. Zero singular values stay zero, which is why
-a zero-sum matrix (`1ᵀG = 0`) keeps a zero-sum polar factor (spec T9).
+a zero-sum matrix (`1ᵀG = 0`, rows summing to zero) keeps a zero-sum polar factor: `1ᵀX = 0`
+gives `1ᵀA = 0`, so every term of each step is again zero-sum.
 
 Coefficient schedules (`ns_coeffs`):
 
