@@ -1,9 +1,9 @@
 """The docs pages print what they show: a printed value that disagrees with the page fails.
 
-Every fenced ``python`` block of a page runs, in order, in one namespace per page (as in
-test_docs.py). A block that prints must be followed directly by a fenced ``text`` block holding
-its output, compared as doctest compares (``...`` matches anything, whitespace runs are equal);
-a ``text`` block after a block that prints nothing fails too.
+Every fenced ``python`` block of every page runs, in order, in one namespace per page (this
+subsumes test_docs.py's ``test_page_code_runs``). A block that prints must be followed directly
+by a fenced ``text`` block holding its output, compared as doctest compares (``...`` matches
+anything, whitespace runs are equal); a ``text`` block after a block that prints nothing fails.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import re
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-# Its printed lines are checked once it moves to output blocks (issue 9 routing branch).
+# Run, but its printed lines are not compared until it shows them in output blocks (the page is
+# being rewritten on the issue-9 routing branch). Remove it from here once it does.
 NOT_YET_CHECKED = {"guides/labels.md"}
 PAGES = sorted(
     str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")
-    if re.search(r"^```python\s*$", p.read_text(), re.M)
-    and str(p.relative_to(DOCS)) not in NOT_YET_CHECKED)
+    if re.search(r"^```python\s*$", p.read_text(), re.M))
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 CHECKER = doctest.OutputChecker()
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -45,8 +45,8 @@ def blocks_with_output(text: str):
 
 
 def test_pages_found():
-    assert {"getting-started.md", "guides/diagnostics.md",
-            "guides/learning-rates.md"} <= set(PAGES)
+    assert {"getting-started.md", "guides/diagnostics.md", "guides/learning-rates.md",
+            "guides/labels.md"} <= set(PAGES)
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -58,6 +58,8 @@ def test_page_prints_what_it_shows(page):
             exec(compile(code, f"{page}:{line}", "exec"), namespace)
         got = buffer.getvalue()
         where = f"{page}, python block at line {line}"
+        if page in NOT_YET_CHECKED:
+            continue
         if expected is None:
             assert not got, f"{where} prints but the page shows no ```text output:\n{got}"
             continue
