@@ -2,9 +2,9 @@
 
 For every battery case and every mesh layout, two jitted update steps on sharded inputs are
 compared with the same steps on unsharded inputs. Prints one JSON object on its last line:
-``{layout: {case: {"updates": rel. difference, "state": rel. difference, "specs": [...]}
-| {"error": text}}}``; a case that raises is reported, not fatal, so one failure does not hide
-the rest.
+``{layout: {case: {"updates": rel. difference, "state": rel. difference, "param_specs": [...],
+"resharded": [...]} | {"error": text}}}``; a case that raises is reported, not fatal, so one
+failure does not hide the rest.
 """
 
 import os
@@ -25,7 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _battery_cases as bc  # noqa: E402
 
 AUTO = AxisType.Auto
-LAYOUTS = ("8", "2x4")
+EXPLICIT = AxisType.Explicit
+# "8" and "2x4": Auto axes; "8-explicit": the 8-way layout with Explicit axes (what
+# jax.make_mesh gives by default), where sharding is part of every array's type.
+LAYOUTS = ("8", "2x4", "8-explicit")
 
 
 def _spec(shape, layout):
@@ -49,7 +52,15 @@ def _spec(shape, layout):
 def _mesh(layout):
     if layout == "2x4":
         return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
-    return jax.make_mesh((8,), ("x",), axis_types=(AUTO,))
+    return jax.make_mesh((8,), ("x",), axis_types=(EXPLICIT if "explicit" in layout else AUTO,))
+
+
+def _spec_str(x):
+    """The array's PartitionSpec without trailing Nones (P('x', None) and P('x') are equal)."""
+    spec = list(x.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return str(P(*spec))
 
 
 def _two_steps(tx, params, grads):
@@ -86,10 +97,15 @@ def run_case(case, layout, want):
             lambda x: jax.device_put(x, NamedSharding(mesh, _spec(x.shape, layout))), tree)
 
     with jax.set_mesh(mesh):
-        got_updates, got_state = _two_steps(tx, place(params), [place(g) for g in grads])
-        split = sorted({str(x.sharding.spec) for x in jax.tree.leaves(got_updates)})
+        placed = place(params)
+        got_updates, got_state = _two_steps(tx, placed, [place(g) for g in grads])
+        placed_specs = [_spec_str(x) for x in jax.tree.leaves(placed)]
+        update_specs = [_spec_str(x) for x in jax.tree.leaves(got_updates[-1])]
     return {"updates": _rel_diff(got_updates, want[0]), "state": _rel_diff(got_state, want[1]),
-            "specs": split}
+            "param_specs": placed_specs,
+            # leaves whose update is not sharded like its parameter: (param spec, update spec)
+            "resharded": [(p, u) for p, u in zip(placed_specs, update_specs, strict=True)
+                          if p != u]}
 
 
 def main():

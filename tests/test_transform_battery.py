@@ -276,17 +276,36 @@ def sharded_results(_sharded_process):
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("layout", ["8", "2x4"])
+LAYOUTS = ["8", "2x4", "8-explicit"]
+# Known, pinned so that a fix (or a new case) shows up here: under Explicit axes Muon's update
+# comes back replicated — numerically right, but every device then holds the whole update of a
+# sharded matrix. Inside lm_optimizer the decay term (W is sharded) restores the sharding.
+KNOWN_RESHARDED = {"8-explicit": {"muon_orthogonalize"}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @CASES
 def test_sharded_equals_unsharded(sharded_results, layout, case):
     """Two steps, params and gradients sharded: on 8 devices (a vocabulary of 100, not divisible
-    by 8, is split along its feature axis; the padded 104 along its vocabulary) and on a 2x4
-    mesh (vocabulary 4 ways, features 2 ways)."""
+    by 8, is split along its feature axis; the padded 104 along its vocabulary), the same with
+    Explicit axes, and on a 2x4 mesh (vocabulary 4 ways, features 2 ways)."""
     res = sharded_results[layout][case.name]
     assert "error" not in res, f"{case.name} on mesh {layout} raised:\n{res['error']}"
-    assert any(s != "P()" and "'" in s for s in res["specs"]), res["specs"]  # really split
+    assert any("'" in s for s in res["param_specs"]), res["param_specs"]  # really split
     assert res["updates"] <= 1e-5, res
     assert res["state"] <= 1e-5, res
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_updates_keep_the_params_sharding(sharded_results, layout):
+    """Every update leaf comes back sharded like its parameter (no silent all-gather), except
+    the known cases of KNOWN_RESHARDED."""
+    resharded = {name: res.get("resharded") for name, res in sharded_results[layout].items()
+                 if res.get("resharded") or "error" in res}
+    known = KNOWN_RESHARDED.get(layout, set())
+    assert set(resharded) == known, (
+        f"resharded (param spec, update spec) per case: {resharded}; known: {known} (update "
+        "KNOWN_RESHARDED if a known case was fixed)")
 
 
 # --- the RowNorm step on adversarial input ------------------------------------------------
