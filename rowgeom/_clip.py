@@ -29,7 +29,7 @@ from rowgeom._validation import check_matrix_like
 
 def _check_max_diameter(max_diameter):
     if isinstance(max_diameter, numbers.Real) and not isinstance(max_diameter, bool):
-        if not max_diameter >= 0 or max_diameter == float("inf"):
+        if not float(max_diameter) >= 0 or float(max_diameter) == float("inf"):
             raise ValueError(
                     f"max_diameter must be a finite number >= 0, got {max_diameter!r}")
         return

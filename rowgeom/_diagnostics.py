@@ -16,6 +16,7 @@ decoupled weight decay (``Delta W = -lr U - lr wd W``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +32,8 @@ from rowgeom._geometry import (
     vocab_axes,
 )
 from rowgeom._validation import check_matrix_like
+
+PyTree = Any  # a nested structure of arrays (dicts, lists, NamedTuples, nnx.State, ...)
 
 
 class RowDiameterStats(NamedTuple):
@@ -49,9 +52,9 @@ class RowDiameterStats(NamedTuple):
       (True, ('lower', 'upper', 'row_sum_residual'))
     """
 
-    lower: Any
-    upper: Any
-    row_sum_residual: Any
+    lower: PyTree
+    upper: PyTree
+    row_sum_residual: PyTree
 
 
 def _leaf_stats(u, vocab):
@@ -84,7 +87,9 @@ def _unzip(tree, like) -> RowDiameterStats:
     return RowDiameterStats(*fields)
 
 
-def track_row_diameter(*, vocab_axis) -> optax.GradientTransformation:
+def track_row_diameter(
+        *, vocab_axis: int | PyTree | Callable[[PyTree], PyTree],
+) -> optax.GradientTransformation:
     """Records the ``O(Vd)`` row-diameter bracket of each update; updates pass unchanged.
 
     Args:

@@ -8,7 +8,8 @@ an odd quintic to every singular value at once,
 
 so after the input is normalised to spectral norm <= 1, a few steps push every non-zero singular
 value towards 1 while keeping the singular vectors. Zero singular values stay zero, which is why
-a zero-sum matrix (`1ᵀG = 0`) keeps a zero-sum polar factor (spec T9).
+a zero-sum matrix (`1ᵀG = 0`, rows summing to zero) keeps a zero-sum polar factor: `1ᵀX = 0`
+gives `1ᵀA = 0`, so every term of each step is again zero-sum.
 
 Coefficient schedules (`ns_coeffs`):
 
@@ -52,6 +53,7 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from rowgeom._validation import check_floating, check_min_rank
 
@@ -72,7 +74,7 @@ _NS_QUINTIC = (15 / 8, -10 / 8, 3 / 8)
 PRESETS = ("keller", "polar_express")
 
 
-def _check_steps(steps) -> int:
+def _check_steps(steps: int) -> int:
     if isinstance(steps, bool):
         raise TypeError(f"ns_steps must be a Python int >= 1, got {steps!r}")
     try:
@@ -87,7 +89,7 @@ def _check_steps(steps) -> int:
     return steps
 
 
-def resolve_coefficients(coeffs, steps) -> tuple[np.ndarray, float]:
+def resolve_coefficients(coeffs: str | ArrayLike, steps: int) -> tuple[np.ndarray, float]:
     """Returns `(table (steps, 3) float64, norm_scale)`; `norm_scale` multiplies ||X||_F."""
     steps = _check_steps(steps)
     if isinstance(coeffs, str):
@@ -116,7 +118,7 @@ def resolve_coefficients(coeffs, steps) -> tuple[np.ndarray, float]:
     return table, 1.0
 
 
-def ns_coefficients(coeffs, steps) -> np.ndarray:
+def ns_coefficients(coeffs: str | ArrayLike, steps: int) -> np.ndarray:
     """The `(steps, 3)` float64 table of `(a, b, c)` that `newton_schulz` applies, row k at step k.
 
     Args:
@@ -148,7 +150,7 @@ def ns_coefficients(coeffs, steps) -> np.ndarray:
     return resolve_coefficients(coeffs, steps)[0]
 
 
-def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int):
+def _dot(lhs: jax.Array, rhs: jax.Array, lhs_contract: int, rhs_contract: int) -> jax.Array:
     """Batched matmul over all leading axes, accumulating in float32, without transposes."""
     batch = tuple(range(lhs.ndim - 2))
     return jax.lax.dot_general(
@@ -156,8 +158,8 @@ def _dot(lhs, rhs, lhs_contract: int, rhs_contract: int):
             preferred_element_type=jnp.float32)
 
 
-def orthogonalize(x, table: np.ndarray, *, norm_scale: float = 1.0, eps=1e-7,
-                  compute_dtype=None):
+def orthogonalize(x: jax.Array, table: np.ndarray, *, norm_scale: float = 1.0,
+                  eps: ArrayLike = 1e-7, compute_dtype: DTypeLike | None = None) -> jax.Array:
     """Core iteration with a resolved static `table` (see `newton_schulz`)."""
     check_min_rank(x, 2, argname="x", what="matrices over the last two axes")
     check_floating(x, argname="x")
@@ -185,7 +187,8 @@ def orthogonalize(x, table: np.ndarray, *, norm_scale: float = 1.0, eps=1e-7,
     return x.astype(out_dtype)
 
 
-def newton_schulz(x, *, steps=5, coeffs="keller", eps=1e-7, compute_dtype=None):
+def newton_schulz(x: ArrayLike, *, steps: int = 5, coeffs: str | ArrayLike = "keller",
+                  eps: ArrayLike = 1e-7, compute_dtype: DTypeLike | None = None) -> jax.Array:
     """Approximate polar factor `U Vᵀ` of every matrix over the last two axes of `x`.
 
     `X0 = x / (s ||x||_F + eps)` (`s = 1`, or 1.02 for `"polar_express"`), then for each row
@@ -213,7 +216,8 @@ def newton_schulz(x, *, steps=5, coeffs="keller", eps=1e-7, compute_dtype=None):
       True
     """
     table, norm_scale = resolve_coefficients(coeffs, steps)
-    return orthogonalize(x, table, norm_scale=norm_scale, eps=eps, compute_dtype=compute_dtype)
+    return orthogonalize(jnp.asarray(x), table, norm_scale=norm_scale, eps=eps,
+                         compute_dtype=compute_dtype)
 
 
 __all__ = ["newton_schulz", "ns_coefficients"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 _SOLVER_TOL = 1e-9  # tight: tests compare values at rel 1e-5 and feasibility at 1e-6
 
@@ -38,7 +39,7 @@ def _import_solver():
     return clarabel, sparse
 
 
-def _check_problem(g, radius, *, radius_name: str) -> np.ndarray:
+def _check_problem(g: ArrayLike, radius: float, *, radius_name: str) -> np.ndarray:
     g = np.asarray(g)
     if g.ndim != 2:
         raise ValueError(f"g must be a (V, d) matrix, got shape {g.shape}")
@@ -82,14 +83,14 @@ def _gauge_rows(num_rows, dim):
     return (rows, var.ravel(), np.ones(num_rows * dim)), dim
 
 
-def _finish(g, x, num_rows, dim):
+def _finish(g: np.ndarray, x: np.ndarray, num_rows: int, dim: int) -> tuple[np.ndarray, float]:
     """Exact gauge (removes solver-tolerance drift; D and feasibility unchanged) and value."""
     s = x[: num_rows * dim].reshape(num_rows, dim)
     s = s - s.mean(axis=0)
     return s, float(-np.sum(g * s))
 
 
-def diameter_oracle(g, rho):
+def diameter_oracle(g: ArrayLike, rho: float) -> tuple[np.ndarray, float]:
     """Exact steepest descent under the row diameter, as a second-order cone program.
 
     Solves ``max_S <-G, S>  s.t.  ||s_i - s_j||_2 <= rho (all i < j),  1^T S = 0`` in float64.
@@ -139,7 +140,7 @@ def diameter_oracle(g, rho):
     return _finish(g, x, num_rows, dim)
 
 
-def common_ball_oracle(g, r):
+def common_ball_oracle(g: ArrayLike, r: float) -> tuple[np.ndarray, float]:
     """Exact optimum of the common-ball relaxation, as a second-order cone program.
 
     Solves ``max_{S, c} <-G, S>  s.t.  ||s_i - c||_2 <= r (all i),  1^T S = 0`` in float64,

@@ -7,11 +7,13 @@ NaN or a silently wrong axis.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 
-def canonical_axis(axis, ndim: int, *, argname: str = "vocab_axis") -> int:
+def canonical_axis(axis: Any, ndim: int, *, argname: str = "vocab_axis") -> int:
     """Returns `axis` as a non-negative int, or raises naming `argname`."""
     try:
         axis = operator.index(axis)
@@ -24,7 +26,7 @@ def canonical_axis(axis, ndim: int, *, argname: str = "vocab_axis") -> int:
     return axis % ndim
 
 
-def check_floating(x, *, argname: str) -> None:
+def check_floating(x: ArrayLike, *, argname: str) -> None:
     """Raises TypeError unless `x` has a real floating dtype."""
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -32,7 +34,7 @@ def check_floating(x, *, argname: str) -> None:
                 f"{argname} must have a real floating dtype (float32, bfloat16, ...), got {dtype}")
 
 
-def check_min_rank(x, min_rank: int, *, argname: str, what: str = "") -> None:
+def check_min_rank(x: ArrayLike, min_rank: int, *, argname: str, what: str = "") -> None:
     """Raises ValueError if `x` has fewer than `min_rank` dimensions."""
     ndim = jnp.ndim(x)
     if ndim < min_rank:
@@ -41,7 +43,8 @@ def check_min_rank(x, min_rank: int, *, argname: str, what: str = "") -> None:
                 f"{argname} must have rank >= {min_rank}{extra}, got shape {jnp.shape(x)}")
 
 
-def check_matrix_like(x, *, argname: str, vocab_axis, argname_axis: str = "vocab_axis") -> int:
+def check_matrix_like(x: ArrayLike, *, argname: str, vocab_axis: Any,
+                      argname_axis: str = "vocab_axis") -> int:
     """Validates a head-like array (rank >= 2, float) and returns its vocab axis."""
     check_min_rank(x, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
     check_floating(x, argname=argname)

@@ -391,9 +391,10 @@ def write_report(runs, *, cfg, out: Path, heads, sweep, seeds, sweep_seed, sessi
           f"{c.hilbert_sequences}×{c.seq_len} validation positions); final validation loss "
           f"({c.eval_batches}×{c.batch_size} sequences).",
           "- D ÷ lr: the head step's diameter per unit of head learning rate (last K steps), "
-          "the geometry without the tuned rate: 2 for RowNorm by construction (rows move by "
-          "lr); for the other heads it grows with the width d (sign-like AdamW steps) or the "
-          "vocabulary V (Muon's polar factor), spec §4.",
+          "the geometry without the tuned rate: at most 2 for RowNorm by construction (every "
+          "row lies at distance lr from one common centre); for the other heads it grows with "
+          "the width d (sign-like AdamW steps) or the vocabulary V (Muon's polar factor), see "
+          "[the geometry](../geometry.md#why-muon-and-adam-head-steps-have-large-diameters).",
           f"- Seeds {list(seeds)}; head learning rate per head by a sweep on seed {sweep_seed}.",
           "", "## Results (mean ± std over seeds)", "", *_main_table(summary, heads), "",
           f"Paper setting: {PAPER['setting']}.", "",

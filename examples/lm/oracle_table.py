@@ -6,7 +6,8 @@ For each instance ``G`` (zero-sum over the vocabulary, as a cross-entropy gradie
 head is) the exact steepest-descent value under the row diameter,
 ``OPT(rho) = max <-G, S> s.t. D(S) <= rho``, is solved in float64 by `rowgeom.diameter_oracle`
 (a second-order cone program, clarabel). Every candidate step is evaluated in float64 numpy as
-``<-G, S> / OPT(rho)`` at the same diameter budget ``rho`` (arXiv 2608.22253, spec §3–§4):
+``<-G, S> / OPT(rho)`` at the same diameter budget ``rho`` (arXiv 2608.22253; maths in
+docs/geometry.md):
 
 - projected RowNorm ``S = -(rho/2) P rownorm(P G)``: ``D(S) <= rho`` (radius rho/2); Theorem 3
   guarantees ``sqrt((k+1)/(2k)) <= ratio <= 1`` with ``k = rank(PG)``;
