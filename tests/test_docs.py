@@ -28,9 +28,6 @@ import rowgeom
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-# Pages whose ```python blocks are complete programs (run in order, one namespace per page).
-RUNNABLE_PAGES = ("getting-started.md", "guides/labels.md", "guides/learning-rates.md",
-                  "guides/diagnostics.md")
 
 
 def _modules():
@@ -114,16 +111,6 @@ def test_nav_pages_and_figures_exist():
     for page in DOCS.rglob("*.md"):
         for image in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page.read_text()):
             assert (page.parent / image).exists(), f"{page.name}: missing figure {image}"
-
-
-@pytest.mark.parametrize("page", RUNNABLE_PAGES)
-def test_page_code_runs(page, capsys):
-    text = (DOCS / page).read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
-    assert blocks, f"{page} has no runnable python block"
-    namespace = {"__name__": f"docs_{page.replace('/', '_')}"}
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"{page}[block {i}]", "exec"), namespace)
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ the top-level package, applied to the public submodules it does not walk).
 - Every ``>>>`` example in rowgeom.testing and its modules runs as a doctest, and every name in
   the ``__all__`` of ``rowgeom.testing`` and ``rowgeom.testing.strategies`` has a docstring with
   an example and a ``::: module.name`` entry in docs/api/testing.md.
-- The ``python`` blocks of docs/guides/testing.md run in order in one namespace.
+- The ``python`` blocks of docs/guides/testing.md run (and print what they show) in
+  tests/test_docs_output.py, with every other page.
 """
 
 import ast
@@ -88,12 +89,3 @@ def test_public_names_have_examples_and_reference_entries():
     public = {(m, n) for m in PUBLIC for n in importlib.import_module(m).__all__}
     problems += [f"docs/api/testing.md renders non-public {m}.{n}" for m, n in rendered - public]
     assert not problems, problems
-
-
-def test_guide_code_runs():
-    text = (ROOT / "docs" / "guides" / "testing.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
-    assert len(blocks) >= 5
-    namespace = {"__name__": "docs_guides_testing"}
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"guides/testing.md[block {i}]", "exec"), namespace)
