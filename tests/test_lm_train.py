@@ -131,7 +131,7 @@ def test_training_smoke(baseline):
         assert all(math.isfinite(v) for v in r.values()), r
     for r in evals:
         lr = r["head_learning_rate"]
-        # Projected RowNorm moves each token row by at most lr (spec §5): D(step) <= 2 lr. This
+        # Projected RowNorm moves each token row by lr about a common centre: D(step) <= 2 lr. This
         # also checks the step is told apart from the weight-decayed change (which exceeds it).
         assert 0 < r["head_step_diameter"] <= 2 * lr * (1 + 1e-5)
         assert r["head_diameter"] != r["head_step_diameter"]

@@ -1,4 +1,5 @@
-"""T12 and the communication contract on 8 simulated CPU devices.
+"""Sharded equals unsharded (vocabulary-sharded heads under jit) and the communication contract,
+on 8 simulated CPU devices.
 
 The checks run in a subprocess because XLA_FLAGS must be set before jax is imported.
 """
