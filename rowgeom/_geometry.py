@@ -272,9 +272,11 @@ def _take_token(x3: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.einsum("v,avb->ab", onehot, x3, precision=_HIGHEST)[:, None, :]
 
 
-def _centroid_sq_dists(x3: jax.Array) -> jax.Array:
-    """``||x_i - xbar||^2`` per token of an (A, V, B) view."""
-    return _sq_dists(x3, jnp.mean(x3, axis=1, keepdims=True))
+def _centroid_sq_dists(x3: jax.Array, total: jax.Array | None = None) -> jax.Array:
+    """``||x_i - xbar||^2`` per token of an (A, V, B) view; ``total``: its sum over tokens."""
+    if total is None:
+        total = jnp.sum(x3, axis=1, keepdims=True)
+    return _sq_dists(x3, total / x3.shape[1])
 
 
 def _upper_bound(s, axis: int) -> jax.Array:
@@ -296,27 +298,36 @@ def _upper_bound(s, axis: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
 def _bounds(s, *, axis: int, sweeps: int):
+    return _bounds_and_sum(s, axis=axis, sweeps=sweeps)[:2]
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
+def _bounds_and_sum(s, *, axis: int, sweeps: int):
+    """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
+    row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
     x3 = _three_axes(s, axis)
-    fast = _bounds3(x3, sweeps=sweeps)
+    total = jnp.sum(x3, axis=1, keepdims=True)
+    row_sum = total.reshape(s.shape[:axis] + s.shape[axis + 1:])
+    fast = _bounds3(x3, sweeps=sweeps, total=total)
     if x3.shape[1] <= 1:
-        return fast
+        return fast + (row_sum,)
 
     def rescaled(x):  # squares may have over/underflowed: redo on power-of-two scaled rows
         y, exponent = _rescale_rows(x, 1)
         return tuple(_times_pow2(b, exponent) for b in _bounds3(y, sweeps=sweeps))
 
-    return lax.cond(_out_of_range(fast[1]), rescaled, lambda x: fast, x3)
+    return lax.cond(_out_of_range(fast[1]), rescaled, lambda x: fast, x3) + (row_sum,)
 
 
-def _bounds3(x3, *, sweeps: int):
+def _bounds3(x3, *, sweeps: int, total=None):
     num_rows = x3.shape[1]
     if num_rows <= 1:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
-    top, anchor, total = _max_index_sum(_centroid_sq_dists(x3))
+    top, anchor, sum_n2 = _max_index_sum(_centroid_sq_dists(x3, total))
     r_c = jnp.sqrt(top)
     upper = 2.0 * r_c
-    lower = jnp.maximum(r_c, math.sqrt(2 / (num_rows - 1)) * jnp.sqrt(total))  # rms over V
+    lower = jnp.maximum(r_c, math.sqrt(2 / (num_rows - 1)) * jnp.sqrt(sum_n2))  # rms over V
     # Farthest-point sweeps from the row farthest from the centroid: each one is the length of
     # an actual pair, hence a lower bound, and usually lands on (or near) a diametral pair.
     for _ in range(sweeps):
