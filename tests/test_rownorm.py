@@ -1,6 +1,7 @@
 """Projected RowNorm: against a numpy fp64 reference, the exact oracles and the spec's T4-T11."""
 
 import functools
+import re
 
 import chex
 import jax
@@ -154,6 +155,40 @@ def test_multi_device_mesh_uses_the_slice_free_path():
     with jax.sharding.use_abstract_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(fn)(spec))
     assert "dynamic_slice" not in jaxpr and "platform_index" not in jaxpr
+
+
+def _entry_ops(compiled_text):
+    """Op name -> count in the entry computation of optimized HLO text."""
+    entry = compiled_text[compiled_text.index("ENTRY"):]
+    ops = re.findall(r"= \S+ ([a-z][\w-]*)\(", entry)
+    return {op: ops.count(op) for op in set(ops)}
+
+
+@pytest.mark.parametrize("num_valid", [None, 200])
+def test_accelerator_path_is_a_few_fusions_in_both_layouts(num_valid):
+    """GPU/TPU run the masked formulation: a fixed handful of fused reductions and one
+    elementwise write, the same for a (V, d) table and a (d, V) kernel and at any size, with
+    no loop, slice or branch that depends on the layout."""
+    def fn(impl, axis):
+        return jax.jit(lambda u: _project_f32(
+                u, vocab_axis=axis, eps=1e-8, center_input=True, center_output=True,
+                num_valid=num_valid, argname="u", impl=impl))
+
+    counts = {}
+    for vocab, dim in ((256, 32), (1024, 96)):
+        for axis, shape in ((0, (vocab, dim)), (1, (dim, vocab))):
+            spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+            # What an accelerator is handed: "auto" lowered for CUDA/TPU is the masked formulation.
+            for platform in ("cuda", "tpu"):
+                text = fn("auto", axis).trace(spec).lower(lowering_platforms=(platform,)).as_text()
+                assert "stablehlo.while" not in text and "dynamic_slice" not in text, platform
+                assert text.count("stablehlo.reduce") == fn("reference", axis).trace(spec).lower(
+                        lowering_platforms=(platform,)).as_text().count("stablehlo.reduce")
+            ops = _entry_ops(fn("reference", axis).lower(spec).compile().as_text())
+            assert not {"while", "conditional", "copy", "transpose"} & set(ops), ops
+            counts[shape] = ops["fusion"]
+    assert len(set(counts.values())) == 1, counts  # same count: both layouts, both sizes
+    assert next(iter(counts.values())) <= 16, counts
 
 
 # --- T4, T6, T7: optimality against the exact oracles --------------------------------------
