@@ -335,7 +335,7 @@ def markdown(results: dict) -> str:
               f"{_ms(mu['full']['optax scale_by_muon(beta=0.95, nesterov=False)'])} | "
               f"{mu['full_err']:.1e} |", ""]
 
-    lines += ["### Exact row diameter vs a matmul of the same FLOPs; the bracket's tightness", "",
+    lines += ["### Row diameter: exact vs a matmul of the same FLOPs; the bracket's tightness", "",
               "| (V, d) | exact speed / GEMM speed (useful FLOP/s) | exact | GEMM GFLOP/s | "
               "bracket lower/D | bracket upper/D |",
               "|---|---|---|---|---|---|"]
