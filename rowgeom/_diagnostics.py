@@ -83,7 +83,7 @@ def _unzip(tree, like) -> RowDiameterStats:
     return RowDiameterStats(*fields)
 
 
-def track_row_diameter(*, vocab_axis) -> optax.GradientTransformation:
+def track_row_diameter(*, vocab_axis: Any) -> optax.GradientTransformation:
     """Records the ``O(Vd)`` row-diameter bracket of each update; updates pass unchanged.
 
     Args:

@@ -52,11 +52,14 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.typing import ArrayLike
 
 from rowgeom._geometry import (
     _row_diameter,
@@ -398,8 +401,9 @@ def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, 
     return y
 
 
-def project_rownorm(u, *, vocab_axis, eps=1e-8, center_input=True, center_output=True,
-                    num_valid=None):
+def project_rownorm(u: ArrayLike, *, vocab_axis: int, eps: float = 1e-8,
+                    center_input: bool = True, center_output: bool = True,
+                    num_valid: int | None = None) -> jax.Array:
     """Returns ``P · rownorm(P · u)`` over token rows, computed in float32, in ``u``'s dtype.
 
     Args:
@@ -456,8 +460,9 @@ def _rescale(s, *, axis, mode, num_valid):
     return s * jnp.where(ok, 2.0 / jnp.where(ok, diameter, 1.0), 1.0)
 
 
-def projected_rownorm(*, vocab_axis, eps=1e-8, center_input=True, center_output=True,
-                      num_valid=None, rescale=None) -> optax.GradientTransformation:
+def projected_rownorm(*, vocab_axis: Any, eps: float = 1e-8, center_input: bool = True,
+                      center_output: bool = True, num_valid: int | None = None,
+                      rescale: str | None = None) -> optax.GradientTransformation:
     """Projected RowNorm as a stateless optax transform (see the module docstring for the math).
 
     Put it after momentum (``optax.chain(optax.trace(0.95), projected_rownorm(...),
