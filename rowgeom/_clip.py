@@ -13,9 +13,11 @@ up to 2x more than needed) or the exact ``O(V^2 d)`` row diameter.
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 from rowgeom._geometry import (
     _row_diameter,
@@ -40,9 +42,9 @@ def _check_max_diameter(max_diameter):
 
 
 def clip_row_diameter(
-        max_diameter,
+        max_diameter: float | ArrayLike,
         *,
-        vocab_axis,
+        vocab_axis: Any,
         exact: bool = False,
         block_size: int = 1024,
 ) -> optax.GradientTransformation:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from rowgeom._geometry import (
-    _bounds,
+    _bounds_and_sum,
     _pow2_exponent,
     _times_pow2,
     is_passthrough,
@@ -59,8 +59,7 @@ class RowDiameterStats(NamedTuple):
 
 def _leaf_stats(u, vocab):
     axis = check_matrix_like(u, argname="updates", vocab_axis=vocab)
-    lower, upper = _bounds(u, axis=axis, sweeps=2)
-    row_sum = jnp.sum(u.astype(jnp.float32), axis=axis)
+    lower, upper, row_sum = _bounds_and_sum(u, axis=axis, sweeps=2)
     # ||row_sum|| on a power-of-two rescaled copy (exact): squares of entries near 1e19 overflow.
     exponent = _pow2_exponent(row_sum)
     residual = jnp.sqrt(jnp.sum(jnp.square(_times_pow2(row_sum, -exponent))))

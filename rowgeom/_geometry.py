@@ -240,9 +240,43 @@ def _sq_dists(x3: jax.Array, point: jax.Array) -> jax.Array:
     return lax.fori_loop(0, x3.shape[0], accumulate, zeros, unroll=max(1, min(8, x3.shape[0])))
 
 
-def _centroid_sq_dists(x3: jax.Array) -> jax.Array:
-    """``||x_i - xbar||^2`` per token of an (A, V, B) view."""
-    return _sq_dists(x3, jnp.mean(x3, axis=1, keepdims=True))
+def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(max(n2), argmax(n2), sum(n2))`` of a per-token vector, as one three-operand reduction.
+
+    Plain ``jnp.max``/``jnp.sum`` of a vector that is itself a row reduction get fused by
+    XLA:CPU into one nested reduction over the whole ``(V, d)`` array that runs ~15x slower
+    than the two apart; a multi-operand reduction is never fused that way. NaN propagates to
+    the max (and the argmax is the first NaN), as with ``jnp.max`` / ``jnp.argmax``.
+    """
+    def combine(a, b):
+        (a_max, a_idx, a_sum), (b_max, b_idx, b_sum) = a, b
+        take_a = (a_max > b_max) | jnp.isnan(a_max) | ((a_max == b_max) & (a_idx < b_idx))
+        return (jnp.where(take_a, a_max, b_max), jnp.where(take_a, a_idx, b_idx),
+                a_sum + b_sum)
+
+    index = lax.iota(jnp.int32, n2.shape[0])
+    init = (jnp.array(-jnp.inf, n2.dtype), jnp.array(0, jnp.int32), jnp.array(0, n2.dtype))
+    return lax.reduce((n2, index, n2), init, combine, (0,))
+
+
+def _take_token(x3: jax.Array, index: jax.Array) -> jax.Array:
+    """Token ``index`` of an (A, V, B) view as (A, 1, B).
+
+    On one device a dynamic slice (free). Under a mesh, a one-hot contraction instead: on a
+    vocabulary-sharded array it is a local product plus an all-reduce of one row, and
+    Explicit sharding allows it.
+    """
+    if single_device_trace():
+        return lax.dynamic_slice_in_dim(x3, index, 1, axis=1)
+    onehot = (jnp.arange(x3.shape[1]) == index).astype(x3.dtype)
+    return jnp.einsum("v,avb->ab", onehot, x3, precision=_HIGHEST)[:, None, :]
+
+
+def _centroid_sq_dists(x3: jax.Array, total: jax.Array | None = None) -> jax.Array:
+    """``||x_i - xbar||^2`` per token of an (A, V, B) view; ``total``: its sum over tokens."""
+    if total is None:
+        total = jnp.sum(x3, axis=1, keepdims=True)
+    return _sq_dists(x3, total / x3.shape[1])
 
 
 def _upper_bound(s, axis: int) -> jax.Array:
@@ -252,7 +286,7 @@ def _upper_bound(s, axis: int) -> jax.Array:
     ``[2^-60, 2^60]`` (squares may have over/underflowed), so the usual case costs one pass.
     """
     x3 = _three_axes(s, axis)
-    bound = lambda x: 2.0 * jnp.sqrt(jnp.max(_centroid_sq_dists(x)))
+    bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x))[0])
     fast = bound(x3)
 
     def rescaled(x):
@@ -264,40 +298,41 @@ def _upper_bound(s, axis: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
 def _bounds(s, *, axis: int, sweeps: int):
+    return _bounds_and_sum(s, axis=axis, sweeps=sweeps)[:2]
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
+def _bounds_and_sum(s, *, axis: int, sweeps: int):
+    """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
+    row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
     x3 = _three_axes(s, axis)
-    fast = _bounds3(x3, sweeps=sweeps)
+    total = jnp.sum(x3, axis=1, keepdims=True)
+    row_sum = total.reshape(s.shape[:axis] + s.shape[axis + 1:])
+    fast = _bounds3(x3, sweeps=sweeps, total=total)
     if x3.shape[1] <= 1:
-        return fast
+        return fast + (row_sum,)
 
     def rescaled(x):  # squares may have over/underflowed: redo on power-of-two scaled rows
         y, exponent = _rescale_rows(x, 1)
         return tuple(_times_pow2(b, exponent) for b in _bounds3(y, sweeps=sweeps))
 
-    return lax.cond(_out_of_range(fast[1]), rescaled, lambda x: fast, x3)
+    return lax.cond(_out_of_range(fast[1]), rescaled, lambda x: fast, x3) + (row_sum,)
 
 
-def _bounds3(x3, *, sweeps: int):
+def _bounds3(x3, *, sweeps: int, total=None):
     num_rows = x3.shape[1]
     if num_rows <= 1:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
-    # The barrier stops XLA from merging mean(n2) into a second full-size reduction, which
-    # would materialise the centred squares (a fresh V x d buffer) for two consumers.
-    n2 = lax.optimization_barrier(_centroid_sq_dists(x3))
-    r_c = jnp.sqrt(jnp.max(n2))
+    top, anchor, sum_n2 = _max_index_sum(_centroid_sq_dists(x3, total))
+    r_c = jnp.sqrt(top)
     upper = 2.0 * r_c
-    lower = jnp.maximum(r_c, math.sqrt(2 * num_rows / (num_rows - 1)) * jnp.sqrt(jnp.mean(n2)))
+    lower = jnp.maximum(r_c, math.sqrt(2 / (num_rows - 1)) * jnp.sqrt(sum_n2))  # rms over V
     # Farthest-point sweeps from the row farthest from the centroid: each one is the length of
     # an actual pair, hence a lower bound, and usually lands on (or near) a diametral pair.
-    anchor = jnp.argmax(n2)
     for _ in range(sweeps):
-        # A one-hot contraction instead of a dynamic slice: on a vocabulary-sharded array it
-        # is a local product plus an all-reduce of one row, and Explicit sharding allows it.
-        onehot = (jnp.arange(num_rows) == anchor).astype(x3.dtype)
-        row = jnp.einsum("v,avb->ab", onehot, x3, precision=_HIGHEST)[:, None, :]  # (A, 1, B)
-        d2 = _sq_dists(x3, row)
-        anchor = jnp.argmax(d2)
-        lower = jnp.maximum(lower, jnp.sqrt(jnp.max(d2)))  # d2[anchor], without a slice
+        top, anchor, _ = _max_index_sum(_sq_dists(x3, _take_token(x3, anchor)))
+        lower = jnp.maximum(lower, jnp.sqrt(top))
     # Equal in exact arithmetic when D = 2 r_c (e.g. V = 2); keep the order under rounding.
     return jnp.minimum(lower, upper), upper
 

@@ -29,14 +29,16 @@ Conventions chosen here (the paper's own are unknown):
 - Padded vocabularies (``num_valid``): rows at index ``>= num_valid`` are excluded from both means
   and get a zero update.
 - Means and norms are computed in float32 whatever the input dtype; only the result is cast back.
-  Input with entries above ``2**50`` is first scaled by a power of two (exact: the step is scale
-  invariant, ``eps`` is scaled alike), so no finite input overflows the squared row norms or the
-  centring: finite input never gives NaN or spurious zero rows.
+  Input with entries above ``2**50`` is scaled by a power of two (exact: the step is scale
+  invariant, ``eps`` is scaled alike) wherever that could matter — on CPU, when a centred row's
+  squared norm exceeds ``2**100`` or is not finite — so no finite input overflows the squared
+  row norms or the centring: finite input never gives NaN or spurious zero rows.
   The input centring is shifted by a pivot (the mean of the first two rows, an exact float32
   point near the rows), so rows that are a large common vector plus a tiny spread keep an
   accurate direction, and identical rows give exactly zero.
-- Two formulations with the same numbers: on CPU (no device mesh) a cache-blocked pass that
-  writes the result in place over a donated input with no full-size temporary; elsewhere, and
+- Two formulations with the same numbers: on CPU (no device mesh) cache-sized passes along the
+  array's contiguous axis (one way for a ``(V, d)`` table, another for a ``(d, V)`` kernel) that
+  write the result in place over a donated input with no full-size temporary; elsewhere, and
   under a device mesh, a masked formulation whose only cross-shard traffic for a
   vocabulary-sharded head is the all-reduce of a few ``d``-vectors.
 - Sign: like optax ``scale_by_*`` transforms the sign of the incoming updates is kept; follow with
@@ -50,11 +52,14 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.typing import ArrayLike
 
 from rowgeom._geometry import (
     _row_diameter,
@@ -72,6 +77,11 @@ _DIAMETER_BLOCK = 1024  # rows per block of the exact diameter's triangular scan
 # CPU path: rows per block are chosen so that one block of float32 rows stays in cache while
 # the two per-block reductions (row norms, weighted column sum) read it.
 _BLOCK_BYTES = 4 * 2**20
+# (d, V) path: feature rows per slab, read once for their mean and the token norms and once
+# to be reduced and written. At most 4 MiB and 16 rows (the squares are accumulated in one
+# unrolled fusion; 16 rows of 50304 tokens measured best among 4-20 rows).
+_SLAB_BYTES = 4 * 2**20
+_SLAB_ROWS = 16
 # Inputs with entries above 2**_HUGE_EXPONENT are scaled by a power of two first (exact: the
 # result is invariant to it, with eps scaled alike), so squared row norms (d < 2**26 terms) and
 # the centring never overflow float32; scaled, the largest entry is about 2**20.
@@ -165,29 +175,74 @@ def _reference_path(x, axis, *, eps, center_input, center_output, num_valid):
 
 
 def _blocked_path(x, axis, *, eps, center_input, center_output, num_valid, block_rows=None):
-    """Three reads and one write, with no full-size temporary (CPU).
+    """The CPU formulation (one device): no full-size temporary, result written in place.
 
-    Pass 1 sums the rows (shifted by the pivot row) for the column mean. Pass 2 computes both
-    the row norms and the weighted column sum ``Σ_i (x_i - m) / n_i`` that the output centring
-    needs. Both walk blocks of token rows small enough to stay in cache, so the elementwise
-    shift and centring only ever materialise one block. Pass 3 writes
-    ``(x_i - m) / n_i - mean`` in one fused elementwise op (in place when the caller donates the
-    input). The norms use ``||x_i - m||`` directly: the expanded ``||x_i||² - 2 x_i·m + ||m||²``
-    saves no pass (``x_i·m`` still needs ``m`` first) and cancels catastrophically when rows
-    sit close to their mean. Everything stays in the input's own shape: a reshape to a
-    canonical layout makes XLA copy the result instead of writing it in place.
+    The exact algorithm needs the column mean ``m`` (one read), the squared row norms
+    ``||x_i - m||²`` and the weighted column sum ``s = Σ_i (x_i - m) / n_i`` of the output
+    centring, and the write ``(x_i - m) / n_i - s / N`` (a read and a write, in place over a
+    donated input). XLA:CPU reduces quickly only along the contiguous axis of a materialised
+    buffer (a reduction fused with an elementwise producer, or over a leading axis, runs as a
+    slow generic loop), so each layout walks the array its own way:
 
-    Measured on 2 shared cores (jax 0.10, benchmarks/bench_rownorm.py, (50304, 768) f32,
-    donated): about 5x a donated ``x * 0.5`` for a ``(V, d)`` table and 9x for a ``(d, V)``
-    kernel, against 13-18x and 55-65x for the straightforward formulation. The remaining cost
-    is XLA:CPU's reductions (about a quarter of memory bandwidth), not memory traffic.
+    - token rows contiguous (a ``(V, d)`` table, ``_token_rows``): three reads and a write.
+      Pass 1 sums cache-sized blocks of rows for ``m``; pass 2 takes the block norms and
+      accumulates ``s`` (a vector-matrix product on the block); pass 3 is elementwise.
+    - tokens contiguous (a Flax ``(d, V)`` kernel, ``vocab_axis`` last, ``_tokens_minor``): two
+      reads and a write. A slab of feature rows holds every token's value of those features,
+      so one walk over slabs gives their means and accumulates the token norms, and a second
+      takes each slab's part of ``s`` just before writing it.
+
+    Measured at (50304, 768) float32 on 2 shared cores (steady state, interleaved, best of 15,
+    load average ~11): 5.5x a donated ``x * 0.5`` for ``(V, d)`` and 6.5x for ``(d, V)``,
+    against 6.9x and 11.4x for the previous single blocked formulation in the same run
+    (benchmarks/bench_rownorm.py). What remains is XLA:CPU's reduction speed, not traffic.
+
+    The norms use ``||x_i - m||`` directly: the expanded ``||x_i||² - 2 x_i·m + ||m||²`` would
+    fold pass 2 into pass 1 but cancels catastrophically for rows near their mean. The overflow
+    guard costs no pass: squared norms above ``2**100`` (or inf/NaN) mean an entry may exceed
+    ``2**50``, and only then is everything recomputed on power-of-two scaled input.
     """
+    if axis == x.ndim - 1 and x.ndim >= 2:
+        flat = x.reshape(-1, x.shape[-1])  # free: the tokens stay the contiguous axis
+        return _tokens_minor(flat, eps=eps, center_input=center_input,
+                             center_output=center_output, num_valid=num_valid,
+                             slab_rows=block_rows).reshape(x.shape)
+    return _token_rows(x, axis, eps=eps, center_input=center_input,
+                       center_output=center_output, num_valid=num_valid, block_rows=block_rows)
+
+
+def _guarded(stats, x_valid, eps):
+    """``stats(scale, eps)`` at scale 1, redone at the overflow guard's scale when needed.
+
+    ``stats`` returns a tuple whose first entry is the valid rows' squared norms.
+    """
+    fast = stats(jnp.ones((), jnp.float32), jnp.asarray(eps, jnp.float32))
+    suspect = ~(jnp.max(fast[0]) <= 2.0 ** (2 * _HUGE_EXPONENT))  # also NaN / inf
+
+    def rescaled():
+        _, scale, eps_scaled = _overflow_guard(jnp.max(jnp.abs(x_valid())), eps)
+        return stats(scale, eps_scaled) + (scale, eps_scaled)
+
+    return lax.cond(suspect, rescaled,
+                    lambda: fast + (jnp.ones((), jnp.float32), jnp.asarray(eps, jnp.float32)))
+
+
+def _in_cache(block):
+    """Materialises a cache-sized block before it is reduced: XLA:CPU runs a plain reduction
+    of a buffer through its fast kernel, but one fused with an elementwise producer as a slow
+    generic loop (measured: the (V, d) path takes ~0.7x the time with this barrier)."""
+    return lax.optimization_barrier(block)
+
+
+def _token_rows(x, axis, *, eps, center_input, center_output, num_valid, block_rows):
+    """Token rows contiguous (vocab axis not last): blocks of rows, reduced along the rows."""
     ndim, vocab = x.ndim, x.shape[axis]
     feat = tuple(i for i in range(ndim) if i != axis)
     f32 = jnp.float32
     if block_rows is None:
         block_rows = max(8, _BLOCK_BYTES // (4 * max(1, x.size // vocab)))
     num_blocks, tail = divmod(num_valid, block_rows)
+    col_shape = tuple(1 if i == axis else n for i, n in enumerate(x.shape))
 
     def fold_rows(fn, acc):
         """acc = fn(acc, rows, start) over the valid rows, one cache-sized block at a time."""
@@ -204,55 +259,118 @@ def _blocked_path(x, axis, *, eps, center_input, center_output, num_valid, block
             acc = fn(acc, lax.slice_in_dim(x, start, num_valid, axis=axis), start)
         return acc
 
-    col_shape = tuple(1 if i == axis else n for i, n in enumerate(x.shape))
-    zero_col = jnp.zeros(col_shape, f32)
-    pivot = _pivot(x, axis, num_valid) if center_input else None
-
-    def sum_and_max(acc, rows, _):
-        total, amax = acc
+    def stats(scale, eps):
         if center_input:
-            total = total + jnp.sum(rows - pivot, axis=axis, keepdims=True)
-        return total, jnp.maximum(amax, jnp.max(jnp.abs(rows)))
+            pivot = _pivot(x, axis, num_valid, scale)
+            total = fold_rows(
+                    lambda acc, rows, _: acc + jnp.sum(_in_cache(rows * scale - pivot), axis=axis,
+                                                       keepdims=True),
+                    jnp.zeros(col_shape, f32))
+            shift = (pivot, total / num_valid)
+        else:
+            shift = (jnp.zeros(col_shape, f32), jnp.zeros(col_shape, f32))
 
-    # Pass 1 also finds max|x| (same blocks, in cache). Huge input is then scaled by a power of
-    # two and only its column sum recomputed; ordinary input keeps scale 1 and its sum.
-    total, amax = fold_rows(sum_and_max, (zero_col, jnp.zeros((), f32)))
-    huge, scale, eps = _overflow_guard(amax, eps)
-    if center_input:
-        def rescaled():
-            p = _pivot(x, axis, num_valid, scale)
-            t = fold_rows(
-                lambda acc, rows, _: acc + jnp.sum(rows * scale - p, axis=axis, keepdims=True),
-                zero_col)
-            return p, t
+        def norms_and_sum(carry, rows, start):
+            acc, sq = carry
+            xc = _in_cache((rows * scale - shift[0]) - shift[1])
+            n2 = jnp.sum(xc * xc, axis=feat)
+            if center_output:
+                w = 1.0 / jnp.maximum(jnp.sqrt(n2), eps)
+                s = lax.dot_general(w, xc, (((0,), (axis,)), ((), ())))
+                acc = acc + s.reshape(col_shape)
+            return acc, lax.dynamic_update_slice_in_dim(sq, n2, start, axis=0)
 
-        pivot, total = lax.cond(huge, rescaled, lambda: (pivot, total))
-        mean = total / num_valid
+        acc, sq = fold_rows(norms_and_sum,
+                            (jnp.zeros(col_shape, f32), jnp.zeros((num_valid,), f32)))
+        return sq, shift, acc
 
-        def centre(rows):
-            return (rows * scale - pivot) - mean
-    else:
-        def centre(rows):
-            return rows * scale
-
-    def norms_and_sum(carry, rows, start):
-        acc, weights = carry
-        xc = centre(rows)
-        w = 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(xc * xc, axis=feat)), eps)
-        if center_output:
-            s = lax.dot_general(w, xc, (((0,), (axis,)), ((), ())))
-            acc = acc + s.reshape(col_shape)
-        return acc, lax.dynamic_update_slice_in_dim(weights, w, start, axis=0)
-
-    acc, weights = fold_rows(norms_and_sum,
-                             (jnp.zeros(col_shape, f32), jnp.zeros((vocab,), f32)))
-    y = centre(x) * _row_vector(weights, ndim, axis)
+    sq, shift, acc, scale, eps = _guarded(
+            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=axis), eps)
+    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
+    if num_valid < vocab:
+        weights = jnp.pad(weights, (0, vocab - num_valid))
+    y = ((x * scale - shift[0]) - shift[1]) * _row_vector(weights, ndim, axis)
     if center_output:
         y = y - acc / num_valid
     if num_valid < vocab:
         valid = _row_vector(jnp.arange(vocab) < num_valid, ndim, axis)
         y = jnp.where(valid, y, jnp.zeros((), f32))
     return y
+
+
+def _tokens_minor(x, *, eps, center_input, center_output, num_valid, slab_rows):
+    """Tokens contiguous: ``x`` is ``(F, V)``, one feature per row (a Flax ``(d, V)`` kernel).
+
+    A slab of feature rows holds every token's value of those features, so the column mean of
+    those features is known as soon as the slab is read: passes 1 and 2 become one walk over
+    slabs (row sums, then squares accumulated into the token norms while the slab is in
+    cache), and pass 3 likewise takes each slab's weighted sum just before writing it. Row sums
+    are matrix-vector products on the slab: XLA:CPU runs a row reduction fused with any
+    elementwise producer as a serial chain, ~30x slower than memory bandwidth.
+    """
+    feats, vocab = x.shape
+    f32 = jnp.float32
+    if slab_rows is None:
+        slab_rows = min(_SLAB_ROWS, _SLAB_BYTES // (4 * vocab))
+    slab_rows = max(1, min(feats, slab_rows))
+    num_slabs, tail = divmod(feats, slab_rows)
+    ones = jnp.ones((num_valid,), f32)
+
+    def over_slabs(fn, carry):
+        """carry = fn(carry, start, size) over slabs of feature rows (a loop, then the tail)."""
+        if num_slabs == 1:
+            carry = fn(carry, 0, slab_rows)
+        elif num_slabs > 1:
+            carry = lax.fori_loop(0, num_slabs, lambda i, c: fn(c, i * slab_rows, slab_rows),
+                                  carry)
+        if tail:
+            carry = fn(carry, num_slabs * slab_rows, tail)
+        return carry
+
+    def rows_of(y, start, size):
+        return lax.dynamic_slice_in_dim(y, start, size, axis=0)
+
+    def stats(scale, eps):
+        k = min(2, num_valid)
+
+        def slab_stats(carry, start, size):
+            sq, shift_p, shift_m = carry
+            rows = rows_of(x, start, size)[:, :num_valid] * scale
+            if center_input:
+                p = jnp.sum(rows[:, :k], axis=1, keepdims=True) * (1.0 / k)
+                d = rows - p
+                m = (jnp.dot(d, ones) / num_valid)[:, None]
+                d = d - m
+                shift_p = lax.dynamic_update_slice_in_dim(shift_p, p[:, 0], start, axis=0)
+                shift_m = lax.dynamic_update_slice_in_dim(shift_m, m[:, 0], start, axis=0)
+            else:
+                d = rows
+            for a in range(size):  # unrolled: one fused elementwise loop, no row reduction
+                sq = sq + jnp.square(d[a])
+            return sq, shift_p, shift_m
+
+        zeros = jnp.zeros((feats,), f32)
+        return over_slabs(slab_stats, (jnp.zeros((num_valid,), f32), zeros, zeros))
+
+    sq, pivot, mean, scale, eps = _guarded(
+            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=1), eps)
+    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
+    if num_valid < vocab:
+        weights = jnp.pad(weights, (0, vocab - num_valid))
+        valid = jnp.arange(vocab) < num_valid
+
+    def write_slab(y, start, size):
+        p = lax.dynamic_slice_in_dim(pivot, start, size)[:, None]
+        m = lax.dynamic_slice_in_dim(mean, start, size)[:, None]
+        out = ((rows_of(y, start, size) * scale - p) - m) * weights[None, :]
+        if center_output:
+            s = jnp.dot(out[:, :num_valid], ones) / num_valid
+            out = out - s[:, None]
+        if num_valid < vocab:
+            out = jnp.where(valid[None, :], out, jnp.zeros((), f32))
+        return lax.dynamic_update_slice_in_dim(y, out, start, axis=0)
+
+    return over_slabs(write_slab, x)
 
 
 def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, argname,
@@ -283,8 +401,9 @@ def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, 
     return y
 
 
-def project_rownorm(u, *, vocab_axis, eps=1e-8, center_input=True, center_output=True,
-                    num_valid=None):
+def project_rownorm(u: ArrayLike, *, vocab_axis: int, eps: float = 1e-8,
+                    center_input: bool = True, center_output: bool = True,
+                    num_valid: int | None = None) -> jax.Array:
     """Returns ``P · rownorm(P · u)`` over token rows, computed in float32, in ``u``'s dtype.
 
     Args:
@@ -341,8 +460,9 @@ def _rescale(s, *, axis, mode, num_valid):
     return s * jnp.where(ok, 2.0 / jnp.where(ok, diameter, 1.0), 1.0)
 
 
-def projected_rownorm(*, vocab_axis, eps=1e-8, center_input=True, center_output=True,
-                      num_valid=None, rescale=None) -> optax.GradientTransformation:
+def projected_rownorm(*, vocab_axis: Any, eps: float = 1e-8, center_input: bool = True,
+                      center_output: bool = True, num_valid: int | None = None,
+                      rescale: str | None = None) -> optax.GradientTransformation:
     """Projected RowNorm as a stateless optax transform (see the module docstring for the math).
 
     Put it after momentum (``optax.chain(optax.trace(0.95), projected_rownorm(...),
