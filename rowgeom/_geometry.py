@@ -326,10 +326,16 @@ def _bounds3(x3, *, sweeps: int, total=None):
         return zero, zero
     top, anchor, sum_n2 = _max_index_sum(_centroid_sq_dists(x3, total))
     r_c = jnp.sqrt(top)
-    upper = 2.0 * r_c
-    lower = jnp.maximum(r_c, math.sqrt(2 / (num_rows - 1)) * jnp.sqrt(sum_n2))  # rms over V
+    upper = 2.0 * r_c  # 2 max_i ||x_i - c|| >= D for *any* point c: the rounded centroid too
+    if sweeps == 0:
+        # Lower bounds that hold for the exact centroid only (see row_diameter_bounds).
+        return jnp.minimum(
+            jnp.maximum(r_c, math.sqrt(2 / (num_rows - 1)) * jnp.sqrt(sum_n2)), upper), upper
     # Farthest-point sweeps from the row farthest from the centroid: each one is the length of
-    # an actual pair, hence a lower bound, and usually lands on (or near) a diametral pair.
+    # an actual pair, hence a lower bound whatever the centroid's rounding, and usually lands on
+    # (or near) a diametral pair. The first sweep is >= ||x_a - xbar|| (the mean lies in the
+    # rows' hull), so it already dominates the centroid's own lower bounds.
+    lower = jnp.zeros((), jnp.float32)
     for _ in range(sweeps):
         top, anchor, _ = _max_index_sum(_sq_dists(x3, _take_token(x3, anchor)))
         lower = jnp.maximum(lower, jnp.sqrt(top))
@@ -347,10 +353,16 @@ def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Arr
     were exact in 99% of random tests and within 7% otherwise; the upper bound can overshoot by
     up to 2x (typically 20-45% on LM-head steps). ``V = 1`` gives ``(0, 0)``.
 
+    With ``sweeps >= 1`` the lower end is the length of an actual pair of rows, so it stays a
+    lower bound when the float32 centroid is rounded (rows sharing a common offset much larger
+    than their spread); it is never below ``r_c``. With ``sweeps=0`` it is the centroid bound
+    ``max(r_c, sqrt(2V/(V-1)) rms_c)``, which such rounding can push above ``D``. The upper end
+    holds for any centre, rounded or not.
+
     Args:
       s: rank >= 2 floating array with token rows along ``vocab_axis``.
       vocab_axis: the token axis.
-      sweeps: number of farthest-point sweeps (0 keeps only the centroid bounds).
+      sweeps: number of farthest-point sweeps (0 keeps only the centroid bounds, see above).
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom

@@ -37,7 +37,8 @@ def _leaf_error(path: str, err: Exception) -> Exception:
 
 def _pivoted(leaf, axis: int):
     """Float32 rows minus the first row: the same ``D`` (a common shift), without a large
-    common offset whose float32 centring error would move the centroid bounds."""
+    common offset, whose float32 rounding of the centroid would widen the bracket's upper end
+    (by about the offset's rounding error) and leave a tight bound uncertified."""
     x = jnp.asarray(leaf)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"expected a floating array, got dtype {x.dtype}")
