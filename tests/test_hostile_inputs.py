@@ -292,7 +292,7 @@ def test_non_finite_input_gives_non_finite_output(name, bad):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_padding_rows_may_hold_anything(bad):
-    """num_valid: padded rows are never read into a sum; they come out zero (spec §6)."""
+    """num_valid: padded rows are never read into a sum; they come out zero."""
     x = GOOD.copy()
     x[-2:] = bad
     got = rowgeom.project_rownorm(jnp.asarray(x), vocab_axis=0, num_valid=V - 2)
@@ -304,7 +304,7 @@ def test_padding_rows_may_hold_anything(bad):
 @pytest.mark.parametrize("name", ALL + sorted(MATRIX_FUNCTIONS))
 @pytest.mark.parametrize("shape", [(V, DIM), (1, DIM), (V, 1), (1, 1)])
 def test_zeros_single_token_and_single_feature_are_finite(name, shape):
-    """All-zero updates give zeros, V = 1 gives a zero step and diameter (spec §6, T8)."""
+    """All-zero updates give zeros, V = 1 gives a zero step and diameter."""
     rng = np.random.default_rng(1)
     for x in (np.zeros(shape, np.float32), rng.standard_normal(shape).astype(np.float32)):
         if name in MATRIX_FUNCTIONS:

@@ -154,7 +154,7 @@ def test_optax_028_table_length_handling(rng):
 
 @pytest.mark.parametrize("preset", ["keller", "polar_express"])
 def test_zero_sum_is_preserved_T9(rng, preset):
-    """Spec T9: 1ᵀG = 0 over the token axis gives 1ᵀ polar = 0 and D(polar) <= √2 ||polar||₂."""
+    """1ᵀG = 0 over the token axis gives 1ᵀ polar = 0 and D(polar) <= √2 ||polar||₂."""
     for shape, tol in [((48, 16), 1e-5), ((16, 48), 1e-4)]:
         g = rng.standard_normal(shape)
         g = (g - g.mean(axis=0)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Exact conic oracles: feasibility, Theorem 2 (closed form) and Theorem 3 (ratio bracket, T7)."""
+"""Exact conic oracles: feasibility, Theorem 2 (closed form) and Theorem 3 (ratio bracket)."""
 
 import sys
 

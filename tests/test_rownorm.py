@@ -1,4 +1,4 @@
-"""Projected RowNorm: against a numpy fp64 reference, the exact oracles and the spec's T4-T11."""
+"""Projected RowNorm against a numpy fp64 reference and the exact oracles; invariances, edges."""
 
 import functools
 import re
@@ -18,7 +18,7 @@ from rowgeom._rownorm import _blocked_path, _project_f32
 IMPLS = ("auto", "blocked", "reference")
 
 
-# --- independent float64 references --------------------------------------------------------
+# --- independent float64 references ---------------------------------------------------------------
 
 
 def np_project(u, axis=0, *, eps=1e-8, center_input=True, center_output=True, num_valid=None):
@@ -63,7 +63,7 @@ def step(g, r, **kw):
     return -r * project(g, eps=1e-30, **kw)
 
 
-# --- the reference, layouts, padding, dtypes -----------------------------------------------
+# --- the reference, layouts, padding, dtypes ------------------------------------------------------
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -92,7 +92,7 @@ def test_blocked_path_any_block_size(rng, block_rows, num_valid):
 
 
 def test_dense_layout_is_the_transpose_and_the_wrong_axis_is_caught(rng):
-    """T11: (d, V) with vocab_axis=1 is the transpose of (V, d) with vocab_axis=0."""
+    """(d, V) with vocab_axis=1 is the transpose of (V, d) with vocab_axis=0."""
     g = rng.normal(size=(24, 24))  # square, so a wrong axis cannot hide behind a shape error
     dense = project(g.T, vocab_axis=1)
     embed = project(g, vocab_axis=0)
@@ -146,7 +146,8 @@ def test_writes_in_place_over_a_donated_input():
 
 def test_multi_device_mesh_uses_the_slice_free_path():
     """The blocked CPU path slices the vocab axis; under a device mesh (vocabulary possibly
-    sharded) the masked formulation is used, which only all-reduces d-vectors (T12 runs it)."""
+    sharded) the masked formulation is used, which only all-reduces d-vectors (run in
+    tests/test_sharding.py)."""
     spec = jax.ShapeDtypeStruct((200_000, 16), jnp.float32)  # several blocks: a loop
     fn = lambda u: project_rownorm(u, vocab_axis=0)
     assert "dynamic_slice" in str(jax.make_jaxpr(fn)(spec))
@@ -191,7 +192,7 @@ def test_accelerator_path_is_a_few_fusions_in_both_layouts(num_valid):
     assert next(iter(counts.values())) <= 16, counts
 
 
-# --- T4, T6, T7: optimality against the exact oracles --------------------------------------
+# --- Optimality against the exact oracles ---------------------------------------------------------
 
 
 def test_t4_gauge_diameter_and_value(rng):
@@ -261,7 +262,7 @@ def test_t7_regular_simplex_attains_jungs_factor(k):
     np.testing.assert_allclose(decrease / opt, jung(k), rtol=1e-4)
 
 
-# --- T5, T8: invariances and degenerate input -----------------------------------------------
+# --- Invariances and degenerate input -------------------------------------------------------------
 
 SHAPE = (16, 6)
 
@@ -314,7 +315,7 @@ def test_t8_degenerate_input(rng, impl):
             assert np.linalg.norm(y, axis=1).max() <= 1 + 1e-6
 
 
-# --- T10 and optax integration --------------------------------------------------------------
+# --- Momentum commutes with centring; optax integration -------------------------------------------
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -429,7 +430,7 @@ def test_rescale(rng, mode):
     assert np.all(np.asarray(tx.update(constant, None)[0]) == 0)
 
 
-# --- bad input ------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 
 
 def test_bad_input_names_the_argument():
