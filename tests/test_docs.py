@@ -31,8 +31,9 @@ OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
 def _modules():
-    names = [rowgeom.__name__] + [f"rowgeom.{m.name}" for m in
-                                  pkgutil.iter_modules(rowgeom.__path__)]
+    """rowgeom and every module under it, the public submodules (rowgeom.testing, ...) included."""
+    names = [rowgeom.__name__] + [m.name for m in
+                                  pkgutil.walk_packages(rowgeom.__path__, "rowgeom.")]
     return [importlib.import_module(name) for name in names]
 
 

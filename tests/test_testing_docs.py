@@ -1,71 +1,24 @@
 """The rowgeom.testing documentation stays true (the same checks tests/test_docs.py makes for
 the top-level package, applied to the public submodules it does not walk).
 
-- Every ``>>>`` example in rowgeom.testing and its modules runs as a doctest, and every name in
-  the ``__all__`` of ``rowgeom.testing`` and ``rowgeom.testing.strategies`` has a docstring with
-  an example and a ``::: module.name`` entry in docs/api/testing.md.
+- Every name in the ``__all__`` of ``rowgeom.testing`` and ``rowgeom.testing.strategies`` has a
+  docstring with an example and a ``::: module.name`` entry in docs/api/testing.md (their
+  ``>>>`` examples run in tests/test_docs.py, with every other rowgeom module's).
 - The ``python`` blocks of docs/guides/testing.md run (and print what they show) in
   tests/test_docs_output.py, with every other page.
 """
 
-import ast
 import doctest
 import importlib
 import inspect
 import pathlib
-import pkgutil
 import re
 
-import pytest
-
-import rowgeom.testing
+from tests.test_docs import _constant_docstrings, _modules
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = ("rowgeom.testing", "rowgeom.testing.strategies")
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-
-
-def _modules():
-    names = ["rowgeom.testing"] + [f"rowgeom.testing.{m.name}"
-                                   for m in pkgutil.iter_modules(rowgeom.testing.__path__)]
-    return [importlib.import_module(name) for name in names]
-
-
-def _constant_docstrings(module) -> dict[str, str]:
-    """Docstrings of module constants: the string literal right after ``NAME = ...``."""
-    tree = ast.parse(inspect.getsource(module))
-    docs = {}
-    for node, following in zip(tree.body, tree.body[1:], strict=False):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)
-                and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[node.targets[0].id] = inspect.cleandoc(following.value.value)
-    return docs
-
-
-def _doctests():
-    finder, parser = doctest.DocTestFinder(), doctest.DocTestParser()
-    tests = []
-    for module in _modules():
-        tests += [t for t in finder.find(module) if t.examples]
-        for name, doc in _constant_docstrings(module).items():
-            test = parser.get_doctest(doc, {}, f"{module.__name__}.{name}", module.__file__, 0)
-            if test.examples:
-                tests.append(test)
-    return sorted(tests, key=lambda t: t.name)
-
-
-DOCTESTS = _doctests()
-
-
-@pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
-def test_docstring_example(test):
-    runner = doctest.DocTestRunner(optionflags=OPTIONS)
-    test.globs = {}
-    result = runner.run(test, out=lambda text: print(text, end=""))
-    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
 
 
 def test_public_names_have_examples_and_reference_entries():

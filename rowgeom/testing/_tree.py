@@ -8,60 +8,31 @@ never imported: its boxes are recognised only when the caller already loaded it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 
+from rowgeom._labels import _box_types, _key_str, _unbox
+
 ROOT = "(root)"
 """How the path of a bare array (a tree with one leaf and no keys) is shown."""
 
 
-def box_types() -> tuple[type, ...]:
-    types = []
-    variablelib = sys.modules.get("flax.nnx.variablelib")
-    if variablelib is not None:
-        types.append(variablelib.Variable)
-    meta = sys.modules.get("flax.core.meta")
-    if meta is not None:
-        types.append(meta.AxisMetadata)
-    return tuple(types)
-
-
-def unbox(x, boxes=None):
-    """The value inside a Flax box (``nnx.Variable``, ``nn.Partitioned``); `x` otherwise."""
-    boxes = box_types() if boxes is None else boxes
-    if boxes and isinstance(x, boxes):
-        if hasattr(x, "get_value"):
-            return x.get_value()
-        if hasattr(x, "unbox"):
-            return x.unbox()
-        return x.value
-    return x
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def path_string(path) -> str:
     """``"a/b/0"`` for a key path (DictKey, GetAttrKey, SequenceKey, ...); `ROOT` when empty."""
-    return "/".join(_key_name(k) for k in path) or ROOT
+    return "/".join(_key_str(k) for k in path) or ROOT
 
 
 def leaves_with_paths(tree, *, keep_none: bool = False) -> list[tuple[str, object]]:
     """``[(path, leaf)]`` in tree order, Flax boxes unwrapped into their values."""
-    boxes = box_types()
+    boxes = _box_types()
 
     def is_leaf(x):
         return (keep_none and x is None) or (bool(boxes) and isinstance(x, boxes))
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(path_string(p), unbox(x, boxes)) for p, x in flat]
+    return [(path_string(p), _unbox(x, boxes)) for p, x in flat]
 
 
 def components(path: str) -> tuple[str, ...]:
