@@ -89,7 +89,13 @@ _HUGE_EXPONENT = 50
 _TINY = float(np.finfo(np.float32).tiny)
 
 
+_STATIC_HINT = ("under optax.inject_hyperparams list it in static_args, e.g. "
+                "static_args=('vocab_axis', 'eps', 'num_valid', 'rescale')")
+
+
 def _check_eps(eps) -> float:
+    if isinstance(eps, jax.Array):  # injected as a hyperparameter (a tracer under jit)
+        raise TypeError(f"eps must be a Python float, got an array; {_STATIC_HINT}")
     try:
         value = float(eps)
     except (TypeError, ValueError):
@@ -104,6 +110,8 @@ def _check_eps(eps) -> float:
 def _check_num_valid(num_valid, vocab_size: int | None = None) -> int | None:
     if num_valid is None:
         return None
+    if isinstance(num_valid, jax.Array):
+        raise TypeError(f"num_valid must be a Python int or None, got an array; {_STATIC_HINT}")
     try:
         value = operator.index(num_valid)
     except TypeError:

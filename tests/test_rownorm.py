@@ -457,6 +457,12 @@ def test_bad_input_names_the_argument():
         projected_rownorm(vocab_axis=0, rescale="full")
     with pytest.raises(ValueError, match="eps must be"):
         projected_rownorm(vocab_axis=0, eps=0)
+    # inject_hyperparams turns every non-static argument into an array: say what to do.
+    for argname, static in (("eps", ("vocab_axis",)), ("num_valid", ("vocab_axis", "eps"))):
+        injected = optax.inject_hyperparams(projected_rownorm, static_args=static)(
+            vocab_axis=0, num_valid=3)
+        with pytest.raises(TypeError, match=f"{argname} must be a Python .* static_args"):
+            injected.init(u)
     tx = projected_rownorm(vocab_axis=0)
     with pytest.raises(TypeError, match=r"leaf \['w'\].*updates must have a real floating"):
         tx.update({"w": jnp.ones((4, 3), jnp.int32)}, optax.EmptyState())
