@@ -149,3 +149,36 @@ def test_quick_ladder_end_to_end(tmp_path, small_corpus):
     # resumption: a rerun trains nothing and rebuilds the same report
     again = scale_ladder.ladder_study(ladder, **kw, log=lambda *a: pytest.fail(f"trained {a}"))
     assert json.dumps(again["protocols"]) == json.dumps(result["protocols"])
+
+
+def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
+    """The ladder's spectral head (RMS-matched Muon head at lr·s, head decay wd/s, through the
+    example's optimizer) gives the same head updates as rowgeom's Muon with scale="spectral"."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import rowgeom
+    from examples.lm import configs, model, train
+
+    point = Point(32, 512)
+    s = scale_ladder.spectral_factor(point)
+    lr, wd = 0.05, 0.1
+    cfg = dataclasses.replace(configs.get_config("test"), head="muon", head_learning_rate=lr * s,
+                              head_weight_decay=wd / s, weight_decay=wd, grad_clip=None)
+    ours = train.build_optimizer(cfg.validate())
+    ref = rowgeom.lm_optimizer(train.lr_schedule(cfg.learning_rate, cfg), head="muon",
+                               head_learning_rate=train.lr_schedule(lr, cfg), muon_scale="spectral",
+                               weight_decay=wd, head_weight_decay=wd, embedding_weight_decay=wd)
+    net = model.Transformer(train.model_config(cfg), rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.split(net, nnx.Param, ...)[1])
+    states = [ours.init(params), ref.init(params)]
+    updates = [jax.jit(ours.update), jax.jit(ref.update)]
+    for step in range(2):
+        grads = jax.tree.map(lambda x, k=step: jax.random.normal(jax.random.key(k), x.shape),
+                             params)
+        (u_ours, states[0]), (u_ref, states[1]) = (
+            update(grads, st, params) for update, st in zip(updates, states, strict=True))
+        np.testing.assert_allclose(u_ours["lm_head"]["kernel"], u_ref["lm_head"]["kernel"],
+                                   rtol=2e-4, atol=1e-7)
+        params = optax.apply_updates(params, u_ours)
