@@ -272,7 +272,9 @@ def run_point(ladder: Ladder, workdir: Path, point: Point, head: str, lr: float,
            "hilbert_rms_per_lr": per_lr("head_step_hilbert_rms"),
            "val_loss_curve": record["curves"]["val_loss"],
            **_extras(rundir, cfg, k)}
-    extra.write_text(json.dumps(out))
+    tmp = extra.with_suffix(".tmp")  # atomic: a kill never leaves half a record behind
+    tmp.write_text(json.dumps(out))
+    tmp.replace(extra)
     shutil.rmtree(rundir / "checkpoints", ignore_errors=True)  # up to ~0.6 GB each at V 50304
     return out
 
@@ -369,6 +371,10 @@ class Driver:
                 for head in L.heads:
                     if head != "rownorm" and head in ref:
                         lr = ref[head]["lr"] * ref["rownorm"]["D"] / ref[head]["D"]
+                        if not (np.isfinite(lr) and lr > 0):  # a diverged calibration run
+                            self.log(f"{point.name} {head}: no matched rate (calibration "
+                                     f"D {ref[head]['D']})")
+                            continue
                         self.get("matched", point, head, lr, seed)
 
     def robust(self):
