@@ -77,6 +77,7 @@ class Config:
     embedding_learning_rate: float | None = None
     vector_learning_rate: float | None = None
     weight_decay: float = 0.1  # decoupled, matrices only (hidden, head, embedding)
+    head_weight_decay: float | None = None  # None: weight_decay (an untied head only)
     schedule: str = "cosine"  # "cosine": warmup + cosine; "wsd": warmup-stable-decay
     warmup_steps: int = 30
     decay_fraction: float = 0.2  # wsd: fraction of steps in the final linear decay

@@ -89,7 +89,11 @@ def head_settings(cfg: configs.Config):
     """
     if cfg.tied_embeddings:
         return lr_schedule(cfg.embedding_learning_rate or cfg.learning_rate, cfg), cfg.weight_decay
-    return lr_schedule(cfg.resolved_head_learning_rate(), cfg), cfg.weight_decay
+    return lr_schedule(cfg.resolved_head_learning_rate(), cfg), _head_weight_decay(cfg)
+
+
+def _head_weight_decay(cfg: configs.Config) -> float:
+    return cfg.weight_decay if cfg.head_weight_decay is None else cfg.head_weight_decay
 
 
 def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
@@ -103,7 +107,7 @@ def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
         head_learning_rate=lr_schedule(cfg.resolved_head_learning_rate(), cfg),
         embedding_learning_rate=maybe(cfg.embedding_learning_rate),
         vector_learning_rate=maybe(cfg.vector_learning_rate),
-        weight_decay=cfg.weight_decay, head_weight_decay=cfg.weight_decay,
+        weight_decay=cfg.weight_decay, head_weight_decay=_head_weight_decay(cfg),
         embedding_weight_decay=cfg.weight_decay,
         # A padded vocabulary: padding rows stay out of RowNorm's means and get a zero step.
         head_num_valid=cfg.valid_vocab_size)

@@ -1,0 +1,88 @@
+"""Log-log least-squares fits with t-intervals, for the scale ladder (`studies.scale_ladder`).
+
+A power law `y = c · x1^b1 · x2^b2 ...` is a linear model in logs: `log y = a + Σ b_k log x_k`.
+`fit_loglog` solves it by ordinary least squares (numpy), with the classical covariance
+`s² (XᵀX)⁻¹`, `s² = SSR / (n - p)`, and two-sided Student-t intervals on `n - p` degrees of
+freedom; `predict` gives the fitted mean of `log y` at new shapes with its t-interval (the
+interval of the trend, not of a single new run), returned in linear units. Every run is one
+observation (seeds are not averaged first), so seed noise enters the residual variance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+LEVEL = 0.95
+
+
+def fit_loglog(features: dict[str, np.ndarray], y, *, level: float = LEVEL) -> dict:
+    """OLS of `log y` on `log` of each feature (plus an intercept).
+
+    features: name -> positive values, one per observation; y: positive values.
+    Returns {"names", "coef" (intercept first), "cov", "dof", "s", "n", "level",
+    "slopes": {name: {"value", "ci": [lo, hi], "se"}}}. Raises ValueError on non-positive or
+    non-finite data, or when there are not more observations than parameters (no interval).
+    """
+    y = np.asarray(y, np.float64)
+    names = list(features)
+    cols = [np.asarray(features[k], np.float64) for k in names]
+    for name, col in zip(["y", *names], [y, *cols], strict=True):
+        if col.shape != y.shape or col.ndim != 1:
+            raise ValueError(f"{name} must be a 1-D array of length {y.size}, got {col.shape}")
+        if not np.all(np.isfinite(col)) or np.any(col <= 0):
+            raise ValueError(f"{name} must be finite and positive for a log-log fit")
+    n, p = y.size, len(names) + 1
+    if n <= p:
+        raise ValueError(f"a fit with {p} parameters needs more than {p} observations, got {n}")
+    X = np.column_stack([np.ones(n), *(np.log(c) for c in cols)])
+    if np.linalg.matrix_rank(X) < p:
+        raise ValueError(f"the features {names} do not vary independently: no unique fit")
+    coef, *_ = np.linalg.lstsq(X, np.log(y), rcond=None)
+    resid = np.log(y) - X @ coef
+    dof = n - p
+    s2 = float(resid @ resid) / dof
+    cov = s2 * np.linalg.inv(X.T @ X)
+    t = float(stats.t.ppf(0.5 + level / 2, dof))
+    slopes = {}
+    for i, name in enumerate(names, start=1):
+        se = float(np.sqrt(cov[i, i]))
+        slopes[name] = {"value": float(coef[i]), "se": se,
+                        "ci": [float(coef[i] - t * se), float(coef[i] + t * se)]}
+    return {"names": names, "coef": coef.tolist(), "cov": cov.tolist(), "dof": dof,
+            "s": float(np.sqrt(s2)), "n": n, "level": level, "slopes": slopes}
+
+
+def predict(fit: dict, at: dict[str, float]) -> dict:
+    """Fitted value of y at the feature values `at`, with the t-interval of the fitted mean."""
+    x = np.array([1.0, *(np.log(float(at[k])) for k in fit["names"])])
+    coef, cov = np.asarray(fit["coef"]), np.asarray(fit["cov"])
+    mean = float(x @ coef)
+    se = float(np.sqrt(x @ cov @ x))
+    t = float(stats.t.ppf(0.5 + fit["level"] / 2, fit["dof"]))
+    return {"value": float(np.exp(mean)), "ci": [float(np.exp(mean - t * se)),
+                                                 float(np.exp(mean + t * se))]}
+
+
+def count_spikes(losses, *, window: int = 5, jump: float = 0.25, rel: float = 0.05) -> int:
+    """Onsets of loss spikes in a logged training-loss series.
+
+    A point spikes when it exceeds the median of the `window` points before it by more than
+    `max(jump, rel · median)` nats; consecutive spiking points count once. A non-finite loss
+    counts as a spike (and the run as diverged, see `diverged`).
+    """
+    xs = np.asarray(losses, np.float64)
+    count, inside = 0, False
+    for i in range(window, xs.size):
+        ref = float(np.median(xs[i - window:i][np.isfinite(xs[i - window:i])])) \
+            if np.any(np.isfinite(xs[i - window:i])) else np.inf
+        spike = bool(not np.isfinite(xs[i]) or xs[i] - ref > max(jump, rel * abs(ref)))
+        count += int(spike and not inside)
+        inside = spike
+    return count
+
+
+def diverged(val_losses) -> bool:
+    """A run diverged when its final validation loss is not finite or above its first one."""
+    xs = np.asarray(val_losses, np.float64)
+    return bool(xs.size == 0 or not np.isfinite(xs[-1]) or xs[-1] > xs[0])

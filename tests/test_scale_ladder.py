@@ -1,0 +1,184 @@
+"""The scale-ladder study (studies/scale_ladder.py): its fits against independent references, and
+the whole pipeline end to end on a tiny ladder (train, protocols, resume, fit, report)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from studies import ladder_fit, ladder_report, scale_ladder
+from studies.scale_ladder import Point
+
+# ----------------------------------------------------------------------------- fits
+
+
+def test_loglog_fit_matches_closed_form_and_recovers_slope():
+    """Slope, standard error and t-interval against the textbook simple-regression formulas."""
+    rng = np.random.default_rng(0)
+    d = np.repeat([128.0, 256.0, 512.0, 768.0], 3)
+    y = 0.7 * d ** 0.5 * np.exp(rng.normal(0, 0.05, d.size))
+    fit = ladder_fit.fit_loglog({"d": d}, y)
+    x, ly = np.log(d), np.log(y)
+    sxx = np.sum((x - x.mean()) ** 2)
+    slope = np.sum((x - x.mean()) * (ly - ly.mean())) / sxx
+    resid = ly - (ly.mean() + slope * (x - x.mean()))
+    se = np.sqrt(np.sum(resid ** 2) / (d.size - 2) / sxx)
+    t975 = 2.2281388519649385  # Student t, 10 degrees of freedom, 97.5 % (tables)
+    s = fit["slopes"]["d"]
+    np.testing.assert_allclose([s["value"], s["se"]], [slope, se], rtol=1e-10)
+    np.testing.assert_allclose(s["ci"], [slope - t975 * se, slope + t975 * se], rtol=1e-9)
+    assert s["ci"][0] < 0.5 < s["ci"][1] and fit["dof"] == 10
+
+
+def test_loglog_interval_coverage_on_synthetic_power_laws():
+    """95 % intervals of slopes (two features) and of the predicted mean cover the truth at the
+    nominal rate over many synthetic data sets (binomial tolerance: 400 sets, 0.95 ± 0.035)."""
+    rng = np.random.default_rng(1)
+    d = np.array([128, 256, 512, 768, 256, 256, 768] * 2, float)
+    V = np.array([4096, 4096, 4096, 4096, 16384, 50304, 50304] * 2, float)
+    hits = np.zeros(3)
+    for _ in range(400):
+        y = 2.0 * d ** 0.5 * V ** -0.3 * np.exp(rng.normal(0, 0.1, d.size))
+        fit = ladder_fit.fit_loglog({"d": d, "V": V}, y)
+        pred = ladder_fit.predict(fit, {"d": 1280, "V": 50304})
+        truth = 2.0 * 1280 ** 0.5 * 50304 ** -0.3
+        hits += [fit["slopes"]["d"]["ci"][0] <= 0.5 <= fit["slopes"]["d"]["ci"][1],
+                 fit["slopes"]["V"]["ci"][0] <= -0.3 <= fit["slopes"]["V"]["ci"][1],
+                 pred["ci"][0] <= truth <= pred["ci"][1]]
+    assert np.all(np.abs(hits / 400 - 0.95) < 0.035), hits / 400
+
+
+def test_fit_rejects_unusable_data():
+    with pytest.raises(ValueError, match="positive"):
+        ladder_fit.fit_loglog({"d": [1, 2, 3]}, [1.0, -1.0, 2.0])
+    with pytest.raises(ValueError, match="more than 2 observations"):
+        ladder_fit.fit_loglog({"d": [1, 2]}, [1.0, 2.0])
+    with pytest.raises(ValueError, match="vary independently"):
+        ladder_fit.fit_loglog({"d": [1, 2, 4, 8], "V": [2, 4, 8, 16]}, [1.0, 2.0, 3.0, 5.0])
+
+
+def test_spikes_and_divergence():
+    calm = 5.0 - 0.01 * np.arange(40)
+    assert ladder_fit.count_spikes(calm) == 0
+    spiky = calm.copy()
+    spiky[[10, 11, 25]] += 1.0  # two onsets: 10-11 is one spike
+    assert ladder_fit.count_spikes(spiky) == 2
+    assert ladder_fit.count_spikes([*calm[:20], np.nan]) == 1
+    assert not ladder_fit.diverged([5.0, 4.0, 3.9])
+    assert ladder_fit.diverged([5.0, 4.0, 6.0]) and ladder_fit.diverged([5.0, np.nan])
+
+
+def test_spectral_factor_and_plan():
+    """Muon's spectral/RMS scale ratio equals muon_orthogonalize's two scales on a (d, V) kernel;
+    the full plan lists every protocol with a cost for every run."""
+    import jax
+    import optax
+
+    import rowgeom
+
+    g = jax.random.normal(jax.random.key(0), (16, 64))
+    out = {s: rowgeom.muon_orthogonalize(scale=s).update(g, optax.EmptyState())[0]
+           for s in ("rms", "spectral")}
+    ratio = float(np.linalg.norm(out["spectral"]) / np.linalg.norm(out["rms"]))
+    np.testing.assert_allclose(ratio, scale_ladder.spectral_factor(Point(16, 64)), rtol=1e-5)
+    lines = []
+    total = scale_ladder.print_plan(scale_ladder.full_ladder(), out=lines.append)
+    rows = scale_ladder.plan(scale_ladder.full_ladder())
+    assert {r["protocol"].split()[0] for r in rows} == {"equal", "sweep", "tuned", "matched",
+                                                        "robust"}
+    assert all(r["est_s"] is not None and r["est_s"] > 0 for r in rows)
+    np.testing.assert_allclose(total, sum(r["est_s"] for r in rows))
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_empty_report_says_nothing_was_measured(tmp_path):
+    ladder = scale_ladder.quick_ladder()
+    result = ladder_report.write_report({}, rules={}, ladder=ladder, out=tmp_path, config={},
+                                        session_wall_s=0.0)
+    md = (tmp_path / "scale_ladder.md").read_text()
+    assert result["runs_done"] == 0 and "No ladder run has finished yet" in md
+    assert not any(ch.isdigit() for ch in md.split("No ladder run")[1].split("--plan")[0])
+
+
+@pytest.mark.usefixtures("fast_compile")
+def test_quick_ladder_end_to_end(tmp_path, small_corpus):
+    """Two points, two heads, every protocol: records, the matched-rate rescale, resumption and
+    the report (measured numbers equal the run records)."""
+    root = small_corpus(tmp_path)
+    ladder = dataclasses.replace(
+        scale_ladder.quick_ladder(heads=("muon-spectral", "rownorm")),
+        points=(Point(32, 512), Point(64, 512)), sweep_points=(Point(32, 512), Point(64, 512)),
+        sweep={"muon-spectral": (0.018,), "rownorm": (0.018,)}, sweep_seed=1,
+        robust_multipliers=(1.0,), seeds_by_point={Point(32, 512): (1,),
+                                                         Point(64, 512): (1,)},
+        protocols_by_point={Point(64, 512): ("equal", "tuned")})  # 5 runs train in all
+    kw = dict(workdir=root / "runs", out=root / "out", data_source=str(root / "corpus"))
+    result = scale_ladder.ladder_study(ladder, **kw, log=lambda *a: None)
+    runs = result["runs"]
+    assert len(runs["equal"]) == 4 and len(runs["tuned"]) == 4 and len(runs["matched"]) == 2
+    for r in runs["equal"]:
+        assert r["steps"] == 8 and np.isfinite(r["final_val_loss"]) and r["D"] > 0
+        if r["head"] == "rownorm":  # every row moves at most lr: D <= 2 lr per step
+            assert r["D_per_lr"] <= 2 * (1 + 1e-5)
+        else:  # trained as the RMS-matched Muon head at lr·5/sqrt(d), decay wd·sqrt(d)/5
+            s = scale_ladder.spectral_factor(Point(**r["point"]))
+            np.testing.assert_allclose(r["trained_as"]["lr"], r["lr"] * s, rtol=1e-5)
+    # matched: the spectral head's rate is the tuned rate × D_rownorm / D_spectral (seed 1)
+    assert {r["point"]["d"] for r in runs["matched"]} == {32}
+    for p in (Point(32, 512),):
+        tuned = {r["head"]: r for r in runs["tuned"] if Point(**r["point"]) == p}
+        matched = [r for r in runs["matched"] if Point(**r["point"]) == p
+                   and r["head"] == "muon-spectral"][0]
+        want = tuned["muon-spectral"]["lr"] * tuned["rownorm"]["D"] / tuned["muon-spectral"]["D"]
+        np.testing.assert_allclose(matched["lr"], want, rtol=1e-3)
+    assert {(r["multiplier"], r["lr"]) for r in runs["robust"]} == {(1.0, 0.018)}
+    # the report's measured numbers are the run records'
+    table = result["protocols"]["equal"]["measured"]["points"]
+    rec = [r for r in runs["equal"] if r["head"] == "rownorm" and r["point"]["d"] == 64][0]
+    np.testing.assert_allclose(table["d64-V512-L2"]["rownorm"]["D_per_lr"][0], rec["D_per_lr"])
+    red = result["protocols"]["equal"]["measured"]["reductions"]["d32-V512-L2"]["muon-spectral"]
+    pair = {r["head"]: r for r in runs["equal"] if r["point"]["d"] == 32}
+    np.testing.assert_allclose(red["D"], [pair["muon-spectral"]["D"] / pair["rownorm"]["D"]])
+    md = (root / "out" / "scale_ladder.md").read_text()
+    assert "(a) equal head rate" in md and "(d) robustness grid" in md
+    assert "not fitted" in md  # two widths, one seed: no interval is claimed
+    assert (root / "out" / "scale_ladder_robust.png").stat().st_size > 0
+    # resumption: a rerun trains nothing and rebuilds the same report
+    again = scale_ladder.ladder_study(ladder, **kw, log=lambda *a: pytest.fail(f"trained {a}"))
+    assert json.dumps(again["protocols"]) == json.dumps(result["protocols"])
+
+
+def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
+    """The ladder's spectral head (RMS-matched Muon head at lr·s, head decay wd/s, through the
+    example's optimizer) gives the same head updates as rowgeom's Muon with scale="spectral"."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import rowgeom
+    from examples.lm import configs, model, train
+
+    point = Point(32, 512)
+    s = scale_ladder.spectral_factor(point)
+    lr, wd = 0.05, 0.1
+    cfg = dataclasses.replace(configs.get_config("test"), head="muon", head_learning_rate=lr * s,
+                              head_weight_decay=wd / s, weight_decay=wd, grad_clip=None)
+    ours = train.build_optimizer(cfg.validate())
+    ref = rowgeom.lm_optimizer(train.lr_schedule(cfg.learning_rate, cfg), head="muon",
+                               head_learning_rate=train.lr_schedule(lr, cfg), muon_scale="spectral",
+                               weight_decay=wd, head_weight_decay=wd, embedding_weight_decay=wd)
+    net = model.Transformer(train.model_config(cfg), rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.split(net, nnx.Param, ...)[1])
+    states = [ours.init(params), ref.init(params)]
+    updates = [jax.jit(ours.update), jax.jit(ref.update)]
+    for step in range(2):
+        grads = jax.tree.map(lambda x, k=step: jax.random.normal(jax.random.key(k), x.shape),
+                             params)
+        (u_ours, states[0]), (u_ref, states[1]) = (
+            update(grads, st, params) for update, st in zip(updates, states, strict=True))
+        np.testing.assert_allclose(u_ours["lm_head"]["kernel"], u_ref["lm_head"]["kernel"],
+                                   rtol=2e-4, atol=1e-7)
+        params = optax.apply_updates(params, u_ours)
