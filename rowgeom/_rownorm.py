@@ -94,8 +94,8 @@ _STATIC_HINT = ("under optax.inject_hyperparams list it in static_args, e.g. "
 
 
 def _check_eps(eps) -> float:
-    if isinstance(eps, jax.Array):  # injected as a hyperparameter (a tracer under jit)
-        raise TypeError(f"eps must be a Python float, got an array; {_STATIC_HINT}")
+    if isinstance(eps, jax.core.Tracer):  # injected as a hyperparameter, under jit
+        raise TypeError(f"eps must be a Python float, got a traced array; {_STATIC_HINT}")
     try:
         value = float(eps)
     except (TypeError, ValueError):
@@ -110,8 +110,9 @@ def _check_eps(eps) -> float:
 def _check_num_valid(num_valid, vocab_size: int | None = None) -> int | None:
     if num_valid is None:
         return None
-    if isinstance(num_valid, jax.Array):
-        raise TypeError(f"num_valid must be a Python int or None, got an array; {_STATIC_HINT}")
+    if isinstance(num_valid, jax.core.Tracer):
+        raise TypeError(f"num_valid must be a Python int or None, got a traced array; "
+                        f"{_STATIC_HINT}")
     try:
         value = operator.index(num_valid)
     except TypeError:

@@ -462,7 +462,8 @@ def test_bad_input_names_the_argument():
         injected = optax.inject_hyperparams(projected_rownorm, static_args=static)(
             vocab_axis=0, num_valid=3)
         with pytest.raises(TypeError, match=f"{argname} must be a Python .* static_args"):
-            injected.init(u)
+            jax.jit(injected.init)(u)
+        injected.init(u)  # eagerly the injected values are concrete: accepted
     tx = projected_rownorm(vocab_axis=0)
     with pytest.raises(TypeError, match=r"leaf \['w'\].*updates must have a real floating"):
         tx.update({"w": jnp.ones((4, 3), jnp.int32)}, optax.EmptyState())
