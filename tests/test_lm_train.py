@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from examples.lm import checkpointing, configs, metrics, train
+from examples.lm import checkpointing, configs, metrics, optimizer, train
 from examples.lm import mesh as mesh_lib
 
 STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, and the final one
@@ -123,7 +123,7 @@ def test_schedules_end_at_min_lr():
         cfg = configs.override(configs.get_config("test"), {
             "optim.schedule": name, "steps": 20, "optim.warmup_steps": 4,
             "optim.min_lr_ratio": 0.1})
-        lr = [float(train.lr_schedule(1.0, cfg)(t)) for t in range(cfg.steps)]
+        lr = [float(optimizer.lr_schedule(1.0, cfg)(t)) for t in range(cfg.steps)]
         np.testing.assert_allclose(lr[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
         np.testing.assert_allclose(lr[-1], 0.1, rtol=1e-6)
         assert all(a >= b - 1e-7 for a, b in zip(lr[3:], lr[4:], strict=False))  # no increase
@@ -214,7 +214,7 @@ def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
                 progress=False, print_fn=out.append)
     assert any("--change_horizon: steps 8 -> 12" in line for line in out), out
     first = metrics.read_metrics(longer)[3]  # step 4, the first update under the new horizon
-    new = train.lr_schedule(_cfg(corpus).optim.learning_rate, _cfg(corpus, steps=12))(3)
+    new = optimizer.lr_schedule(_cfg(corpus).optim.learning_rate, _cfg(corpus, steps=12))(3)
     assert first["step"] == 4 and first["learning_rate"] == float(new)
 
 
@@ -292,7 +292,7 @@ def test_every_config_trains_for_any_number_of_steps():
         for steps in (1, 2, 3, 24):
             cfg = configs.override(base, {"steps": steps})
             assert 0 <= cfg.effective_warmup() < steps
-            lr = np.asarray(train.lr_schedule(1.0, cfg)(np.arange(steps)))
+            lr = np.asarray(optimizer.lr_schedule(1.0, cfg)(np.arange(steps)))
             assert np.all(np.isfinite(lr)) and np.all(lr > 0), (name, steps, lr)
             np.testing.assert_allclose(lr[-1], cfg.optim.min_lr_ratio, rtol=1e-5,
                                        err_msg=f"{name} steps={steps}")
@@ -405,7 +405,7 @@ def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     cut = lambda tree: {**tree, "lm_head": {"kernel": tree["lm_head"]["kernel"][:, :300]},
                         "embed": {"embedding": tree["embed"]["embedding"][:300]}}
-    tx_padded, tx_real = train.build_optimizer(padded), train.build_optimizer(real)
+    tx_padded, tx_real = optimizer.build_optimizer(padded), optimizer.build_optimizer(real)
     state_padded, state_real = tx_padded.init(params), tx_real.init(cut(params))
     update_padded, update_real = jax.jit(tx_padded.update), jax.jit(tx_real.update)
     keys = iter(jax.random.split(jax.random.key(1), 100))

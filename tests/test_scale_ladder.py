@@ -159,7 +159,7 @@ def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
     from flax import nnx
 
     import rowgeom
-    from examples.lm import configs, model, train
+    from examples.lm import configs, model, optimizer
 
     point = Point(32, 512)
     s = scale_ladder.spectral_factor(point)
@@ -167,9 +167,10 @@ def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
     cfg = configs.override(configs.get_config("test"), {
         "head": "muon", "optim.head_learning_rate": lr * s, "optim.head_weight_decay": wd / s,
         "optim.weight_decay": wd, "optim.grad_clip": None})
-    ours = train.build_optimizer(cfg)
-    ref = rowgeom.lm_optimizer(train.lr_schedule(cfg.optim.learning_rate, cfg), head="muon",
-                               head_learning_rate=train.lr_schedule(lr, cfg), muon_scale="spectral",
+    ours = optimizer.build_optimizer(cfg)
+    schedule = lambda peak: optimizer.lr_schedule(peak, cfg)
+    ref = rowgeom.lm_optimizer(schedule(cfg.optim.learning_rate), head="muon",
+                               head_learning_rate=schedule(lr), muon_scale="spectral",
                                weight_decay=wd, head_weight_decay=wd, embedding_weight_decay=wd)
     net = model.Transformer(cfg.model, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.split(net, nnx.Param, ...)[1])
