@@ -7,7 +7,7 @@ Muon and projected RowNorm heads grow with the width d and the vocabulary V.
     python -m studies.scale_ladder --quick --workdir /tmp/q --out /tmp/q/out   # seconds (CI)
     python -m studies.scale_ladder --time-shapes   # re-measure the per-step costs behind --plan
 
-Same recipe as the head study (`examples/lm/compare_heads.py`, whose run driver and summaries
+Same recipe as the head study (`studies/compare_heads.py`, whose run driver and summaries
 this reuses): Muon backbone, cosine schedule, a BPE trained on the standard library, the exact
 last-K head-step diameter and Hilbert RMS on held-out hidden states. The ladder:
 
@@ -53,8 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
-from examples.lm import compare_heads, configs, metrics
-from studies import ladder_fit, ladder_report
+from examples.lm import configs, metrics
+from studies import compare_heads, ladder_fit, ladder_report
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -97,7 +97,7 @@ ROBUST_SEEDS = (1, 2, 3)
 PAPER_SHAPES = {"190M": (768, 50304), "380M": (1024, 50304), "640M": (1280, 50304)}
 
 # Per-step wall time (s) of the jitted train step, measured by `--time-shapes`
-# (examples/lm/train.py benchmark: median of 4 steps after 2, seq 64, batch 16) on 2 CPU cores
+# (examples.lm.train.benchmark: median of 4 steps after 2, seq 64, batch 16) on 2 CPU cores
 # shared with a running test suite, 2026-11-30. Keyed by (d, V, layers, head kind).
 STEP_COST_S = {
     "128,4096,2,adamw": 0.183, "128,4096,2,muon": 0.197, "128,4096,2,rownorm": 0.185,
@@ -169,23 +169,25 @@ def point_config(point: Point, *, quick: bool, data_dir: str | None = None,
                  data_source=None, steps: int | None = None) -> configs.Config:
     """The run config of a ladder point (head, rate and seed are set per run)."""
     if quick:
-        base = dataclasses.replace(configs.get_config("test"), steps=8, warmup_steps=2,
-                                   eval_every=4, probe_last_steps=3, log_every=1,
-                                   hilbert_sequences=2)
+        base = configs.override(configs.get_config("test"), {
+            "steps": 8, "optim.warmup_steps": 2, "eval.every": 4, "eval.probe_last_steps": 3,
+            "log_every": 1, "eval.hilbert_sequences": 2})
         heads = max(1, point.d // 16)
     else:
-        base = dataclasses.replace(configs.get_config("cpu-tiny"), seq_len=64, batch_size=16,
-                                   steps=300, warmup_steps=20, eval_every=100, eval_batches=8,
-                                   hilbert_sequences=8, probe_last_steps=10, log_every=5)
+        base = configs.override(configs.get_config("cpu-tiny"), {
+            "model.max_seq_len": 64, "data.batch_size": 16, "steps": 300,
+            "optim.warmup_steps": 20, "eval.every": 100, "eval.batches": 8,
+            "eval.hilbert_sequences": 8, "eval.probe_last_steps": 10, "log_every": 5})
         heads = point.d // 32
-    over = {k: v for k, v in {"data_source": data_source, "data_dir": data_dir,
+    over = {k: v for k, v in {"data.source": data_source, "data.dir": data_dir,
                               "steps": steps}.items() if v is not None}
-    return dataclasses.replace(
-        base, vocab_size=point.V, d_model=point.d, num_layers=point.layers, num_heads=heads,
-        mlp_dim=3 * point.d, save_every=10**9, keep_checkpoints=1,
+    exact = base.eval.exact_diameter_max_elements
+    return configs.override(base, {
+        "model.vocab_size": point.V, "model.d_model": point.d, "model.num_layers": point.layers,
+        "model.num_heads": heads, "model.mlp_dim": 3 * point.d, "checkpoint.every": 10**9,
+        "checkpoint.keep": 1,
         # exact O(V²d) diameter up to the thin point's head (larger: the O(Vd) upper bracket)
-        exact_diameter_max_elements=max(base.exact_diameter_max_elements, point.V * point.d),
-        **over).validate()
+        "eval.exact_diameter_max_elements": max(exact, point.V * point.d), **over})
 
 
 def spectral_factor(point: Point) -> float:
@@ -230,7 +232,8 @@ def _extras(rundir: Path, cfg: configs.Config, k: int) -> dict:
     return {"tightness": float(np.mean(tight)) if tight else None,
             "loss_spikes": ladder_fit.count_spikes(train_loss),
             "diverged": ladder_fit.diverged(val),
-            "diameter_exact": cfg.d_model * cfg.vocab_size <= cfg.exact_diameter_max_elements}
+            "diameter_exact": (cfg.model.d_model * cfg.model.vocab_size
+                               <= cfg.eval.exact_diameter_max_elements)}
 
 
 def run_point(ladder: Ladder, workdir: Path, point: Point, head: str, lr: float, seed: int, *,
@@ -249,8 +252,8 @@ def run_point(ladder: Ladder, workdir: Path, point: Point, head: str, lr: float,
     cfg = point_config(point, quick=ladder.quick, data_source=data_source, steps=steps,
                        data_dir=str(workdir / "data" / f"V{point.V}"))
     if head == "muon-spectral":
-        cfg = dataclasses.replace(cfg, head_weight_decay=cfg.weight_decay
-                                  / spectral_factor(point))
+        cfg = configs.override(cfg, {"optim.head_weight_decay": cfg.optim.weight_decay
+                                     / spectral_factor(point)})
     record = compare_heads.run_one(cfg, rundir.parent, role=_role(head), head=kind, lr=eff_lr,
                                    seed=seed, log=log)
     scale = eff_lr / lr  # per-lr numbers are per unit of the nominal rate
@@ -419,7 +422,7 @@ def estimate_s(ladder: Ladder, point: Point, head: str, costs=None, probes=None,
     if step is None:
         return None
     cfg = point_config(point, quick=ladder.quick, steps=steps)
-    n_probe = cfg.probe_last_steps + cfg.steps // cfg.eval_every
+    n_probe = cfg.eval.probe_last_steps + cfg.steps // cfg.eval.every
     probe = probes.get(f"{point.d},{point.V}", 0.0) * 2  # step and full change
     return cfg.steps * step + n_probe * probe + RUN_OVERHEAD_S
 
@@ -492,7 +495,7 @@ def time_shapes(ladder: Ladder, *, steps: int = 4, log=print) -> dict:
     costs, probes = {}, {}
     for point in ladder.points:
         for head in ("adamw", "muon", "rownorm"):
-            cfg = dataclasses.replace(point_config(point, quick=ladder.quick), head=head)
+            cfg = configs.override(point_config(point, quick=ladder.quick), {"head": head})
             costs[_cost_key(point, head)] = train.benchmark(
                 cfg, steps=steps, print_fn=lambda *a: None)["step_s"]
             log(f"{point.name} {head}: {costs[_cost_key(point, head)]:.3f} s/step")

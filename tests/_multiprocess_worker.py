@@ -10,7 +10,6 @@ collectives: the code path of a Cloud TPU pod slice, where each host runs the sa
 `jax.distributed` joins the hosts' devices into one global mesh.
 """
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -36,9 +35,9 @@ def main(argv):
 
     from examples.lm import configs, train
 
-    cfg = dataclasses.replace(
-        configs.get_config("test"), data_source=corpus, data_dir=tokens, steps=STEPS,
-        eval_every=2, save_every=2, mesh_data=2, mesh_fsdp=2, mesh_tensor=2)
+    cfg = configs.override(configs.get_config("test"), {
+        "data.source": corpus, "data.dir": tokens, "steps": STEPS, "eval.every": 2,
+        "checkpoint.every": 2, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     train.train(cfg, workdir, progress=False, print_fn=print)
     print(f"process {jax.process_index()} of {jax.process_count()} done", flush=True)
 

@@ -66,7 +66,7 @@ def _small_corpus(root, *, tokenize: bool = False):
         from examples.lm import configs, data
 
         data.prepare_tokens(source=corpus, workdir=Path(root) / "tokens",
-                            vocab_size=configs.get_config("test").vocab_size)
+                            vocab_size=configs.get_config("test").model.vocab_size)
     return root
 
 
@@ -79,12 +79,10 @@ def final_checkpoint():
 def _final_checkpoint(workdir, steps: int):
     """The example's checkpoint of step `steps` in `workdir`, restored onto the first device
     (asserting it is the latest one), as host arrays, with its metadata."""
-    import dataclasses
-
     from examples.lm import checkpointing, configs, train
     from examples.lm import mesh as mesh_lib
 
-    cfg = dataclasses.replace(configs.get_config("test"), steps=steps)
+    cfg = configs.override(configs.get_config("test"), {"steps": steps})
     trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
     try:

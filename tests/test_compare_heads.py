@@ -1,7 +1,6 @@
-"""The LM-head study driver (examples/lm/compare_heads.py --quick), its recipe options and the
-certified oracle table (examples/lm/oracle_table.py), checked against independent references."""
+"""The LM-head study driver (`python -m studies.compare_heads --quick`), its recipe options and
+the certified oracle table (studies/oracle_table.py), checked against independent references."""
 
-import dataclasses
 import json
 
 import jax
@@ -10,7 +9,8 @@ import optax
 import pytest
 
 import rowgeom
-from examples.lm import compare_heads, configs, oracle_table
+from examples.lm import configs, optimizer
+from studies import compare_heads, oracle_table
 
 HEADS = ("adamw", "rownorm-rescaled")
 
@@ -55,7 +55,7 @@ def test_quick_study_last_k_geometry(quick):
     _, out, _ = quick
     saved = json.loads((out / "head_study.json").read_text())
     cfg = saved["config"]
-    k, steps = cfg["probe_last_steps"], cfg["steps"]
+    k, steps = cfg["eval"]["probe_last_steps"], cfg["steps"]
     for r in saved["runs"]:
         lr = dict((s, v) for s, v in r["curves"]["head_learning_rate"])
         diam = dict((s, v) for s, v in r["curves"]["head_step_diameter"])
@@ -111,9 +111,9 @@ def test_quick_study_resumes_without_training(quick, monkeypatch):
 
 def test_configs_accept_rescaled_head_and_probe_window():
     cfg = configs.parse_config(["--config", "test", "--head", "rownorm-rescaled"])
-    assert cfg.resolved_head_learning_rate() == 5 * cfg.learning_rate
-    with pytest.raises(ValueError, match="probe_last_steps"):
-        dataclasses.replace(configs.get_config("test"), probe_last_steps=9).validate()
+    assert optimizer.head_group(cfg).learning_rate == 5 * cfg.optim.learning_rate
+    with pytest.raises(ValueError, match="eval.probe_last_steps"):
+        configs.override(configs.get_config("test"), {"eval.probe_last_steps": 9})
 
 
 def test_lm_optimizer_head_rescale(rng):

@@ -1,6 +1,6 @@
 """Crash-safe resume: kill the example trainer at random points, resume, match a clean run.
 
-The command-line trainer (`examples/lm/train.py`, tiny `test` config) is started in a subprocess
+The command-line trainer (`examples.lm.train`, tiny `test` config) is started in a subprocess
 and stopped ten times: with SIGKILL during start-up and restore, in the middle of training steps,
 and while an asynchronous orbax checkpoint is being written (the moment its temporary directory
 appears); and with SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) after a
@@ -49,11 +49,11 @@ def root(tmp_path_factory, small_corpus):
 
 
 def _command(root, workdir):
-    return [sys.executable, str(REPO / "examples" / "lm" / "train.py"), "--config", "test",
+    return [sys.executable, "-m", "examples.lm.train", "--config", "test",
             "--workdir", str(workdir), "--no-progress",
-            "--data_source", str(root / "corpus"), "--set", f"data_dir={root / 'tokens'}",
-            "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--eval-every", "4",
-            "--keep-checkpoints", str(KEEP)]
+            "--data.source", str(root / "corpus"), f"--data.dir={root / 'tokens'}",
+            "--steps", str(STEPS), "--checkpoint.every", str(SAVE_EVERY), "--eval.every", "4",
+            "--checkpoint.keep", str(KEEP)]
 
 
 def _env(root):
@@ -298,7 +298,7 @@ def test_damaged_checkpoints_give_a_clear_error(tmp_path, damage):
 
 def test_token_cache_with_a_foreign_tokenizer_is_rebuilt(root, tmp_path, caplog):
     work = tmp_path / "w"
-    vocab = configs.get_config("test").vocab_size
+    vocab = configs.get_config("test").model.vocab_size
     first = np.array(data.prepare_tokens(source=root / "corpus", workdir=work, vocab_size=vocab)
                      .train)
     (cache,) = (work / "tokens").iterdir()

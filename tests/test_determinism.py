@@ -6,7 +6,6 @@ alone are checked the same way on a small softmax-regression problem for every h
 (Across processes and interruptions, see test_crash_resume.py.)
 """
 
-import dataclasses
 import json
 
 import jax
@@ -27,8 +26,9 @@ def root(tmp_path_factory, small_corpus):
 
 
 def _run(root, name, **overrides):
-    cfg = dataclasses.replace(configs.get_config("test"), data_source=str(root / "corpus"),
-                              data_dir=str(root / "tokens"), steps=4, eval_every=2, **overrides)
+    cfg = configs.override(configs.get_config("test"), {
+        "data.source": str(root / "corpus"), "data.dir": str(root / "tokens"), "steps": 4,
+        "eval.every": 2, **overrides})
     train.train(cfg, root / name, progress=False, print_fn=lambda *a: None)
     # Everything but the wall-clock throughput, as the bytes json writes.
     return "".join(json.dumps(metrics.deterministic_part(r)) + "\n"

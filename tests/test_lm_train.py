@@ -5,7 +5,6 @@ second; XLA's optimizations are turned off for these tests because compile time 
 """
 
 import contextlib
-import dataclasses
 import io
 import json
 import math
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from examples.lm import checkpointing, configs, metrics, train
+from examples.lm import checkpointing, configs, metrics, optimizer, train
 from examples.lm import mesh as mesh_lib
 
 STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, and the final one
@@ -37,9 +36,10 @@ def corpus(tmp_path_factory, small_corpus):
 
 
 def _cfg(corpus, **overrides):
-    base = configs.get_config("test")
-    return dataclasses.replace(base, data_source=str(corpus / "corpus"),
-                               data_dir=str(corpus / "tokens"), save_every=3, **overrides)
+    """The test config on the corpus; overrides by dotted path with `__` for `.`."""
+    return configs.override(configs.get_config("test"), {
+        "data.source": str(corpus / "corpus"), "data.dir": str(corpus / "tokens"),
+        "checkpoint.every": 3, **{k.replace("__", "."): v for k, v in overrides.items()}})
 
 
 def _lines(workdir):
@@ -59,8 +59,8 @@ def baseline(corpus):
     with contextlib.redirect_stdout(out):
         train.main([
             "--config", "test", "--workdir", str(workdir), "--no-progress",
-            "--data_source", str(corpus / "corpus"), "--set", f"data_dir={corpus / 'tokens'}",
-            "--save-every", "3"])
+            "--data.source", str(corpus / "corpus"), f"--data.dir={corpus / 'tokens'}",
+            "--checkpoint.every", "3"])
     return workdir, out.getvalue()
 
 
@@ -75,20 +75,30 @@ def interrupted(corpus):
 
 
 def test_cli_overrides_parse():
-    cfg = configs.parse_config(["--config", "test", "--d_model", "48", "--set", "num_layers=3",
-                                "--set", "grad_clip=none", "--tied-embeddings", "true",
-                                "--head", "adamw", "--save-every", "7"])
-    assert (cfg.d_model, cfg.num_layers, cfg.grad_clip, cfg.tied_embeddings) == (48, 3, None, True)
-    assert (cfg.head, cfg.save_every) == ("adamw", 7)
-    assert cfg.vocab_size == configs.get_config("test").vocab_size  # untouched fields kept
+    cfg = configs.parse_config(["--config", "test", "--model.d_model", "48",
+                                "--model.num_layers=3", "--optim.grad_clip", "none",
+                                "--model.tied_embeddings", "true", "--head", "adamw",
+                                "--checkpoint.every", "7"])
+    m = cfg.model
+    assert (m.d_model, m.num_layers, cfg.optim.grad_clip, m.tied_embeddings) == (48, 3, None, True)
+    assert (cfg.head, cfg.checkpoint.every) == ("adamw", 7)
+    assert m.vocab_size == configs.get_config("test").model.vocab_size  # untouched fields kept
     assert configs.parse_config([]) == configs.get_config(configs.DEFAULT_CONFIG)
-    for argv, match in ((["--set", "d_model=abc"], "d_model expects int"),
-                        (["--set", "nope=1"], "unknown config field 'nope'"),
-                        (["--set", "d_model"], "NAME=VALUE"),
+    for argv, match in ((["--model.d_model", "abc"], "model.d_model expects int"),
+                        (["--model.nope", "1"], "unrecognized arguments: --model.nope"),
                         (["--head", "sgd"], "head must be one of"),
-                        (["--d_model", "30", "--num_heads", "4"], "divisible by num_heads")):
+                        (["--model.d_model", "30", "--model.num_heads", "4"],
+                         "divisible by num_heads"),
+                        # the old spellings name the new one
+                        (["--d_model", "48"], "^--d_model is now --model.d_model$"),
+                        (["--d-model", "48"], "^--d-model is now --model.d_model$"),
+                        (["--save-every", "7"], "^--save-every is now --checkpoint.every$"),
+                        (["--set", "d_model=48"], "^--set is gone: write --model.d_model=48$"),
+                        (["--model.d-model", "48"], "^--model.d-model is now --model.d_model$")):
         with pytest.raises(ValueError, match=match):
             configs.parse_config(argv)
+    with pytest.raises(ValueError, match="unknown config field 'd_model'; it is now"):
+        configs.override(configs.get_config("test"), {"d_model": 48})
 
 
 def test_mesh_helpers():
@@ -110,9 +120,10 @@ def test_mesh_helpers():
 
 def test_schedules_end_at_min_lr():
     for name in configs.SCHEDULES:
-        cfg = dataclasses.replace(configs.get_config("test"), schedule=name, steps=20,
-                                  warmup_steps=4, min_lr_ratio=0.1)
-        lr = [float(train.lr_schedule(1.0, cfg)(t)) for t in range(cfg.steps)]
+        cfg = configs.override(configs.get_config("test"), {
+            "optim.schedule": name, "steps": 20, "optim.warmup_steps": 4,
+            "optim.min_lr_ratio": 0.1})
+        lr = [float(optimizer.lr_schedule(1.0, cfg)(t)) for t in range(cfg.steps)]
         np.testing.assert_allclose(lr[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
         np.testing.assert_allclose(lr[-1], 0.1, rtol=1e-6)
         assert all(a >= b - 1e-7 for a, b in zip(lr[3:], lr[4:], strict=False))  # no increase
@@ -180,7 +191,7 @@ def test_resume_follows_the_saved_schedule(baseline, corpus, interrupted):
     another default horizon and learning rate follows the saved ones exactly."""
     resumed = corpus / "resumed_saved_schedule"
     shutil.copytree(interrupted[0], resumed)
-    other = _cfg(corpus, steps=40, learning_rate=1.0, warmup_steps=7)
+    other = _cfg(corpus, steps=40, optim__learning_rate=1.0, optim__warmup_steps=7)
     train.train(other, resumed, explicit=frozenset(), progress=False, print_fn=lambda *a: None)
     assert _records(resumed) == _records(baseline[0])
 
@@ -191,8 +202,9 @@ def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
     out = []
     train.train(_cfg(corpus), baseline[0], progress=False, print_fn=out.append)
     assert out[-1] == train.summary_line(metrics.read_metrics(baseline[0])[-1])
-    with pytest.raises(ValueError, match=r"cannot resume.*'d_model': \(32, 64\)"):
-        train.train(_cfg(corpus, d_model=64), baseline[0], progress=False, print_fn=quiet)
+    with pytest.raises(ValueError, match=r"cannot resume.*'model.d_model': \(32, 64\)"):
+        train.train(_cfg(corpus, model__d_model=64), baseline[0], progress=False,
+                    print_fn=quiet)
     with pytest.raises(ValueError, match=r"'steps': \(8, 12\).*--change_horizon"):
         train.train(_cfg(corpus, steps=12), interrupted[0], progress=False, print_fn=quiet)
     longer = corpus / "longer"
@@ -202,7 +214,7 @@ def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
                 progress=False, print_fn=out.append)
     assert any("--change_horizon: steps 8 -> 12" in line for line in out), out
     first = metrics.read_metrics(longer)[3]  # step 4, the first update under the new horizon
-    new = train.lr_schedule(_cfg(corpus).learning_rate, _cfg(corpus, steps=12))(3)
+    new = optimizer.lr_schedule(_cfg(corpus).optim.learning_rate, _cfg(corpus, steps=12))(3)
     assert first["step"] == 4 and first["learning_rate"] == float(new)
 
 
@@ -217,18 +229,18 @@ def test_overwrite_starts_fresh(corpus, interrupted):
     assert any("starting fresh" in line for line in out), out
     assert [r["step"] for r in metrics.read_metrics(fresh)] == [1]
     assert checkpointing.Checkpointer(fresh / "checkpoints").all_steps() == []
-    args = train._parser().parse_args(["--resume", "--overwrite", "--change-horizon"])
+    args = train._parser().parse_args(["--resume", "--overwrite", "--change_horizon"])
     assert args.resume and args.overwrite and args.change_horizon  # all still accepted
 
 
 _EIGHT_DEVICES = textwrap.dedent("""
-    import dataclasses, json, sys
+    import json, sys
     import jax
     assert jax.device_count() == 8, jax.devices()
     from examples.lm import configs, mesh, train
-    cfg = dataclasses.replace(configs.get_config("test"), data_source=sys.argv[1],
-                              data_dir=sys.argv[2], save_every=3, mesh_data=2, mesh_fsdp=2,
-                              mesh_tensor=2)
+    cfg = configs.override(configs.get_config("test"), {
+        "data.source": sys.argv[1], "data.dir": sys.argv[2], "checkpoint.every": 3,
+        "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     quiet = lambda *a: None
     train.train(cfg, sys.argv[3], progress=False, print_fn=quiet)
     train.train(cfg, sys.argv[4], resume=True, progress=False, print_fn=print)
@@ -278,11 +290,11 @@ def test_every_config_trains_for_any_number_of_steps():
     ends at min_lr_ratio x peak on the last update."""
     for name, base in configs.CONFIGS.items():
         for steps in (1, 2, 3, 24):
-            cfg = dataclasses.replace(base, steps=steps).validate()
+            cfg = configs.override(base, {"steps": steps})
             assert 0 <= cfg.effective_warmup() < steps
-            lr = np.asarray(train.lr_schedule(1.0, cfg)(np.arange(steps)))
+            lr = np.asarray(optimizer.lr_schedule(1.0, cfg)(np.arange(steps)))
             assert np.all(np.isfinite(lr)) and np.all(lr > 0), (name, steps, lr)
-            np.testing.assert_allclose(lr[-1], cfg.min_lr_ratio, rtol=1e-5,
+            np.testing.assert_allclose(lr[-1], cfg.optim.min_lr_ratio, rtol=1e-5,
                                        err_msg=f"{name} steps={steps}")
 
 
@@ -318,9 +330,9 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     write_llmc_shard(shards / "corpus_val_000000.bin", ids[:2000])
     write_llmc_shard(shards / "corpus_train_000001.bin", ids[2000:])
     bucket = tmp_path / "gcs"
-    cfg = dataclasses.replace(configs.get_config("test"), data_source=str(shards),
-                              tokenizer=str(tmp_path / "tokenizer.json"), steps=2,
-                              checkpoint_dir=str(tmp_path / "ckpt"))
+    cfg = configs.override(configs.get_config("test"), {
+        "data.source": str(shards), "data.tokenizer": str(tmp_path / "tokenizer.json"),
+        "steps": 2, "checkpoint.dir": str(tmp_path / "ckpt")})
     out = []
     with _gcs_mock(bucket):
         record = train.train(cfg, "gs://bucket/run", progress=False, print_fn=out.append)
@@ -331,13 +343,15 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     assert [r["step"] for r in records] == [1, 2] and math.isfinite(record["val_loss"])
     assert record["val_tokens"] == 256  # the test config's one batch of 8 x 32
     state, meta = _restore(tmp_path / "ckpt", 2)
-    assert (meta["config"]["vocab_size"], meta["config"]["valid_vocab_size"]) == (384, 300)
+    saved = meta["config"]["model"]
+    assert (saved["vocab_size"], saved["valid_vocab_size"]) == (384, 300)
     head = state["params"]["lm_head"]["kernel"]
     embed = state["params"]["embed"]["embedding"]
     assert head.shape == (32, 384) and np.all(head[:, 300:] == 0) and np.any(head[:, :300])
     assert np.all(embed[300:] == 0)
     # Padding ids are never predicted: their probability is exactly 0.
-    trainer = train.Trainer(dataclasses.replace(cfg, vocab_size=384, valid_vocab_size=300),
+    trainer = train.Trainer(configs.override(cfg, {"model.vocab_size": 384,
+                                                   "model.valid_vocab_size": 300}),
                             mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     from flax import nnx
     model = nnx.merge(trainer.graphdef, state["params"], state["rest"])
@@ -349,7 +363,7 @@ def _restore(ckdir, step):
     ckpt = checkpointing.Checkpointer(ckdir)
     try:
         meta = ckpt.restore_meta(step)
-        cfg = configs.Config(**meta["config"])
+        cfg = configs.from_dict(meta["config"])
         trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
         state, _ = ckpt.restore(step, trainer.abstract_state)
     finally:
@@ -363,13 +377,14 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
     for argv, message in (
             (["--head", "sgd"], "head must be one of"),
             (["--nope", "1"], "unrecognized arguments: --nope 1"),
-            (["--data_source", str(tmp_path / "missing")], "missing does not exist"),
-            (["--config", "test", "--data_source", str(small)],
+            (["--data.source", str(tmp_path / "missing")], "missing does not exist"),
+            (["--config", "test", "--data.source", str(small)],
              "fewer than one batch of batch_size x seq_len + 1 = 257"),
-            (["--config", "test", "--tokenizer", str(small)], "is not a Hugging Face")):
+            (["--config", "test", "--data.tokenizer", str(small)], "is not a Hugging Face"),
+            (["--d_model", "48"], "--d_model is now --model.d_model")):
         with pytest.raises(SystemExit) as exit_info:
             train.main([*argv, "--workdir", str(tmp_path / "w"), "--no-progress",
-                        "--set", f"data_dir={tmp_path / 'data'}"])
+                        f"--data.dir={tmp_path / 'data'}"])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2, argv
         assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
@@ -384,13 +399,13 @@ def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
     from examples.lm import model as model_lib
 
     test = configs.get_config("test")
-    padded = dataclasses.replace(test, vocab_size=384, valid_vocab_size=300)
-    real = dataclasses.replace(test, vocab_size=300)
-    model = model_lib.Transformer(train.model_config(padded), rngs=nnx.Rngs(0))
+    padded = configs.override(test, {"model.vocab_size": 384, "model.valid_vocab_size": 300})
+    real = configs.override(test, {"model.vocab_size": 300})
+    model = model_lib.Transformer(padded.model, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     cut = lambda tree: {**tree, "lm_head": {"kernel": tree["lm_head"]["kernel"][:, :300]},
                         "embed": {"embedding": tree["embed"]["embedding"][:300]}}
-    tx_padded, tx_real = train.build_optimizer(padded), train.build_optimizer(real)
+    tx_padded, tx_real = optimizer.build_optimizer(padded), optimizer.build_optimizer(real)
     state_padded, state_real = tx_padded.init(params), tx_real.init(cut(params))
     update_padded, update_real = jax.jit(tx_padded.update), jax.jit(tx_real.update)
     keys = iter(jax.random.split(jax.random.key(1), 100))

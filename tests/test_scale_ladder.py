@@ -159,18 +159,20 @@ def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
     from flax import nnx
 
     import rowgeom
-    from examples.lm import configs, model, train
+    from examples.lm import configs, model, optimizer
 
     point = Point(32, 512)
     s = scale_ladder.spectral_factor(point)
     lr, wd = 0.05, 0.1
-    cfg = dataclasses.replace(configs.get_config("test"), head="muon", head_learning_rate=lr * s,
-                              head_weight_decay=wd / s, weight_decay=wd, grad_clip=None)
-    ours = train.build_optimizer(cfg.validate())
-    ref = rowgeom.lm_optimizer(train.lr_schedule(cfg.learning_rate, cfg), head="muon",
-                               head_learning_rate=train.lr_schedule(lr, cfg), muon_scale="spectral",
+    cfg = configs.override(configs.get_config("test"), {
+        "head": "muon", "optim.head_learning_rate": lr * s, "optim.head_weight_decay": wd / s,
+        "optim.weight_decay": wd, "optim.grad_clip": None})
+    ours = optimizer.build_optimizer(cfg)
+    schedule = lambda peak: optimizer.lr_schedule(peak, cfg)
+    ref = rowgeom.lm_optimizer(schedule(cfg.optim.learning_rate), head="muon",
+                               head_learning_rate=schedule(lr), muon_scale="spectral",
                                weight_decay=wd, head_weight_decay=wd, embedding_weight_decay=wd)
-    net = model.Transformer(train.model_config(cfg), rngs=nnx.Rngs(0))
+    net = model.Transformer(cfg.model, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.split(net, nnx.Param, ...)[1])
     states = [ours.init(params), ref.init(params)]
     updates = [jax.jit(ours.update), jax.jit(ref.update)]

@@ -136,14 +136,8 @@ class Checkpointer:
         self._manager.close()
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _layout(tree) -> dict[str, tuple]:
     """{"a/b/0": (shape, dtype name)} of the array leaves of a state or of orbax metadata."""
-    return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): (tuple(leaf.shape),
+                                                                    str(leaf.dtype))
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -115,15 +115,9 @@ def global_batch(local: np.ndarray, mesh: Mesh) -> jax.Array:
     return jax.make_array_from_process_local_data(batch_sharding(mesh), local)
 
 
-def _key_str(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _path(path) -> tuple[str, ...]:
-    return tuple(_key_str(k) for k in path)
+    """("opt_state", "0", "mu", "lm_head", "kernel"): the key names along a JAX key path."""
+    return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
 
 
 def state_shardings(abstract: dict, param_shardings, mesh: Mesh) -> dict:

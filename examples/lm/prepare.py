@@ -1,8 +1,8 @@
-"""Tokenize text / jsonl files into rowgeom token shards that train.py memory-maps.
+"""Tokenize text / jsonl files into rowgeom token shards that the trainer memory-maps.
 
-    python examples/lm/prepare.py corpus/ --out data/shards --tokenizer gpt2/tokenizer.json
-    python examples/lm/prepare.py 'docs/*.jsonl' --out data/shards --vocab_size 8192
-    python examples/lm/train.py --data_source data/shards --tokenizer data/shards/tokenizer.json
+    python -m examples.lm.prepare corpus/ --out shards --tokenizer gpt2/tokenizer.json
+    python -m examples.lm.prepare 'docs/*.jsonl' --out shards --vocab_size 8192
+    python -m examples.lm.train --data.source shards --data.tokenizer shards/tokenizer.json
 
 Sources are text files, `.jsonl` files (one JSON object with a "text" field per line, each a
 document) and directories or globs of them. Several files are split into train and validation by
@@ -18,15 +18,15 @@ format (formats.py; at most `--shard_tokens` tokens each) and OUT/prepare.json w
 
 from __future__ import annotations
 
-if __package__ in (None, ""):  # run as a script: make `examples.lm` importable
-    import pathlib
-    import sys
+import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+if __package__ in (None, ""):  # `python examples/lm/prepare.py`: the package is not importable
+    print("prepare.py: error: run it as a module from the repository root: "
+          "python -m examples.lm.prepare ...", file=sys.stderr)
+    raise SystemExit(2)
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np

@@ -9,7 +9,6 @@ line that sets a run-defining field to another value is refused with the field n
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 
@@ -20,36 +19,39 @@ from examples.lm import configs
 # Cadence and placement, which do not change what is trained: a resumed run takes them from its
 # command line. Every other field defines the run and is followed from the checkpoint.
 RUNTIME_FIELDS = frozenset({
-    "data_dir", "checkpoint_dir", "keep_checkpoints", "save_every", "log_every", "eval_every",
-    "probe_last_steps", "exact_diameter_max_elements", "mesh_data", "mesh_fsdp", "mesh_tensor"})
+    "data.dir", "checkpoint.dir", "checkpoint.keep", "checkpoint.every", "log_every",
+    "eval.every", "eval.probe_last_steps", "eval.exact_diameter_max_elements", "mesh.data",
+    "mesh.fsdp", "mesh.tensor"})
 # Runtime fields that belong to the machine rather than the run: never taken from a checkpoint.
-_MACHINE_FIELDS = frozenset({"data_dir", "checkpoint_dir", "mesh_data", "mesh_fsdp",
-                             "mesh_tensor"})
+_MACHINE_FIELDS = frozenset({"data.dir", "checkpoint.dir", "mesh.data", "mesh.fsdp",
+                             "mesh.tensor"})
 
 
 def resolve_config(cfg: configs.Config, meta: dict, *, explicit=None,
                    change_horizon: bool = False) -> tuple[configs.Config, dict]:
     """(config, changes): the config a resumed run follows — the checkpoint's, with runtime
-    fields from `cfg` — and the `{field: (saved, now)}` it changed.
+    fields from `cfg` — and the `{dotted path: (saved, now)}` it changed.
 
-    explicit: fields the command line set (None: all of them). Those that differ from the
-    checkpoint raise a ValueError if they define the run, except `steps` with `change_horizon`
-    (the schedule is then rebuilt for the new horizon). Fields not set explicitly are taken from
-    the checkpoint, so `train.py --workdir DIR` resumes any run.
+    explicit: fields (dotted paths) the command line set (None: all of them). Those that differ
+    from the checkpoint raise a ValueError if they define the run, except `steps` with
+    `change_horizon` (the schedule is then rebuilt for the new horizon). Fields not set
+    explicitly are taken from the checkpoint, so `--workdir DIR` alone resumes any run. A
+    checkpoint written before the config was nested (flat field names) resumes too.
     """
     saved = meta.get("config")
     if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
         raise ValueError("cannot resume: the checkpoint's metadata has no config and step "
                          f"(not written by this trainer?): {str(meta)[:200]}")
-    names = {f.name for f in dataclasses.fields(configs.Config)}
-    unknown = sorted(set(saved) - names)
-    if unknown:
-        raise ValueError(f"cannot resume: the checkpoint's config has fields this trainer does not "
-                         f"know: {unknown}")
-    explicit = names if explicit is None else set(explicit)
+    now_flat = configs.flatten(cfg)
+    try:
+        saved_flat = configs.flatten(configs.override(cfg, configs.saved_paths(saved)))
+    except ValueError as e:
+        raise ValueError(f"cannot resume: the checkpoint's config does not fit this trainer: "
+                         f"{e}") from None
+    explicit = set(now_flat) if explicit is None else set(explicit)
     merged, conflicts, changed = {}, {}, {}
-    for name in names:
-        now, was = getattr(cfg, name), saved.get(name, getattr(cfg, name))
+    for name, now in now_flat.items():
+        was = saved_flat[name]
         if name in _MACHINE_FIELDS or (name in explicit and now != was and (
                 name in RUNTIME_FIELDS or (name == "steps" and change_horizon))):
             merged[name] = now
@@ -65,7 +67,7 @@ def resolve_config(cfg: configs.Config, meta: dict, *, explicit=None,
             f"cannot resume: these fields differ from the checkpoint's (saved, now): "
             f"{dict(sorted(conflicts.items()))}; rerun with the saved values{hint}, or start "
             "fresh with --overwrite or a new --workdir")
-    return configs.Config(**merged).validate(), dict(sorted(changed.items()))
+    return configs.override(cfg, merged), dict(sorted(changed.items()))
 
 
 class PreemptionWatcher:

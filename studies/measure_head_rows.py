@@ -1,6 +1,6 @@
 """What one projected-RowNorm step does to each token row, on a real head gradient.
 
-    python docs/figures/measure_head_rows.py [workdir]     # about a minute on two CPU cores
+    python -m studies.measure_head_rows [workdir]     # about a minute on two CPU cores
 
 Trains the example model (examples/lm, V = 1024, d = 128, 2 layers) with `lm_optimizer(6e-3)` on
 standard-library source files and, at initialisation and after 200 steps, takes the head's
@@ -10,7 +10,6 @@ max, mean), RMS * sqrt(d), the distance of every row to the common centre -ubar 
 and the exact row diameter. docs/geometry.md ("What one step does to each token row") quotes it.
 """
 
-import dataclasses
 import os
 import shutil
 import sys
@@ -24,7 +23,7 @@ import optax
 from flax import nnx
 
 import rowgeom
-from examples.lm import configs, data, evaluate, train
+from examples.lm import configs, data, evaluate
 from examples.lm import model as model_lib
 
 V, D, STEPS, BATCH, SEQ = 1024, 128, 200, 16, 64
@@ -41,9 +40,10 @@ def main(workdir: Path) -> None:
             shutil.copy(f, corpus / f.name)
     tokens = np.asarray(data.prepare_tokens(source=corpus, workdir=workdir / "tok",
                                             vocab_size=V).train)
-    cfg = dataclasses.replace(configs.get_config("test"), vocab_size=V, d_model=D, num_heads=4,
-                              mlp_dim=384, seq_len=SEQ)
-    model = model_lib.Transformer(train.model_config(cfg), rngs=nnx.Rngs(0))
+    cfg = configs.override(configs.get_config("test"), {
+        "model.vocab_size": V, "model.d_model": D, "model.num_heads": 4, "model.mlp_dim": 384,
+        "model.max_seq_len": SEQ})
+    model = model_lib.Transformer(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     tx = rowgeom.lm_optimizer(6e-3)

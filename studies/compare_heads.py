@@ -1,14 +1,14 @@
 """The LM-head geometry study of arXiv 2608.22253, at a scale a 2-core CPU can run.
 
-    python examples/lm/compare_heads.py            # full study (~1 h on 2 shared CPU cores)
-    python examples/lm/compare_heads.py --quick    # one seed, tiny model, a few steps (CI)
-    python examples/lm/compare_heads.py --report-only   # rebuild docs/results from finished runs
+    python -m studies.compare_heads            # full study (~1 h on 2 shared CPU cores)
+    python -m studies.compare_heads --quick    # one seed, tiny model, a few steps (CI)
+    python -m studies.compare_heads --report-only   # rebuild docs/results from finished runs
 
-The same model, corpus and training loop as `train.py` (Muon backbone, AdamW embeddings and
-vectors), with four heads: AdamW (baseline), Muon, projected RowNorm and projected RowNorm
-rescaled to the whole diameter budget (`rowgeom.projected_rownorm(rescale="exact")`). The backbone
-learning rate is fixed; each head's peak learning rate is chosen by a small sweep on a separate
-seed (lowest final validation loss), then every head trains on the same three seeds.
+The same model, corpus and training loop as `examples/lm/train.py` (Muon backbone, AdamW
+embeddings and vectors), with four heads: AdamW (baseline), Muon, projected RowNorm and projected
+RowNorm rescaled to the whole diameter budget (`rowgeom.projected_rownorm(rescale="exact")`). The
+backbone learning rate is fixed; each head's peak learning rate is chosen by a small sweep on a
+separate seed (lowest final validation loss), then every head trains on the same three seeds.
 
 Per run: the mean over the last K steps of the head step's exact row diameter `D(-lr·U)` and of
 the empirical Hilbert RMS perturbation `RMS_n range(-lr·U·h_n)` on held-out final hidden states
@@ -19,12 +19,6 @@ so an interrupted study resumes where it stopped. The report (`head_study.json`,
 """
 
 from __future__ import annotations
-
-if __package__ in (None, ""):  # run as a script: make `examples.lm` importable
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import argparse
 import dataclasses
@@ -58,22 +52,20 @@ def study_config(*, quick: bool, steps: int | None = None, last_k: int | None = 
                  data_source=None, data_dir=None) -> configs.Config:
     """The shared config of every run (the head, its rate and the seed are set per run)."""
     if quick:
-        base = dataclasses.replace(configs.get_config("test"), steps=8, warmup_steps=2,
-                                   eval_every=4, probe_last_steps=3, log_every=1,
-                                   hilbert_sequences=2)
+        base = configs.override(configs.get_config("test"), {
+            "steps": 8, "optim.warmup_steps": 2, "eval.every": 4, "eval.probe_last_steps": 3,
+            "log_every": 1, "eval.hilbert_sequences": 2})
     else:
         # cpu-tiny's model (V 4096, d 128, 2 layers) at half its sequence length, so that 24 runs
         # fit in about an hour on 2 shared cores: a short-horizon, small-scale study.
-        base = dataclasses.replace(configs.get_config("cpu-tiny"), seq_len=64, batch_size=16,
-                                   steps=600, warmup_steps=40, eval_every=100, eval_batches=8,
-                                   hilbert_sequences=8, probe_last_steps=20, log_every=10)
-    over = {"data_source": data_source, "data_dir": data_dir}
-    if steps is not None:
-        over["steps"] = steps
-    if last_k is not None:
-        over["probe_last_steps"] = last_k
-    over = {k: v for k, v in over.items() if v is not None}
-    return dataclasses.replace(base, save_every=10**9, keep_checkpoints=1, **over).validate()
+        base = configs.override(configs.get_config("cpu-tiny"), {
+            "model.max_seq_len": 64, "data.batch_size": 16, "steps": 600,
+            "optim.warmup_steps": 40, "eval.every": 100, "eval.batches": 8,
+            "eval.hilbert_sequences": 8, "eval.probe_last_steps": 20, "log_every": 10})
+    over = {"data.source": data_source, "data.dir": data_dir, "steps": steps,
+            "eval.probe_last_steps": last_k}
+    return configs.override(base, {"checkpoint.every": 10**9, "checkpoint.keep": 1,
+                                   **{k: v for k, v in over.items() if v is not None}})
 
 
 def run_name(role: str, head: str, lr: float, seed: int) -> str:
@@ -82,7 +74,7 @@ def run_name(role: str, head: str, lr: float, seed: int) -> str:
 
 def summarize(records: list[dict], cfg: configs.Config) -> dict:
     """Final validation loss, last-K means and curves from a run's metrics.jsonl records."""
-    k = cfg.probe_last_steps
+    k = cfg.eval.probe_last_steps
     last = [r for r in records if r["step"] > cfg.steps - k and "head_step_diameter" in r]
     if len(last) != k:
         raise RuntimeError(f"expected head probes on the last {k} steps, found {len(last)}")
@@ -103,7 +95,7 @@ def run_one(cfg: configs.Config, workdir: Path, *, role: str, head: str, lr: flo
         return json.loads(done.read_text())
     if rundir.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(rundir)
-    run_cfg = dataclasses.replace(cfg, head=head, head_learning_rate=lr, seed=seed)
+    run_cfg = configs.override(cfg, {"head": head, "optim.head_learning_rate": lr, "seed": seed})
     log(f"[{time.strftime('%H:%M:%S')}] {rundir.name}")
     t0 = time.perf_counter()
     train.train(run_cfg, rundir, progress=False, print_fn=lambda *a: None)
@@ -369,27 +361,28 @@ def write_report(runs, *, cfg, out: Path, heads, sweep, seeds, sweep_seed, sessi
         plot_curves(finals, heads, out / "head_study_curves.png")
     if sweeps:
         plot_sweep(sweeps, heads, out / "head_study_sweep.png")
-    c = cfg
+    c, m, o = cfg, cfg.model, cfg.optim
     md = ["# LM-head geometry study (small scale, short horizon)", "",
-          "Generated by `examples/lm/compare_heads.py`; raw records in `head_study.json`, "
+          "Generated by `python -m studies.compare_heads`; raw records in `head_study.json`, "
           "discussion in `head_study_discussion.md`.", "",
           f"Status: {len(runs)} of {expected} runs finished. Wall time of the runs: "
           f"{run_wall / 60:.1f} min (sum over runs, on 2 CPU cores shared with other jobs).", "",
           "## Setup", "",
-          f"- Model: V {c.vocab_size}, d {c.d_model}, {c.num_layers} layers, seq {c.seq_len}, "
-          f"batch {c.batch_size}; {c.steps} steps ({c.steps * c.batch_size * c.seq_len:,} "
-          f"tokens), {c.schedule} schedule (warmup {c.warmup_steps}, final lr "
-          f"{c.min_lr_ratio}× peak), weight decay {c.weight_decay}, grad clip {c.grad_clip}.",
-          f"- Corpus: {c.data_source or 'the interpreter standard library (.py files)'}; BPE "
+          f"- Model: V {m.vocab_size}, d {m.d_model}, {m.num_layers} layers, seq {c.seq_len}, "
+          f"batch {c.data.batch_size}; {c.steps} steps "
+          f"({c.steps * c.data.batch_size * c.seq_len:,} tokens), {o.schedule} schedule (warmup "
+          f"{o.warmup_steps}, final lr {o.min_lr_ratio}× peak), weight decay {o.weight_decay}, "
+          f"grad clip {o.grad_clip}.",
+          f"- Corpus: {c.data.source or 'the interpreter standard library (.py files)'}; BPE "
           "vocabulary trained on the train split; validation on held-out files.",
-          f"- Backbone: Muon, peak lr {c.learning_rate:g} (embeddings and vectors: AdamW, same "
+          f"- Backbone: Muon, peak lr {o.learning_rate:g} (embeddings and vectors: AdamW, same "
           "rate). Heads: AdamW (baseline), Muon, projected RowNorm, projected RowNorm rescaled "
           "to D(step) = 2·lr exactly.",
-          f"- Metrics: mean over the last K = {c.probe_last_steps} steps of the exact row "
+          f"- Metrics: mean over the last K = {c.eval.probe_last_steps} steps of the exact row "
           "diameter of the head step −lr·U (without the decoupled-decay term) and of the RMS "
           "over held-out final hidden states h_n of range(−lr·U·h_n) (exact Hilbert distance, "
-          f"{c.hilbert_sequences}×{c.seq_len} validation positions); final validation loss "
-          f"({c.eval_batches}×{c.batch_size} sequences).",
+          f"{c.eval.hilbert_sequences}×{c.seq_len} validation positions); final validation "
+          f"loss ({c.eval.batches}×{c.data.batch_size} sequences).",
           "- D ÷ lr: the head step's diameter per unit of head learning rate (last K steps), "
           "the geometry without the tuned rate: at most 2 for RowNorm by construction (every "
           "row lies at distance lr from one common centre); for the other heads it grows with "

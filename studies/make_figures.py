@@ -1,6 +1,6 @@
 """Draws the figures of docs/geometry.md (committed PNGs; rerun after changing this file).
 
-    python docs/figures/make_figures.py          # writes docs/figures/*.png (about 20 s on CPU)
+    python -m studies.make_figures          # writes docs/figures/*.png (about 20 s on CPU)
 
 - ``common_ball.png``: the common-ball relaxation in 2-D. Left: a set of diameter rho that no
   ball of radius rho/2 contains (the equilateral triangle, the tight case of Jung's theorem).
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import rowgeom  # noqa: E402
 
-HERE = pathlib.Path(__file__).resolve().parent
+HERE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "figures"  # where the PNGs go
 DPI = 110
 
 

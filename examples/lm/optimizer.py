@@ -1,0 +1,82 @@
+"""The example's optimizer: the learning-rate schedule and `rowgeom.lm_optimizer` for a `Config`.
+
+Every group's peak rate and decay come from `rowgeom.lm_optimizer_hparams` (the library's own
+defaults, e.g. the head rate), each group follows `lr_schedule` of its peak, and the chain is
+global-norm clipping -> `rowgeom.lm_optimizer`, wrapped in `optax.MultiSteps` to accumulate.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+import rowgeom
+from examples.lm import configs
+
+
+def lr_schedule(peak: float, cfg: configs.Config):
+    """Learning rate as a function of the number of updates already applied (optax schedules).
+
+    Linear warmup to `peak` over `cfg.effective_warmup()` updates (the first update already uses
+    peak/warmup, never 0), then `optax.warmup_cosine_decay_schedule`'s cosine ("cosine"), or a
+    constant phase and a linear decay over the last `decay_fraction` of the run ("wsd",
+    `optax.join_schedules`), both ending exactly at `min_lr_ratio·peak` on the last update.
+    """
+    o = cfg.optim
+    warm, total, end = cfg.effective_warmup(), cfg.steps, peak * o.min_lr_ratio
+    if o.schedule == "cosine":
+        base = optax.warmup_cosine_decay_schedule(0.0, peak, warm, total, end)
+    else:
+        stable_end = max(total - max(round(total * o.decay_fraction), 1), warm)
+        base = optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, warm), optax.constant_schedule(peak),
+             optax.linear_schedule(peak, end, total - stable_end)], [warm, stable_end])
+    # optax counts from 0 = "at the start of the warmup"; update t (0-based) uses the value at
+    # t + 1, so that the first update is not wasted with a zero learning rate.
+    return lambda count: base(jnp.asarray(count) + 1)
+
+
+def optimizer_options(cfg: configs.Config) -> dict:
+    """rowgeom.lm_optimizer's head, tying, peak-rate and decay keywords for `cfg`.
+
+    "rownorm-rescaled" is the RowNorm head with `head_rescale="exact"` (see `build_optimizer`);
+    a tied table is trained as the embedding (AdamW, tied="embedding").
+    """
+    o = cfg.optim
+    return dict(head="rownorm" if cfg.head == "rownorm-rescaled" else cfg.head,
+                tied="embedding" if cfg.model.tied_embeddings else None,
+                head_learning_rate=o.head_learning_rate,
+                embedding_learning_rate=o.embedding_learning_rate,
+                vector_learning_rate=o.vector_learning_rate, weight_decay=o.weight_decay,
+                head_weight_decay=o.head_weight_decay)
+
+
+def group_hparams(cfg: configs.Config) -> dict[str, rowgeom.GroupHyperparams]:
+    """Each optimizer group's peak rate and decay, resolved by rowgeom's own defaults."""
+    return rowgeom.lm_optimizer_hparams(cfg.optim.learning_rate, **optimizer_options(cfg))
+
+
+def head_group(cfg: configs.Config) -> rowgeom.GroupHyperparams:
+    """The group that trains the head: "head", or "embedding" for a tied table."""
+    return group_hparams(cfg)["embedding" if cfg.model.tied_embeddings else "head"]
+
+
+def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
+    """Global-norm clipping -> rowgeom.lm_optimizer, wrapped in optax.MultiSteps to accumulate.
+
+    Every group gets `lr_schedule` of its resolved peak rate (`group_hparams`).
+    """
+    hp = group_hparams(cfg)
+    schedule = lambda group: lr_schedule(hp[group].learning_rate, cfg)
+    tx = rowgeom.lm_optimizer(
+        schedule("hidden"), **optimizer_options(cfg) | dict(
+            head_learning_rate=schedule("head"), embedding_learning_rate=schedule("embedding"),
+            vector_learning_rate=schedule("vector")),
+        head_rescale="exact" if cfg.head == "rownorm-rescaled" else None,
+        # A padded vocabulary: padding rows stay out of RowNorm's means and get a zero step.
+        head_num_valid=cfg.model.valid_vocab_size)
+    if cfg.optim.grad_clip is not None:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.optim.grad_clip), tx)
+    if cfg.optim.grad_accum_steps > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=cfg.optim.grad_accum_steps)
+    return tx
