@@ -3,7 +3,9 @@
 Times, at a GPT-2 head shape in both layouts (a ``(V, d)`` table and a Flax ``(d, V)`` kernel),
 the jitted ``projected_rownorm`` update, ``clip_row_diameter`` (bound mode), the bracket
 ``row_diameter_bounds`` and the ``track_row_diameter`` statistics, each next to the memory
-floor: a jitted ``x * 0.5`` with its input donated (one read and one write).
+floor: a jitted ``x * 0.5`` with its input donated (one read and one write). Then the tracker's
+cost per step in a chain: ``projected_rownorm`` alone, chained with the tracker on every step,
+and with ``every_k_steps=100`` (its off-steps), as stateful donated steps.
 
 Steady state, as in training: each donated function is applied to its own previous output
 (``y = f(y)``), so its buffer is reused and never page-faults; functions that return only
@@ -44,19 +46,20 @@ def load_average() -> str:
 def steady_state(candidates: dict, x0, calls: int) -> dict:
     """Best-of-``calls`` seconds per candidate, interleaved with the donated floor.
 
-    ``candidates`` maps a name to ``(jitted fn, donated)``; a donated function is applied to
-    its own previous output, any other one to the same input every call. The floor is added
-    under the name ``"floor"``.
+    ``candidates`` maps a name to ``(jitted fn, donated)`` or ``(jitted fn, donated, init)``; a
+    donated function is applied to its own previous output, any other one to the same input
+    every call; ``init`` makes the first argument from the input (e.g. ``(updates, state)`` for
+    a stateful step). The floor is added under the name ``"floor"``.
     """
     candidates = {"floor": (floor, True), **candidates}
     carry = {}
-    for name, (fn, donated) in candidates.items():  # compile, and reach the steady state
-        x = jnp.array(x0)
+    for name, (fn, donated, *init) in candidates.items():  # compile, reach the steady state
+        x = init[0](jnp.array(x0)) if init else jnp.array(x0)
         out = jax.block_until_ready(fn(x))
         carry[name] = out if donated else x
     best = dict.fromkeys(candidates, float("inf"))
     for _ in range(calls):
-        for name, (fn, donated) in candidates.items():
+        for name, (fn, donated, *_) in candidates.items():
             start = time.perf_counter()
             out = jax.block_until_ready(fn(carry[name]))
             best[name] = min(best[name], time.perf_counter() - start)
@@ -80,6 +83,52 @@ def head_operations(axis: int) -> dict:
     }
 
 
+def tracker_steps(axis: int, k: int) -> dict:
+    """``projected_rownorm`` alone and chained with ``track_row_diameter`` (every step, and
+    ``every_k_steps=k``): donated ``(updates, state) -> (updates, state)`` steps, so the
+    tracker's counter advances as in training. In a run of fewer than ``k`` timed calls every
+    timed call of the ``k`` chain is an off-step (only the warm-up call measures)."""
+    def chained(tracker):
+        tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=axis), tracker)
+        return (jax.jit(lambda c: tx.update(*c), donate_argnums=0), True,
+                lambda u: (u, tx.init(u)))
+
+    rownorm = rowgeom.projected_rownorm(vocab_axis=axis)
+    return {
+        "projected_rownorm": (
+            jax.jit(lambda u: rownorm.update(u, optax.EmptyState())[0], donate_argnums=0), True),
+        "chain(projected_rownorm, track(k=1))": chained(
+            rowgeom.track_row_diameter(vocab_axis=axis)),
+        f"chain(projected_rownorm, track(k={k}))": chained(
+            rowgeom.track_row_diameter(vocab_axis=axis, every_k_steps=k)),
+    }
+
+
+def measure_tracker(vocab: int, dim: int, *, calls: int, k: int = 100, seed: int = 0) -> list:
+    """The tracker's cost per step with and without ``every_k_steps``, both layouts: one row
+    per (candidate, layout) with its ratio to the floor; the ``k`` chain's row also carries
+    ``off_over_rownorm`` (its off-step time over the bare ``projected_rownorm``) and
+    ``amortized_ratio`` (one measured step in ``k``, from the ``k=1`` chain's time)."""
+    if calls >= k:
+        raise ValueError(f"calls ({calls}) must be < k ({k}) so that every timed call of the "
+                         "every_k_steps chain is an off-step")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for axis, shape in ((0, (vocab, dim)), (1, (dim, vocab))):
+        x0 = (rng.standard_normal(shape) + 0.1).astype(np.float32)
+        ops = tracker_steps(axis, k)
+        best = steady_state(ops, x0, calls)
+        bare, every, off = (best[name] for name in ops)
+        for name in ops:
+            row = dict(name=name, vocab_axis=axis, shape=list(shape), seconds=best[name],
+                       floor_seconds=best["floor"], ratio=best[name] / best["floor"])
+            if name.endswith(f"k={k}))"):
+                row.update(k=k, off_over_rownorm=off / bare,
+                           amortized_ratio=(off + (every - off) / k) / best["floor"])
+            rows.append(row)
+    return rows
+
+
 def measure(vocab: int, dim: int, *, calls: int, names=None, seed: int = 0) -> list[dict]:
     """Both layouts of a (vocab, dim) head: one row per (operation, layout) with its ratio."""
     rng = np.random.default_rng(seed)
@@ -99,7 +148,10 @@ def print_rows(rows):
     for row in rows:
         print(f"  {row['name']:22s} {str(tuple(row['shape'])):14s} vocab_axis={row['vocab_axis']}"
               f"  {row['seconds'] * 1e3:8.2f} ms  floor {row['floor_seconds'] * 1e3:6.2f} ms"
-              f"  ratio {row['ratio']:5.2f}", flush=True)
+              f"  ratio {row['ratio']:5.2f}"
+              + (f"  off-step / rownorm {row['off_over_rownorm']:.3f}, amortized ratio "
+                 f"{row['amortized_ratio']:.2f}" if "off_over_rownorm" in row else ""),
+              flush=True)
 
 
 def np_reference(u):
@@ -157,6 +209,7 @@ def main():
           f"array, steady state, interleaved")
     print(f"load average before: {load_average()}")
     print_rows(measure(args.vocab, args.dim, calls=args.calls))
+    print_rows(measure_tracker(args.vocab, args.dim, calls=args.calls))
     print(f"load average after: {load_average()}")
     accuracy(np.random.default_rng(0), 4096, 256)
 

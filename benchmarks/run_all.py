@@ -9,7 +9,9 @@ context). Shared machines vary 20-40 % between runs: compare ratios, not millise
    time in ``V·d``; then every O(Vd) head operation (``projected_rownorm``,
    ``clip_row_diameter``, ``row_diameter_bounds``, ``track_row_diameter``) at the largest size
    in both layouts. Steady state: each donated function applied to its own previous output,
-   interleaved with the floor, best of ``rownorm_calls`` each (``bench_rownorm.py``).
+   interleaved with the floor, best of ``rownorm_calls`` each (``bench_rownorm.py``). Then the
+   in-chain tracker's cost per step: ``projected_rownorm`` alone vs chained with
+   ``track_row_diameter`` on every step vs with ``every_k_steps=100`` (its off-steps).
 2. ``muon_orthogonalize`` vs optax ``scale_by_muon`` on the hidden matrices of a small LM
    (``bench_muon.py``).
 3. Exact ``row_diameter`` vs a float32 matmul of the same useful FLOPs, and the ``O(Vd)``
@@ -99,6 +101,9 @@ def fit_exponent(sizes, seconds) -> float:
     return float(np.polyfit(x, np.log(seconds), 1)[0])
 
 
+TRACKER_EVERY_K = 100  # the tracker's every_k_steps in the head section (a log interval)
+
+
 def rownorm_section(cfg) -> dict:
     """projected_rownorm at each size and layout, then every O(Vd) head operation at the
     largest size, all in the steady state against the donated floor (``bench_rownorm``)."""
@@ -128,8 +133,13 @@ def rownorm_section(cfg) -> dict:
     load_before = bench_rownorm.load_average()
     head_ops = bench_rownorm.measure(vocab, dim, calls=cfg["rownorm_calls"])
     bench_rownorm.print_rows(head_ops)
+    load_between = bench_rownorm.load_average()
+    tracker = bench_rownorm.measure_tracker(vocab, dim, calls=cfg["rownorm_calls"],
+                                            k=TRACKER_EVERY_K)
+    bench_rownorm.print_rows(tracker)
     return dict(rows=rows, exponents=exponents, head_ops=head_ops,
-                head_ops_load=[load_before, bench_rownorm.load_average()])
+                head_ops_load=[load_before, load_between], tracker=tracker,
+                tracker_load=[load_between, bench_rownorm.load_average()])
 
 
 # --- 4. One optimizer step on a small LM -------------------------------------------------------
@@ -285,6 +295,28 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
+def _tracker_table(rows: list, load: list) -> list:
+    """The tracker's cost per step, with and without every_k_steps (stateful donated chains)."""
+    shape = tuple(rows[0]["shape"])
+    k = next(r["k"] for r in rows if "k" in r)
+    lines = [f"### The in-chain tracker's cost per step, {shape} and its transpose", "",
+             f"Stateful donated steps `(updates, state) -> (updates, state)`, one interleaved "
+             f"run; load average {load[0]} before / {load[1]} after. Every timed call of the "
+             f"`k={k}` chain is an off-step; *amortized* adds one measured step in {k}.", "",
+             "| step | (V, d), vocab_axis=0 | (d, V), vocab_axis=1 |", "|---|---|---|"]
+    for name in dict.fromkeys(row["name"] for row in rows):
+        cells = [next(f"**{r['ratio']:.2f}x** ({_ms(r['seconds'])}, floor "
+                      f"{_ms(r['floor_seconds'])})" for r in rows
+                      if r["name"] == name and r["vocab_axis"] == axis) for axis in (0, 1)]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    off = {r["vocab_axis"]: r for r in rows if "off_over_rownorm" in r}
+    lines.append(f"| off-step / bare `projected_rownorm` | {off[0]['off_over_rownorm']:.3f} | "
+                 f"{off[1]['off_over_rownorm']:.3f} |")
+    lines.append(f"| amortized `k={k}` chain vs the floor | {off[0]['amortized_ratio']:.2f}x | "
+                 f"{off[1]['amortized_ratio']:.2f}x |")
+    return lines + [""]
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [f"Run {env['date']} on {env['machine']}: jax {env['jax']}, optax {env['optax']}, "
@@ -316,6 +348,8 @@ def markdown(results: dict) -> str:
                       if r["name"] == name and r["vocab_axis"] == axis) for axis in (0, 1)]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines.append("")
+    if "tracker" in rn:
+        lines += _tracker_table(rn["tracker"], rn["tracker_load"])
 
     mu = results["muon"]
     d, layers, _ = results["config"]["muon"]

@@ -11,11 +11,14 @@ and ``row_sum_residual = ||sum_i s_i||_2``, which is 0 for a step in the canonic
 ``1^T S = 0`` (projected RowNorm) and measures the common-mode logit drift otherwise.
 
 Place it last in the chain so it sees the step the softmax sees: after the learning rate and
-decoupled weight decay (``Delta W = -lr U - lr wd W``).
+decoupled weight decay (``Delta W = -lr U - lr wd W``). With ``every_k_steps=k`` it measures
+the first update and every k-th (updates ``1, k, 2k, ...``, counted from ``init``) and skips the
+``O(Vd)`` work on the others; ``measured_at`` and ``count`` say how fresh the stats are.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -37,7 +40,15 @@ PyTree = Any  # a nested structure of arrays (dicts, lists, NamedTuples, nnx.Sta
 
 
 class RowDiameterStats(NamedTuple):
-    """Per-leaf float32 scalars, each field a tree shaped like the tracked parameters.
+    """Per-leaf scalars, each field a tree shaped like the tracked parameters.
+
+    ``lower``, ``upper`` and ``row_sum_residual`` (float32) describe the update measured last;
+    ``measured_at`` (int32) is the number of that update (1 for the first update after
+    ``init``; 0 while nothing has been measured, when the three are zeros) and ``count``
+    (int32) the number of updates the tracker has seen. The stats describe the latest update
+    exactly when ``measured_at == count``; with ``track_row_diameter(every_k_steps=k)`` they
+    are ``count - measured_at < k`` updates old. Both counts are the tracker's own: a step
+    skipped by ``optax.apply_if_finite`` or a micro-step of ``optax.MultiSteps`` does not count.
 
     Leaves that are not tracked (``vocab_axis`` ``None``, ``None`` or ``optax.MaskedNode``
     parameters) hold ``None`` / ``MaskedNode`` instead. For a single array the fields are
@@ -49,12 +60,19 @@ class RowDiameterStats(NamedTuple):
       >>> u = jnp.array([[0.0, 0.0], [3.0, 4.0], [1.0, 1.0]])
       >>> _, state = tx.update(u, tx.init(u))
       >>> isinstance(state, rowgeom.RowDiameterStats), state._fields
-      (True, ('lower', 'upper', 'row_sum_residual'))
+      (True, ('lower', 'upper', 'row_sum_residual', 'measured_at', 'count'))
+      >>> int(state.measured_at), int(state.count)
+      (1, 1)
     """
 
     lower: PyTree
     upper: PyTree
     row_sum_residual: PyTree
+    measured_at: PyTree
+    count: PyTree
+
+
+_MEASURED = 3  # the first three fields are measured; the last two are counters
 
 
 def _leaf_stats(u, vocab):
@@ -68,26 +86,44 @@ def _leaf_stats(u, vocab):
 
 def _zero_stats(p, vocab):
     check_matrix_like(p, argname="params", vocab_axis=vocab)
-    zero = jnp.zeros((), jnp.float32)
-    return zero, zero, zero
+    # Five distinct buffers (not one zero five times), so that a jitted step can donate them.
+    return tuple(jnp.zeros((), jnp.float32 if i < _MEASURED else jnp.int32) for i in range(5))
 
 
-def _skip(leaf):
+def _skip(leaf, n=_MEASURED):
     skipped = leaf if isinstance(leaf, optax.MaskedNode) else None
-    return skipped, skipped, skipped
+    return (skipped,) * n
 
 
-def _unzip(tree, like) -> RowDiameterStats:
-    """Tree of 3-tuples (one per leaf of `like`) -> RowDiameterStats of three trees."""
-    fields = [
-        jax.tree.map(lambda _, t, k=k: t[k], like, tree, is_leaf=is_passthrough)
-        for k in range(3)
-    ]
-    return RowDiameterStats(*fields)
+def _unzip(tree, like, n: int) -> tuple:
+    """Tree of n-tuples (one per leaf of `like`) -> n trees."""
+    return tuple(jax.tree.map(lambda _, t, k=k: t[k], like, tree, is_leaf=is_passthrough)
+                 for k in range(n))
+
+
+_STATIC_HINT = ("under optax.inject_hyperparams list it in static_args, e.g. "
+                "static_args=('vocab_axis', 'every_k_steps')")
+
+
+def _check_every_k_steps(k) -> int:
+    if k is None:
+        return 1
+    if isinstance(k, jax.core.Tracer):  # injected as a hyperparameter, under jit
+        raise TypeError(f"every_k_steps must be a Python int, got a traced array; {_STATIC_HINT}")
+    if isinstance(k, bool):
+        raise TypeError(f"every_k_steps must be a positive int, got {k!r}")
+    try:
+        value = operator.index(k)
+    except TypeError:
+        raise TypeError(f"every_k_steps must be a positive int, got {k!r}") from None
+    if value < 1:
+        raise ValueError(f"every_k_steps must be a positive int (1: every update), got {value}")
+    return value
 
 
 def track_row_diameter(
         *, vocab_axis: int | PyTree | Callable[[PyTree], PyTree],
+        every_k_steps: int | None = None,
 ) -> optax.GradientTransformation:
     """Records the ``O(Vd)`` row-diameter bracket of each update; updates pass unchanged.
 
@@ -96,11 +132,24 @@ def track_row_diameter(
         (``None`` leaves are not tracked), or a callable ``tree -> such a
         prefix``, called on the params in ``init`` and on the updates in ``update`` (like
         ``optax.masked``).
+      every_k_steps: measure the first update and then every k-th, i.e. updates number
+        ``1, k, 2k, 3k, ...`` counted from ``init`` (``count`` after the update is 1 or a
+        multiple of k), which are the steps a loop logging at ``step % k == 0`` (steps
+        counted from 1) reads. On the other updates the stats are kept bit for bit and the
+        ``O(Vd)`` passes do not run (``jax.lax.cond``: only the taken branch executes on
+        CPU and GPU; under ``jax.vmap`` both would). A static Python int >= 1; default
+        every update; None means 1 (so that ``optax.inject_hyperparams`` never injects the
+        default).
 
     Returns:
-      A ``GradientTransformation`` whose state is a ``RowDiameterStats`` of the latest update
-      (zeros after ``init``); its structure never changes, so a jitted step compiles once.
-      Read it back from any nested optimizer state with ``read_row_diameter``.
+      A ``GradientTransformation`` whose state is a ``RowDiameterStats`` of the latest measured
+      update (zeros and ``measured_at == 0`` after ``init``); its structure never changes, so a
+      jitted step compiles once. Read it back from any nested optimizer state with
+      ``read_row_diameter``.
+
+    Raises:
+      TypeError, ValueError: if ``every_k_steps`` is not a positive int (a traced value, e.g.
+        injected by ``optax.inject_hyperparams``, must be listed in its ``static_args``).
 
     Examples:
       >>> import jax.numpy as jnp, optax, rowgeom
@@ -114,16 +163,52 @@ def track_row_diameter(
       True
       >>> round(float(stats.row_sum_residual), 6)                   # projected: 1ᵀS = 0
       0.0
+
+      Every 10th update (and the first); the others only count:
+
+      >>> import jax
+      >>> tx = rowgeom.track_row_diameter(vocab_axis=0, every_k_steps=10)
+      >>> step, state = jax.jit(tx.update), tx.init(g)
+      >>> for _ in range(12):
+      ...     _, state = step(g, state)
+      >>> int(state.measured_at), int(state.count)
+      (10, 12)
     """
+    k = _check_every_k_steps(every_k_steps)
 
     def init_fn(params):
         axes = vocab_axes(vocab_axis, params)
-        return _unzip(map_head_leaves(_zero_stats, _skip, params, axes), params)
+        tree = map_head_leaves(_zero_stats, lambda x: _skip(x, 5), params, axes)
+        lower, upper, residual, measured_at, count = _unzip(tree, params, 5)
+        return RowDiameterStats(lower, upper, residual, measured_at, count)
 
     def update_fn(updates, state, params=None):
-        del state, params
+        del params
         axes = vocab_axes(vocab_axis, updates)
-        return updates, _unzip(map_head_leaves(_leaf_stats, _skip, updates, axes), updates)
+
+        def measure() -> tuple[PyTree, PyTree, PyTree]:
+            lower, upper, residual = _unzip(
+                map_head_leaves(_leaf_stats, _skip, updates, axes), updates, _MEASURED)
+            return lower, upper, residual
+
+        plus_one = lambda tree: jax.tree.map(lambda c: c + 1, tree)
+        counts = jax.tree.leaves(state.count)
+        if not counts:  # nothing tracked, nothing to count (measure() still checks the axes)
+            lower, upper, residual = measure()
+            return updates, RowDiameterStats(lower, upper, residual, state.measured_at,
+                                             state.count)
+        if k == 1:
+            lower, upper, residual = measure()
+            return updates, RowDiameterStats(lower, upper, residual, plus_one(state.count),
+                                             plus_one(state.count))
+        new = counts[0] + 1  # every tracked leaf has seen the same number of updates
+        now = (new == 1) | (new % k == 0)
+        # Off-steps take the identity branch: the O(Vd) reductions do not run at all.
+        lower, upper, residual = jax.lax.cond(
+            now, measure, lambda: (state.lower, state.upper, state.row_sum_residual))
+        measured_at = jax.tree.map(lambda m: jnp.where(now, new, m), state.measured_at)
+        return updates, RowDiameterStats(lower, upper, residual, measured_at,
+                                         plus_one(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -165,9 +250,11 @@ def read_row_diameter(opt_state: Any, which: int | str | None = None) -> RowDiam
         (e.g. the label of an ``optax.partition``).
 
     Returns:
-      ``RowDiameterStats`` whose fields are dicts ``{"/"-joined parameter path: float32 scalar
-      array}`` over the tracked (head) leaves only, the same path for every wrapper above
-      (``"lm_head/kernel"``); scalars when the tracker saw one bare array.
+      ``RowDiameterStats`` whose fields are dicts ``{"/"-joined parameter path: scalar array}``
+      (float32 stats, int32 ``measured_at`` and ``count``) over the tracked (head) leaves only,
+      the same path for every wrapper above (``"lm_head/kernel"``); scalars when the tracker
+      saw one bare array. The stats describe the latest update when ``measured_at == count``
+      (always with ``every_k_steps=1``); ``measured_at == 0``: nothing measured yet.
 
     Raises:
       ValueError: if none is found, or several and ``which`` does not pick exactly one.

@@ -43,7 +43,10 @@ group's resolved values; `describe` prints them per parameter):
   never taken in bf16); ``optax.apply_updates`` casts the step to the parameter's dtype.
 - Weight decay 0.1 for the matrices (hidden, head, embedding), 0 for vectors. `track_row_diameter`
   sits at the very end of the head chain so it measures the step the softmax sees, weight decay
-  included.
+  included. It measures the first step and every ``track_every_k_steps``-th (default 10,
+  which divides the usual logging intervals 10, 50, 100, 1000): its ``O(Vd)`` passes would
+  otherwise cost about as much as the RowNorm step itself on every step. Pass your logging
+  interval (or 1 to measure every step).
 
 Shapes, not only names, decide the rest (`label_params` reads the vocabulary size ``V`` and the
 width ``d`` from the token embedding): the head's vocabulary axis is ``head_vocab_axis`` if
@@ -96,8 +99,11 @@ Examples:
 """
 ROWNORM_HEAD_LR_MULTIPLIER = HEAD_LR_MULTIPLIERS["rownorm"]
 DEFAULT_NS_STEPS = 5
+# lm_optimizer's track_every_k_steps: head stats on steps 1, 10, 20, ... (10 divides the usual
+# logging intervals) and no O(Vd) tracker pass in between.
+DEFAULT_TRACK_EVERY_K_STEPS = 10
 STATIC_ARGS = ("ns_steps", "ns_coeffs", "head_vocab_axis", "labels", "muon_dimension_numbers",
-               "head_num_valid")
+               "head_num_valid", "track_every_k_steps")
 """For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.
 
 Needed only when one of these is passed explicitly as a number, an array, a callable or a
@@ -388,6 +394,7 @@ def lm_optimizer(
     head_rescale: str | None = None,
     head_num_valid: int | None = None,
     track_head: bool = True,
+    track_every_k_steps: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Muon for hidden matrices, projected RowNorm (or AdamW / Muon) for the head, AdamW else.
 
@@ -442,6 +449,11 @@ def lm_optimizer(
         AdamW and Muon heads need no option: padding rows (logits masked out of the loss) get
         a zero gradient and hence a zero step.
       track_head: record ``RowDiameterStats`` of the full head step (``read_row_diameter``).
+      track_every_k_steps: measure them on the first step and every k-th (steps ``1, k, 2k,
+        ...`` counted from ``init``; ``track_row_diameter``'s ``every_k_steps``), keeping them
+        unchanged at no cost in between; their ``measured_at`` field says which step they
+        describe. None means 10 (never injected by ``optax.inject_hyperparams``); pass
+        your logging interval, or 1 for every step (a static int).
 
     Returns:
       An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"`` and ``"vector"``,
@@ -481,6 +493,11 @@ def lm_optimizer(
         head_num_valid = _static_int(head_num_valid, "head_num_valid")
     if head_vocab_axis is not None:
         head_vocab_axis = _static_int(head_vocab_axis, "head_vocab_axis")
+    track_every_k_steps = _static_int(_or(track_every_k_steps, DEFAULT_TRACK_EVERY_K_STEPS),
+                                      "track_every_k_steps")
+    if track_every_k_steps < 1:
+        raise ValueError(f"track_every_k_steps must be >= 1 (1: every step), got "
+                         f"{track_every_k_steps}")
     if isinstance(ns_coeffs, jax.Array):
         raise TypeError(f"ns_coeffs must be a preset name, a tuple or a numpy table, got a "
                         f"jax array; {_INJECT_HINT}")
@@ -532,7 +549,8 @@ def lm_optimizer(
                                nesterov=nesterov, dimension_numbers=None, **muon)]
     if track_head:
         # Last, so it sees -lr·(U + wd·W): the step the softmax sees.
-        head_tx.append(track_row_diameter(vocab_axis=head_axes))
+        head_tx.append(track_row_diameter(vocab_axis=head_axes,
+                                          every_k_steps=track_every_k_steps))
 
     h, e, v = hp["hidden"], hp["embedding"], hp["vector"]
     transforms = {

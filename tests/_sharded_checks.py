@@ -84,6 +84,26 @@ def run(axis_type):
                                            jax.tree.leaves(expected_state), strict=True)))
     out["feature_sharded_collectives"] = collectives(hlo)
 
+    # The tracker with every_k_steps=3 on a feature-sharded kernel, three steps (measured, kept,
+    # measured): the conditional adds no communication beyond the measuring branch's vectors.
+    tracker = rowgeom.track_row_diameter(vocab_axis=1, every_k_steps=3)
+    tstep = jax.jit(tracker.update)
+
+    def three_steps(u):
+        state = tracker.init(u)
+        for i in range(3):
+            _, state = tstep(u * (i + 1.0), state)
+        return state
+
+    expected_state = three_steps(kernel)
+    with jax.set_mesh(mesh):
+        got_state = three_steps(xs)
+        hlo = tstep.lower(xs, tracker.init(xs)).compile().as_text()
+    out["tracker_every_k_diff"] = max(max_diff(a, b) for a, b in zip(
+        jax.tree.leaves(got_state), jax.tree.leaves(expected_state), strict=True))
+    out["tracker_every_k_measured"] = [int(got_state.measured_at), int(got_state.count)]
+    out["tracker_every_k_collectives"] = collectives(hlo)
+
     # Hidden matrices: a stack of four (D, 4D) matrices sharded along the batch axis, and one
     # (D, 4D) matrix sharded along its columns.
     stack = jnp.asarray(rng.normal(size=(8, D, 4 * D)), jnp.float32)

@@ -1,5 +1,7 @@
 """track_row_diameter / read_row_diameter: correct O(Vd) stats, stable state, found anywhere."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -150,3 +152,158 @@ def test_partial_vocab_axis_tree_leaves_unnamed_leaves_untouched(rng):
         assert np.abs(np.asarray(out["lm_head"]["kernel"]).sum(axis=1)).max() < 1e-5
     with pytest.raises(ValueError, match=r"names \['lm_haed'\]"):  # a typo is never silent
         track_row_diameter(vocab_axis={"lm_haed": 1}).init(params)
+
+
+# --------------------------------------------------------------------------- every_k_steps
+
+
+def _tracked_tree(rng, n):
+    """n update trees with a (d, V) head, an untracked matrix and a masked leaf."""
+    return [{"lm_head": {"kernel": jnp.asarray(rng.normal(size=(6, 40)) * (i + 1), jnp.float32)},
+             "w": jnp.asarray(rng.normal(size=(4, 4)), jnp.float32),
+             "skip": optax.MaskedNode()} for i in range(n)]
+
+
+AXES = {"lm_head": 1, "w": None, "skip": None}
+
+
+def test_every_k_steps_measures_steps_1_k_2k_and_keeps_stats_between(rng):
+    k, n = 3, 7  # 2k + 1 updates: measured 1, 3, 6; kept on 2, 4, 5, 7
+    updates = _tracked_tree(rng, n)
+    every = track_row_diameter(vocab_axis=AXES, every_k_steps=k)
+    each = track_row_diameter(vocab_axis=AXES)
+    step = jax.jit(every.update, donate_argnums=1)  # the state can be donated: fixed layout
+    step_each = jax.jit(each.update, donate_argnums=1)  # k = 1 too
+    state, state_each = every.init(updates[0]), each.init(updates[0])
+    assert avals(jax.eval_shape(every.init, updates[0])) == avals(state)
+    assert avals(state) == avals(state_each)  # every_k_steps changes no state layout
+    assert int(state.measured_at["lm_head"]["kernel"]) == 0
+    measured = []
+    for i, u in enumerate(updates, start=1):
+        before = jax.tree.map(np.asarray, state)
+        out, state = step(u, state)
+        _, state_each = step_each(u, state_each)
+        chex.assert_trees_all_equal(out, u)
+        assert state.lower["w"] is None and isinstance(state.upper["skip"], optax.MaskedNode)
+        assert int(state.count["lm_head"]["kernel"]) == i
+        at = int(state.measured_at["lm_head"]["kernel"])
+        if i == 1 or i % k == 0:
+            measured.append(i)
+            assert at == i
+            for field in ("lower", "upper", "row_sum_residual"):  # the k=1 tracker's values
+                np.testing.assert_array_equal(getattr(state, field)["lm_head"]["kernel"],
+                                              getattr(state_each, field)["lm_head"]["kernel"])
+            exact = np_diameter(u["lm_head"]["kernel"], 1)
+            assert float(state.lower["lm_head"]["kernel"]) <= exact * (1 + 1e-5)
+        else:  # off-step: the measured fields are kept bit for bit
+            assert at == int(before.measured_at["lm_head"]["kernel"]) < i
+            for field in ("lower", "upper", "row_sum_residual"):
+                np.testing.assert_array_equal(getattr(state, field)["lm_head"]["kernel"],
+                                              getattr(before, field)["lm_head"]["kernel"])
+    assert measured == [1, 3, 6]
+    assert step._cache_size() == 1  # one compile for measured and kept steps alike
+    stats = read_row_diameter(state)
+    assert stats.measured_at == {"lm_head/kernel": 6} and stats.count == {"lm_head/kernel": 7}
+
+
+_HLO_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{$")
+_HLO_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(")
+_HLO_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
+_HLO_BRANCHES = re.compile(
+    r"branch_computations=\{([^}]*)\}|(?:true|false)_computation=%([\w.\-]+)")
+
+
+def _reduces_outside_conditionals(hlo: str) -> tuple[int, int]:
+    """(reduce ops run unconditionally, reduce ops inside conditional branches) of compiled HLO."""
+    bodies: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo.splitlines():
+        head = _HLO_COMPUTATION.match(line)
+        if head:
+            name = head.group(2)
+            bodies[name] = []
+            entry = name if head.group(1) else entry
+        elif name is not None and line.strip() == "}":
+            name = None
+        elif name is not None:
+            bodies[name].append(line)
+
+    def reachable(roots, through_branches):
+        seen, todo = set(), list(roots)
+        while todo:
+            c = todo.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            for line in bodies[c]:
+                todo += _HLO_CALLS.findall(line)
+                for group, single in _HLO_BRANCHES.findall(line):
+                    if through_branches:
+                        todo += [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+                        todo += [single] if single else []
+        return seen
+
+    def reduces(comps):
+        return sum(1 for c in comps for line in bodies[c]
+                   if (m := _HLO_OPCODE.match(line)) and m.group(1).startswith("reduce"))
+
+    always = reachable([entry], through_branches=False)
+    anywhere = reachable([entry], through_branches=True)
+    return reduces(always), reduces(anywhere - always)
+
+
+def test_off_steps_run_no_reduction_in_the_compiled_step(rng):
+    """The O(Vd) passes live only in the measuring branch of an XLA conditional (on CPU and GPU
+    only the taken branch runs); with k = 1 they run unconditionally (the check can fail)."""
+    u = jnp.asarray(rng.normal(size=(6, 40)), jnp.float32)
+    counts = {}
+    for k in (1, 4):
+        tx = track_row_diameter(vocab_axis=1, every_k_steps=k)
+        hlo = jax.jit(tx.update).lower(u, tx.init(u)).compile().as_text()
+        counts[k] = _reduces_outside_conditionals(hlo)
+    assert counts[1][0] > 0  # k = 1: the reductions are in the step itself
+    assert counts[4][0] == 0 and counts[4][1] > 0, counts  # k > 1: only in a branch
+
+
+def test_every_k_steps_counts_only_applied_inner_updates(rng):
+    """Under MultiSteps the tracker counts optimizer steps; a step skipped by apply_if_finite
+    is not counted (the whole inner state is kept)."""
+    g = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    tx = optax.MultiSteps(track_row_diameter(vocab_axis=0, every_k_steps=2), every_k_schedule=2)
+    step = jax.jit(tx.update)
+    state = tx.init(g)
+    for _ in range(5):  # micro-steps 1..5: two optimizer steps (2, 4)
+        _, state = step(g, state)
+    stats = read_row_diameter(state)
+    assert (int(stats.measured_at), int(stats.count)) == (2, 2)
+    tx = optax.apply_if_finite(track_row_diameter(vocab_axis=0, every_k_steps=2), 3)
+    state = tx.init(g)
+    for x in (g, g.at[0, 0].set(jnp.nan), g):
+        _, state = tx.update(x, state)
+    stats = read_row_diameter(state)
+    assert (int(stats.measured_at), int(stats.count)) == (2, 2)
+    assert np.isfinite(float(stats.upper))
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), (2.5, TypeError),
+                                        (True, TypeError), ("3", TypeError)])
+def test_every_k_steps_validation(bad, error):
+    with pytest.raises(error, match="every_k_steps must be a positive int"):
+        track_row_diameter(vocab_axis=0, every_k_steps=bad)
+    with pytest.raises((TypeError, ValueError), match="track_every_k_steps must be"):
+        rowgeom.lm_optimizer(1e-3, track_every_k_steps=bad)
+
+
+def test_every_k_steps_under_inject_hyperparams():
+    g = jnp.ones((4, 3)) + jnp.arange(3.0)[None, :]
+    track_row_diameter(vocab_axis=0, every_k_steps=np.int64(2))  # any integer type
+    injected = optax.inject_hyperparams(track_row_diameter, static_args=("vocab_axis",))(
+        vocab_axis=0, every_k_steps=2)
+    with pytest.raises(TypeError, match=r"every_k_steps must be a Python int, got a traced "
+                                        r"array; .*static_args=\('vocab_axis', 'every_k_steps'"):
+        jax.jit(injected.update)(g, injected.init(g))
+    static = optax.inject_hyperparams(track_row_diameter,
+                                      static_args=("vocab_axis", "every_k_steps"))(
+        vocab_axis=0, every_k_steps=2)
+    _, state = jax.jit(static.update)(g, static.init(g))
+    assert int(read_row_diameter(state).measured_at) == 1

@@ -125,7 +125,8 @@ def test_benchmark_suite_quick_mode(tmp_path):
     assert results["sharding"] is not None and results["sharding"]["devices"] == 8
     table = (tmp_path / "results.md").read_text()
     for heading in ("projected_rownorm vs", "muon_orthogonalize vs optax", "Row diameter",
-                    "One optimizer step", "Head optimizer-state bytes", "Collectives"):
+                    "One optimizer step", "Head optimizer-state bytes", "Collectives",
+                    "in-chain tracker's cost per step"):
         assert heading in table
     # The state-size comparison is exact arithmetic, not timing: RowNorm keeps one moment.
     for row in results["state"].values():

@@ -50,8 +50,9 @@ HEAD_FUNCTIONS = {
     "clip_row_diameter_exact": (
         lambda x, ax: _apply(rowgeom.clip_row_diameter(0.5, vocab_axis=ax, exact=True), x)[0],
         "updates"),
-    "track_row_diameter": (
-        lambda x, ax: _apply(rowgeom.track_row_diameter(vocab_axis=ax), x),
+    "track_row_diameter": (  # the update and the measured stats (not the step counters)
+        lambda x, ax: (lambda u, s: (u, s[:3]))(
+            *_apply(rowgeom.track_row_diameter(vocab_axis=ax), x)),
         "(?:params|updates)"),  # init sees the params first
     "hilbert_perturbation": (
         lambda x, ax: rowgeom.hilbert_perturbation(x, _hidden_for(x, ax), vocab_axis=ax),

@@ -183,9 +183,15 @@ def check_bracket(stats, head_update):
     assert 0 < lower <= exact * (1 + 1e-5) and exact <= upper * (1 + 1e-5)
 
 
-def test_diagnostics_record_the_last_head_step(default_run):
-    steps, state = default_run
-    check_bracket(rowgeom.read_row_diameter(state), flat(steps[-1][2])["lm_head/kernel"])
+def test_diagnostics_record_the_first_head_step_then_every_tenth(params, default_run):
+    steps, state = default_run  # two steps: by default the tracker measured only the first
+    stats = rowgeom.read_row_diameter(state)
+    assert stats.measured_at == {"lm_head/kernel": 1} and stats.count == {"lm_head/kernel": 2}
+    check_bracket(stats, flat(steps[0][2])["lm_head/kernel"])
+    steps, state = run_steps(rowgeom.lm_optimizer(LR, track_every_k_steps=1), params, n=2)
+    stats = rowgeom.read_row_diameter(state)
+    assert stats.measured_at == {"lm_head/kernel": 2}
+    check_bracket(stats, flat(steps[-1][2])["lm_head/kernel"])
 
 
 def test_tied_head_is_uncentred_rownorm_on_the_table_rows():
@@ -216,16 +222,19 @@ def test_nnx_optimizer_steps_under_nnx_jit(head):
     before = flat(nnx.state(model, nnx.Param))
     optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(LR, head=head), wrt=nnx.Param)
     step = nnx.jit(train_step)
-    losses = []
+    losses, head_steps = [], []
     for _ in range(3):
         loss, updates = step(model, optimizer, IDS)
         losses.append(float(loss))
+        head_steps.append(flat(updates)["lm_head/kernel"])
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     after = flat(nnx.state(model, nnx.Param))
     assert all(not np.allclose(after[p], before[p]) for p in before)
-    # Every head is tracked, so experiments can compare their diameters.
-    check_bracket(rowgeom.read_row_diameter(optimizer.opt_state),
-                  flat(updates)["lm_head/kernel"])
+    # Every head is tracked, so experiments can compare their diameters (by default measured on
+    # the first step, then every tenth).
+    stats = rowgeom.read_row_diameter(optimizer.opt_state)
+    assert stats.measured_at == {"lm_head/kernel": 1} and stats.count == {"lm_head/kernel": 3}
+    check_bracket(stats, head_steps[0])
 
 
 def test_inject_hyperparams_scales_every_group_linearly(params):

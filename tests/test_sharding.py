@@ -38,13 +38,16 @@ def test_vocab_sharded_rownorm_matches_unsharded(axis_type, layout):
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 def test_feature_sharded_head_and_tracker_match_unsharded(axis_type):
     assert _results()[axis_type]["feature_sharded_diff"] <= 1e-5
+    # every_k_steps=3 over three steps: measured on 1 and 3, kept on 2, as unsharded.
+    assert _results()[axis_type]["tracker_every_k_diff"] <= 1e-5
+    assert _results()[axis_type]["tracker_every_k_measured"] == [3, 3]
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-@pytest.mark.parametrize("layout", ["table", "kernel", "feature_sharded"])
+@pytest.mark.parametrize("layout", ["table", "kernel", "feature_sharded", "tracker_every_k"])
 def test_head_update_moves_only_vectors(axis_type, layout):
     """Only reductions of d- or V-sized vectors cross devices: never the (V, d) head itself."""
-    prefix = "" if layout == "feature_sharded" else "rownorm_"
+    prefix = "rownorm_" if layout in ("table", "kernel") else ""
     key = f"{prefix}{layout}_collectives"
     found = _results()[axis_type][key]
     assert found, "expected the means / row norms to need an all-reduce across shards"
