@@ -146,3 +146,18 @@ def test_the_script_form_names_the_module_form():
                           capture_output=True, text=True, cwd=root, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "python -m examples.lm.train" in done.stderr
+
+
+@pytest.mark.parametrize("steps,every,probes,expected", [
+    (600, 100, 0, 100), (250, 100, 0, 50), (7, 5, 0, 1), (600, 100, 10, 1)])
+def test_head_tracker_measures_every_step_the_trainer_reads(steps, every, probes, expected):
+    from examples.lm import optimizer
+    cfg = configs.override(configs.get_config("test"), {
+        "steps": steps, "eval.every": every, "eval.probe_last_steps": probes})
+    k = optimizer.track_every_k_steps(cfg)
+    assert k == expected
+    # The trainer reads the tracker at every evaluation and on the last step: all are measured
+    # (the tracker measures update 1 and every multiple of k).
+    reads = [s for s in range(1, steps + 1) if s % every == 0 or s == steps
+             or s > steps - probes]
+    assert all(s == 1 or s % k == 0 for s in reads)

@@ -7,6 +7,8 @@ global-norm clipping -> `rowgeom.lm_optimizer`, wrapped in `optax.MultiSteps` to
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import optax
 
@@ -61,6 +63,17 @@ def head_group(cfg: configs.Config) -> rowgeom.GroupHyperparams:
     return group_hparams(cfg)["embedding" if cfg.model.tied_embeddings else "head"]
 
 
+def track_every_k_steps(cfg: configs.Config) -> int:
+    """How often the head tracker measures: on every step the trainer reads it, and no other.
+
+    The trainer reads the tracker at evaluations (every `eval.every` steps and the last step)
+    and on each of the last `eval.probe_last_steps` steps; its O(Vd) passes run only then.
+    """
+    if cfg.eval.probe_last_steps:
+        return 1
+    return math.gcd(cfg.eval.every, cfg.steps)
+
+
 def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
     """Global-norm clipping -> rowgeom.lm_optimizer, wrapped in optax.MultiSteps to accumulate.
 
@@ -74,7 +87,8 @@ def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
             vector_learning_rate=schedule("vector")),
         head_rescale="exact" if cfg.head == "rownorm-rescaled" else None,
         # A padded vocabulary: padding rows stay out of RowNorm's means and get a zero step.
-        head_num_valid=cfg.model.valid_vocab_size)
+        head_num_valid=cfg.model.valid_vocab_size,
+        track_every_k_steps=track_every_k_steps(cfg))
     if cfg.optim.grad_clip is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.optim.grad_clip), tx)
     if cfg.optim.grad_accum_steps > 1:

@@ -440,9 +440,14 @@ class _Loop:
 def _head_stats(opt_state) -> dict:
     """rowgeom's O(Vd) RowDiameterStats of the last full head step (max over head leaves).
 
-    Empty when no parameter is in the head group (a tied table trained as the embedding).
+    Empty when no parameter is in the head group (a tied table trained as the embedding), or
+    when the tracker did not measure the last step (see `optimizer.track_every_k_steps`).
     """
     stats = rowgeom.read_row_diameter(opt_state)
+    fresh = [_scalar(m) == _scalar(c) for m, c in zip(jax.tree.leaves(stats.measured_at),
+                                                     jax.tree.leaves(stats.count), strict=True)]
+    if not all(fresh):  # measured on an earlier step (track_every_k_steps): not this step's
+        return {}
     out = {}
     for field in ("lower", "upper", "row_sum_residual"):
         leaves = [jnp.asarray(v) for v in jax.tree.leaves(getattr(stats, field))]
