@@ -153,11 +153,11 @@ _NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
 
 def _regex(path: tuple[str, ...]) -> str:
     """A rule regex matching exactly this path (what error messages suggest)."""
-    return "^" + re.escape("/".join(path)) + "$"
+    return "^" + re.escape(path_str(path)) + "$"
 
 
 def _show(entries) -> str:
-    return ", ".join(f"{'/'.join(p)} {tuple(s)}" for p, s in entries)
+    return ", ".join(f"{path_str(p)} {tuple(s)}" for p, s in entries)
 
 
 class _Leaf(NamedTuple):
@@ -194,9 +194,9 @@ def _by_name(path, cfg: _Config) -> str | None:
 def _first_pass(path, shape, cfg: _Config) -> _Leaf:
     if len(shape) < 2:
         return _Leaf(path, shape, "vector", "rank")
-    path_str = "/".join(path)
+    joined = path_str(path)
     for pattern, label in cfg.rules:
-        if pattern.search(path_str):
+        if pattern.search(joined):
             return _Leaf(path, shape, label, "rule")
     if path and (path[-1].lower() in cfg.vector_names
                  or (len(path) > 1 and _NORM_MODULE.search(path[-2].lower())
@@ -221,7 +221,7 @@ def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayou
     layout = model_layout([lf for lf in leaves if lf.source in ("rule", "name", "rank",
                                                                  "vector name")])
     vocab, width, source = layout.vocab_size, layout.width, layout.source
-    where_v = f"V={vocab}" + (f", from {'/'.join(source)}" if source else "")
+    where_v = f"V={vocab}" + (f", from {path_str(source)}" if source else "")
     # Every token table's size counts (an encoder-decoder may have two vocabularies).
     vocabs = {vocab} | {lf.shape[0] for lf in leaves if lf.label == "embedding"
                         and lf.source == "name" and len(lf.shape) == 2
