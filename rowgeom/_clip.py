@@ -19,14 +19,9 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from rowgeom._geometry import (
-    _row_diameter,
-    _upper_bound,
-    check_int,
-    map_head_leaves,
-    vocab_axes,
-)
-from rowgeom._validation import check_matrix_like
+from rowgeom._geometry import _row_diameter, _upper_bound
+from rowgeom._tree import map_head_leaves, vocab_axes
+from rowgeom._validation import check_int, check_matrix_like
 
 
 def _check_max_diameter(max_diameter):
@@ -91,14 +86,10 @@ def clip_row_diameter(
         scale = jnp.where(diameter > cap, cap / jnp.where(diameter > 0, diameter, 1.0), 1.0)
         return (u.astype(jnp.float32) * scale).astype(u.dtype)
 
-    def init_fn(params):
-        del params
-        return optax.EmptyState()
-
     def update_fn(updates, state, params=None):
         del params
         axes = vocab_axes(vocab_axis, updates)
         return map_head_leaves(clip_leaf, lambda u: u, updates, axes), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 

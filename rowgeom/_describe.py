@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from rowgeom._recipe import LeafPlan, lm_optimizer, lm_optimizer_hparams, plan_leaves
+from rowgeom._tree import path_str
 
 _PLAN_OPTIONS = ("labels", "tied", "head", "head_vocab_axis", "muon_dimension_numbers")
 _HPARAM_OPTIONS = tuple(p for p in inspect.signature(lm_optimizer_hparams).parameters
@@ -143,7 +144,7 @@ def describe(params: Any, learning_rate: float | Callable[[Any], Any] | None = N
     rows = []
     for plan in plans:
         group = hp.get(plan.label) if hp is not None else None
-        rows.append(ParamRow("/".join(plan.path), tuple(plan.shape), str(plan.label),
+        rows.append(ParamRow(path_str(plan.path), tuple(plan.shape), str(plan.label),
                              _geometry(plan, head, tied),
                              None if group is None else group.learning_rate,
                              None if group is None else group.weight_decay))

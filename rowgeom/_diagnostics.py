@@ -26,12 +26,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rowgeom._geometry import (
-    _bounds_and_sum,
-    _pow2_exponent,
-    _times_pow2,
-    is_passthrough,
+from rowgeom._geometry import _bounds_and_sum
+from rowgeom._numerics import _pow2_exponent, _times_pow2
+from rowgeom._tree import (
+    is_box,
+    is_masked,
+    key_name,
     map_head_leaves,
+    path_str,
+    tree_paths,
+    unbox,
     vocab_axes,
 )
 from rowgeom._validation import check_matrix_like
@@ -97,7 +101,7 @@ def _skip(leaf, n=_MEASURED):
 
 def _unzip(tree, like, n: int) -> tuple:
     """Tree of n-tuples (one per leaf of `like`) -> n trees."""
-    return tuple(jax.tree.map(lambda _, t, k=k: t[k], like, tree, is_leaf=is_passthrough)
+    return tuple(jax.tree.map(lambda _, t, k=k: t[k], like, tree, is_leaf=is_masked)
                  for k in range(n))
 
 
@@ -213,25 +217,14 @@ def track_row_diameter(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _plain(stats: RowDiameterStats) -> RowDiameterStats:
     """Each field as ``{"/"-joined head path: array}`` (Flax boxes unboxed, untracked leaves
     dropped); a tracker of one bare array keeps scalar fields."""
-    from rowgeom._labels import _box_types, _unbox, tree_paths  # the labels' path convention
-
-    box_types = _box_types()
-
     def field(tree):
-        if hasattr(tree, "shape") or (box_types and isinstance(tree, box_types)):
-            return jnp.asarray(_unbox(tree, box_types))
-        return {"/".join(path): jnp.asarray(_unbox(leaf, box_types))
-                for path, leaf in tree_paths(tree) if not is_passthrough(leaf)}
+        if hasattr(tree, "shape") or is_box(tree):
+            return jnp.asarray(unbox(tree))
+        return {path_str(path): jnp.asarray(unbox(leaf))
+                for path, leaf in tree_paths(tree) if not is_masked(leaf)}
 
     return RowDiameterStats(*(field(f) for f in stats))
 
@@ -287,7 +280,7 @@ def read_row_diameter(opt_state: Any, which: int | str | None = None) -> RowDiam
                              "pass which=<index or key name> to pick one")
         return _plain(found[0][1])
     if isinstance(which, str):
-        matches = [stats for path, stats in found if which in map(_key_name, path)]
+        matches = [stats for path, stats in found if which in map(key_name, path)]
         if len(matches) != 1:
             raise ValueError(f"which={which!r} matches {len(matches)} of the RowDiameterStats "
                              f"found (at {paths}); expected exactly one")

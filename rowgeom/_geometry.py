@@ -1,61 +1,43 @@
-"""Row diameter and the softmax's Hilbert geometry (arXiv 2608.22253).
+"""Row diameter and the softmax's Hilbert geometry: the maths, no tree or device plumbing.
 
-The LM head maps a final hidden state ``h`` to logits ``z = W h``; ``W`` has one *token row*
-``w_i`` per token. For an update ``S`` with token rows ``s_i`` the **row diameter** is
+Contract: `row_diameter` is exact (``O(V^2 d)``), `row_diameter_bounds` an ``O(V d)`` bracket
+``lower <= D(S) <= upper``, `hilbert_distance` and `hilbert_perturbation` measure the softmax's
+change in Hilbert's projective distance. Token rows are slices along ``vocab_axis``; every other
+axis is flattened into features, so a Flax ``(d, V)`` Dense kernel uses ``vocab_axis=1`` and a
+``(V, d)`` embedding ``vocab_axis=0``. Results are float32 whatever the input dtype, and finite
+input never gives NaN (power-of-two rescaling, `rowgeom._numerics`).
 
-    D(S) = max_{i<j} ||s_i - s_j||_2          (0 when V = 1).
-
-It is the operator norm the softmax sees. Hilbert's projective distance on the simplex,
-``d_H(p, q) = log max_i p_i/q_i - log min_i p_i/q_i``, satisfies
-
-- **Lemma 1.** ``d_H(softmax(z), softmax(z + delta)) = max_i delta_i - min_i delta_i``
-  (the normaliser cancels), so it is computed exactly in the logit domain;
-- **Theorem 1.** ``sup_{||h|| <= H} d_H(softmax(W h), softmax((W + S) h)) = H * D(S)``, attained
-  at ``h* = H (s_a - s_b) / ||s_a - s_b||`` for a farthest pair ``(a, b)`` (Cauchy-Schwarz).
-
-``D`` is invariant to adding a constant row to every token (``D(S + 1c^T) = D(S)``). With the
-centred rows ``x_i = s_i - xbar``, ``r_c = max_i ||x_i||`` and ``rms_c^2 = mean_i ||x_i||^2``:
-
-    max(r_c, sqrt(2V/(V-1)) * rms_c) <= D(S) <= 2 r_c.
-
-(The upper bound is the triangle inequality through ``xbar``; ``r_c <= D`` because ``xbar`` lies
-in the convex hull of the rows; the rms bound because the mean squared distance over ordered
-pairs ``i != j`` is ``2V/(V-1) rms_c^2``.) Farthest-point sweeps add the length of actual pairs.
-
-Token rows are slices along ``vocab_axis``; every other axis is flattened into features, so a
-Flax ``(d, V)`` Dense kernel uses ``vocab_axis=1`` and a ``(V, d)`` embedding ``vocab_axis=0``.
+Lemma 1, Theorem 1 and the bracket's proof: docs/geometry.md ("The row diameter is the worst
+case"); timings: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 
-from rowgeom._validation import canonical_axis, check_floating, check_matrix_like, check_min_rank
+from rowgeom._numerics import (
+    _out_of_range,
+    _pow2_exponent,
+    _replicated,
+    _rescale_rows,
+    _times_pow2,
+    single_device_trace,
+)
+from rowgeom._validation import (
+    canonical_axis,
+    check_floating,
+    check_int,
+    check_matrix_like,
+    check_min_rank,
+)
 
 _HIGHEST = lax.Precision.HIGHEST  # accelerators default to reduced-precision matmuls
-# A diameter (or bound) outside [2^-60, 2^60] may have lost D^2 to float32 overflow or underflow;
-# it is then recomputed on rows rescaled by a power of two (exact) so that max|x| is ~1.
-_SAFE_LOG2 = 60
-
-
-def check_int(value, *, argname: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{argname} must be an int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{argname} must be an int, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{argname} must be >= {minimum}, got {value}")
-    return value
 
 
 def _token_rows(s: jax.Array, axis: int) -> jax.Array:
@@ -83,54 +65,6 @@ def _block_rows(num_rows: int, block_size: int) -> tuple[int, int]:
 
     block = min(range(block_size // 64 * 64, block_size // 2 - 1, -64), key=work)
     return block, -(-num_rows // block)
-
-
-def _replicated(x: jax.Array) -> jax.Array:
-    """`x` with any Explicit-mode sharding removed (no-op for Auto axes or one device).
-
-    The triangular scan reshapes the token axis into blocks, which Explicit sharding types
-    forbid when the axis is split across devices. The exact diameter is an O(V^2 d)
-    diagnostic, so gathering the O(V d) rows once costs little next to it.
-    """
-    if any(part is not None for part in jax.typeof(x).sharding.spec):
-        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
-    return x
-
-
-def _pow2(k):
-    """``2.0**k`` as an exact float32 for an integer array ``k`` in ``[-126, 127]``."""
-    return lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
-
-
-def _times_pow2(x, k):
-    """``x * 2**k`` exactly (unless the result over/underflows) for integer ``|k| <= 500``:
-    four normal power-of-two factors (``jnp.ldexp`` mishandles subnormals on XLA:CPU)."""
-    k = jnp.clip(jnp.asarray(k, jnp.int32), -500, 500)
-    for parts in (4, 3, 2, 1):
-        piece = k // parts  # floor: the remaining pieces stay within [-126, 127]
-        x = x * _pow2(piece)
-        k = k - piece
-    return x
-
-
-def _pow2_exponent(x):
-    """``e`` with ``max|x| = f * 2**e``, ``f`` in ``[0.5, 1)`` (0 for all-zero or NaN ``x``)."""
-    return jnp.frexp(jnp.max(jnp.abs(x)))[1]
-
-
-def _rescale_rows(x, axis: int):
-    """``(y, e)``: ``x`` centred over `axis` with ``x - xbar = y * 2**e`` and ``max|y|`` in
-    ``[0.5, 1)``. Scaling before centring too keeps ``x_i - xbar`` from overflowing."""
-    e1 = _pow2_exponent(x)
-    y = _times_pow2(x, -e1)
-    y = y - jnp.mean(y, axis=axis, keepdims=True)
-    e2 = _pow2_exponent(y)
-    return _times_pow2(y, -e2), e1 + e2
-
-
-def _out_of_range(d):
-    """True where ``d`` may have over/underflowed in float32 (or is NaN/inf)."""
-    return ~((d < 2.0**_SAFE_LOG2) & (d > 2.0**-_SAFE_LOG2))
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "block_size"))
@@ -206,16 +140,6 @@ def _three_axes(s, axis: int) -> jax.Array:
     shape = jnp.shape(s)
     three = (math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:]))
     return s.reshape(three).astype(jnp.float32)
-
-
-def single_device_trace() -> bool:
-    """False while tracing under a multi-device mesh context (``jax.set_mesh``).
-
-    The CPU-tuned loops over slabs or row blocks slice an axis that may be sharded; under a
-    mesh, plain reductions let XLA's partitioner move only reduced vectors between devices.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size <= 1
 
 
 def _sq_dists(x3: jax.Array, point: jax.Array) -> jax.Array:
@@ -475,89 +399,3 @@ def _hilbert_perturbation(update, hidden, *, feature_axis: int):
     delta = jnp.tensordot(_times_pow2(hidden, -e_h), _times_pow2(update, -e_u),
                           axes=(hidden.ndim - 1, feature_axis), precision=_HIGHEST)
     return _times_pow2(jnp.max(delta, axis=-1) - jnp.min(delta, axis=-1), e_h + e_u)
-
-
-# --- Applying a per-leaf geometry to parameter trees (shared by the transforms) -------------
-
-
-def is_passthrough(x) -> bool:
-    """Leaves that transforms leave untouched: ``None`` and ``optax.MaskedNode()``."""
-    return x is None or isinstance(x, optax.MaskedNode)
-
-
-def _check_axis_value(ax):
-    if ax is None:
-        return None
-    if isinstance(ax, jax.core.Tracer):
-        raise TypeError("vocab_axis must be a static int, got a traced value; under "
-                        "optax.inject_hyperparams pass static_args=('vocab_axis', ...)")
-    return check_int(ax, argname="vocab_axis", minimum=-(2**31))
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def vocab_axes(vocab_axis, tree):
-    """Broadcasts ``vocab_axis`` to one ``int | None`` per leaf of ``tree``.
-
-    ``vocab_axis`` is an int (every leaf), ``None`` (no leaf), a tree with ints / ``None`` at
-    its leaves, or a callable ``tree -> such a tree`` (like optax masks). The tree is matched by
-    key path, so it may be a prefix (an int for a whole subtree) or **partial**: a leaf of
-    ``tree`` under no entry of ``vocab_axis`` gets ``None`` (left unchanged, never a guessed
-    axis), e.g. ``{"lm_head": {"kernel": 1}}`` on a whole model. An entry that names no part of
-    ``tree`` is an error (a typo must not silently transform nothing).
-    """
-    from collections.abc import Mapping  # local: this file's imports belong to the brackets
-
-    if callable(vocab_axis):
-        vocab_axis = vocab_axis(tree)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_passthrough)
-    paths = [tuple(_key_name(k) for k in path) for path, _ in flat]
-    if vocab_axis is None or not isinstance(vocab_axis, Mapping | list | tuple) \
-            or isinstance(vocab_axis, optax.MaskedNode):
-        ax = _check_axis_value(vocab_axis)
-        return jax.tree_util.tree_unflatten(treedef, [ax] * len(flat))
-    entries = {}
-    for path, ax in jax.tree_util.tree_flatten_with_path(
-            vocab_axis, is_leaf=lambda x: x is None)[0]:
-        key = tuple(_key_name(k) for k in path)
-        try:
-            entries[key] = _check_axis_value(ax)
-        except (TypeError, ValueError) as err:
-            where = "/".join(key) or "<root>"
-            raise type(err)(f"vocab_axis at {where}: {err}") from None
-    unknown = ["/".join(k) for k in entries
-               if not any(p[:len(k)] == k for p in paths)]
-    if unknown:
-        raise ValueError(
-            "vocab_axis must be an int, None, a tree prefix of the parameters (ints / None at "
-            "its leaves; it may leave leaves out, which are then untouched) or a callable "
-            f"returning one; it names {unknown}, which are not in the parameters")
-
-    def lookup(path):
-        for n in range(len(path), -1, -1):
-            if path[:n] in entries:
-                return entries[path[:n]]
-        return None  # not named: untouched
-
-    return jax.tree_util.tree_unflatten(treedef, [lookup(p) for p in paths])
-
-
-def map_head_leaves(fn, skip, tree, axes, *rest):
-    """``fn(leaf, axis, *rest_leaves)`` on every leaf with an axis; ``skip(leaf)`` elsewhere.
-
-    Errors from ``fn`` are re-raised with the leaf's path, so a user sees which parameter failed.
-    """
-    def apply(path, leaf, ax, *others):
-        if is_passthrough(leaf) or ax is None:
-            return skip(leaf)
-        try:
-            return fn(leaf, ax, *others)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"leaf {jax.tree_util.keystr(path)}: {err}") from None
-
-    return jax.tree_util.tree_map_with_path(apply, tree, axes, *rest, is_leaf=is_passthrough)

@@ -1,35 +1,23 @@
 """Parameter labels for per-block update geometry, and a checked `optax.partition`.
 
-A language model has four kinds of parameters, and each wants its own geometry:
+Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
+(projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW) — by path names first, with shapes
+as a cross-check, never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
+silently sends the embedding table and the head to Muon); a matrix nothing names is an error
+naming it, unless the caller opts into a fallback. `partition_by_label` is ``optax.partition``
+with labels matched by path (`rowgeom._tree`), so one labels tree serves plain dicts, Flax Linen
+(boxed ``nn.Partitioned``), Flax NNX (``tx.init``'s Variables and ``tx.update``'s arrays) and
+abstract trees (only shapes are read).
 
-- ``"hidden"``: matrices inside the transformer blocks (attention and MLP projections).
-  Muon's spectral geometry fits them.
-- ``"head"``: the output (unembedding) matrix. Its step is seen by the softmax through
-  the row diameter (arXiv 2608.22253), so it gets projected RowNorm.
-- ``"embedding"``: lookup tables. Only the rows of tokens in the batch get a gradient;
-  an orthogonalized step would spread it over all rows, so they get AdamW.
-- ``"vector"``: every rank < 2 leaf (biases, norm scales), trained with AdamW.
-
-`label_params` names matrices by their path, never by shape alone: a rank-2 rule such as
-the default of ``optax.contrib.muon`` silently sends the embedding table and the head to
-Muon. A matrix that no name matches is an error unless the caller opts into a fallback.
-
-Trees from plain dicts, Flax Linen (``{"params": ...}``, boxed ``nn.Partitioned``) and
-Flax NNX (``nnx.State`` of ``nnx.Variable`` as given to ``tx.init``, and the plain arrays
-given to ``tx.update``) are supported. Only shapes are read, so abstract trees
-(``jax.ShapeDtypeStruct``, ``nnx.eval_shape``) work too. Flax is optional and never imported
-here: its box types are recognised only if the caller already imported it.
+The rules with examples, public layouts and tied embeddings: docs/guides/labels.md.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax
-import numpy as np
 import optax
 
 from rowgeom._layout import (
@@ -39,6 +27,15 @@ from rowgeom._layout import (
     find_vocab,
     is_position_embedding,
     stack_of,
+)
+from rowgeom._tree import (
+    Path,
+    leaf_shape,
+    lookup_prefix,
+    map_with_paths,
+    path_str,
+    prefix_entries,
+    tree_paths,
 )
 
 LABELS = ("hidden", "head", "embedding", "vector")
@@ -128,69 +125,6 @@ Examples:
 _TIED_POLICIES = (None, "embedding", "head")
 
 
-def _box_types() -> tuple[type, ...]:
-    """Flax's parameter boxes, if Flax is loaded (a tree cannot hold them otherwise)."""
-    types = []
-    variablelib = sys.modules.get("flax.nnx.variablelib")
-    if variablelib is not None:
-        types.append(variablelib.Variable)
-    meta = sys.modules.get("flax.core.meta")
-    if meta is not None:
-        types.append(meta.AxisMetadata)
-    return tuple(types)
-
-
-def _unbox(x, box_types):
-    """The array (or ShapeDtypeStruct) inside a Flax box; `x` itself otherwise."""
-    if box_types and isinstance(x, box_types):
-        if hasattr(x, "get_value"):
-            return x.get_value()
-        if hasattr(x, "unbox"):
-            return x.unbox()
-        return x.value
-    return x
-
-
-def _shape(x, box_types) -> tuple[int, ...]:
-    x = _unbox(x, box_types)
-    shape = getattr(x, "shape", None)
-    return tuple(shape) if shape is not None else np.shape(x)
-
-
-def _key_str(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def tree_paths(tree):
-    """Yields (path tuple of str, leaf) with Flax boxes (nnx.Variable, ...) as leaves.
-
-    DictKey / GetAttrKey / SequenceKey are normalised to their names, so an ``nnx.State``
-    of Variables, the same state as plain arrays, and a nested dict give the same paths.
-    """
-    box_types = _box_types()
-    is_leaf = (lambda x: isinstance(x, box_types)) if box_types else None
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    for path, leaf in flat:
-        yield tuple(_key_str(k) for k in path), leaf
-
-
-def map_with_paths(fn, tree, *, is_leaf=None):
-    """Maps fn(path tuple of str, leaf) over `tree`, with Flax boxes (and `is_leaf`) as leaves."""
-    box_types = _box_types()
-    extra = is_leaf if is_leaf is not None else (lambda x: False)
-    leaf = lambda x: extra(x) or (bool(box_types) and isinstance(x, box_types))
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: fn(tuple(_key_str(k) for k in p), x), tree, is_leaf=leaf)
-
-
-def leaf_shape(x) -> tuple[int, ...]:
-    """Shape of a leaf, a Flax box's content or a ShapeDtypeStruct (values are never read)."""
-    return _shape(x, _box_types())
-
-
 def _check_names(names, argname) -> frozenset[str]:
     if isinstance(names, str):
         raise TypeError(f"{argname} must be a collection of names, not the string {names!r}")
@@ -219,11 +153,11 @@ _NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
 
 def _regex(path: tuple[str, ...]) -> str:
     """A rule regex matching exactly this path (what error messages suggest)."""
-    return "^" + re.escape("/".join(path)) + "$"
+    return "^" + re.escape(path_str(path)) + "$"
 
 
 def _show(entries) -> str:
-    return ", ".join(f"{'/'.join(p)} {tuple(s)}" for p, s in entries)
+    return ", ".join(f"{path_str(p)} {tuple(s)}" for p, s in entries)
 
 
 class _Leaf(NamedTuple):
@@ -260,9 +194,9 @@ def _by_name(path, cfg: _Config) -> str | None:
 def _first_pass(path, shape, cfg: _Config) -> _Leaf:
     if len(shape) < 2:
         return _Leaf(path, shape, "vector", "rank")
-    path_str = "/".join(path)
+    joined = path_str(path)
     for pattern, label in cfg.rules:
-        if pattern.search(path_str):
+        if pattern.search(joined):
             return _Leaf(path, shape, label, "rule")
     if path and (path[-1].lower() in cfg.vector_names
                  or (len(path) > 1 and _NORM_MODULE.search(path[-2].lower())
@@ -287,7 +221,7 @@ def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayou
     layout = model_layout([lf for lf in leaves if lf.source in ("rule", "name", "rank",
                                                                  "vector name")])
     vocab, width, source = layout.vocab_size, layout.width, layout.source
-    where_v = f"V={vocab}" + (f", from {'/'.join(source)}" if source else "")
+    where_v = f"V={vocab}" + (f", from {path_str(source)}" if source else "")
     # Every token table's size counts (an encoder-decoder may have two vocabularies).
     vocabs = {vocab} | {lf.shape[0] for lf in leaves if lf.label == "embedding"
                         and lf.source == "name" and len(lf.shape) == 2
@@ -449,8 +383,7 @@ def _config(head_names, embedding_names, hidden_names, vector_names, extra_head_
 
 
 def _label_leaves(params, cfg: _Config) -> tuple[list[_Leaf], ModelLayout]:
-    box_types = _box_types()
-    first = [_first_pass(p, _shape(x, box_types), cfg) for p, x in tree_paths(params)]
+    first = [_first_pass(p, leaf_shape(x), cfg) for p, x in tree_paths(params)]
     leaves, layout = _resolve(first, cfg)
     retie = _tied_table(leaves, layout, cfg.tied)
     if retie is not None:
@@ -551,12 +484,14 @@ def label_params(
         extra_vector_names=extra_vector_names, rules=rules, tied=tied, default=default)(params)
 
 
-def _lookup(table: Mapping[tuple[str, ...], object], path: tuple[str, ...]):
-    """The label of the longest prefix of `path` in `table` (label trees may be prefixes)."""
-    for n in range(len(path), -1, -1):
-        if path[:n] in table:
-            return True, table[path[:n]]
-    return False, None
+def label_table(labels: Any, params: Any) -> dict[Path, Any]:
+    """``{path: label}`` of a labels tree (or of ``labels(params)`` for a callable).
+
+    Labels boxed in Variables (a ``jax.tree.map`` over an ``nnx.State`` without ``is_leaf``) are
+    unboxed to their strings. Look a parameter up with ``lookup_prefix``: a labels tree may be a
+    prefix of the parameters.
+    """
+    return prefix_entries(labels(params) if callable(labels) else labels)
 
 
 def partition_by_label(
@@ -600,20 +535,17 @@ def partition_by_label(
                             f"got {type(tx).__name__}")
 
     def label_fn(params):
-        tree = labels(params) if callable(labels) else labels
-        box_types = _box_types()
-        # Labels boxed in Variables (a map without is_leaf) are unboxed to their strings.
-        table = {p: _unbox(lab, box_types) for p, lab in tree_paths(tree)}
+        table = label_table(labels, params)
         missing_label: list[str] = []
         missing_tx: dict[str, list[str]] = {}
 
         def label_of(path, _):
-            found, label = _lookup(table, path)
+            found, label = lookup_prefix(table, path)
             if not found:
-                missing_label.append("/".join(path))
+                missing_label.append(path_str(path))
                 return None
             if label not in transforms:
-                missing_tx.setdefault(label, []).append("/".join(path))
+                missing_tx.setdefault(label, []).append(path_str(path))
             return label
 
         out = map_with_paths(label_of, params)

@@ -1,43 +1,14 @@
 """Muon's orthogonalization as a stateless optax transform, batched across leaves.
 
-`muon_orthogonalize` replaces each matrix `G` of an update by its approximate polar factor
-`polar(G) = U Vᵀ` (`G = U Σ Vᵀ`, Newton–Schulz, `rowgeom.newton_schulz`), times a shape-dependent
-scale. It is the spectral-norm steepest-descent direction (Bernstein & Newhouse, arXiv 2409.20325;
-Jordan et al., "Muon", 2024). Momentum is a separate transform: chain `optax.trace` (or an EMA)
-*before* it, and `optax.scale_by_learning_rate` after it. Like optax `scale_by_*`, the result has
-the sign of the incoming update.
+Contract: `muon_orthogonalize` replaces each matrix ``G`` of an update by
+``scale(m, n) · polar(G)``, ``polar(G) = U Vᵀ`` for ``G = U Σ Vᵀ`` (Newton–Schulz,
+`rowgeom.newton_schulz`), keeping the update's sign. `MuonDimensionNumbers` says which axes form
+the matrix; the other axes are a batch of independent matrices. Momentum is a separate
+transform: chain ``optax.trace`` before it and ``optax.scale_by_learning_rate`` after it.
 
-Which axes form the matrix (`MuonDimensionNumbers`): the reduction axes (fan-in, contracted with
-the layer input) give the rows, the output axes (fan-out) the columns, every other axis is a batch
-of independent matrices. A Flax kernel `(in, out)` is `reduction_axis=0, output_axis=1` (the
-default for rank-2 leaves); stacked/scanned layers `(L, in, out)` use `(1, 2)`; per-head attention
-kernels `(d, H, Dh)` use reduction `(0,)`, output `(2,)` (one matrix per head, batch `H`) or output
-`(1, 2)` (one `(d, H·Dh)` matrix).
-
-Batching across leaves: after reshaping to `(batch, m, n)` and orienting every matrix wide
-(`m <= n`; polar commutes with transposition), leaves with the same `(m, n, dtype)` are
-concatenated along the batch axis and orthogonalized by one Newton–Schulz call, then split back.
-Fewer, larger kernels cost less launch overhead on accelerators, and under sharding (GSPMD) the
-batch axis of whole matrices can be split across devices, so each device orthogonalizes complete
-matrices instead of all-reducing partial Gram matrices of every leaf in every step. A 3.3x step-time
-slowdown from exactly that (per-iteration Gram all-reduces, replicated `A @ A`) was reported for
-optax's per-leaf Muon under GSPMD (goodfire-ai/spd pull request #978, which fixes it the same
-way); here the batch axis is explicit, so it can be given a sharding. On a 2-core CPU the grouped
-call measured 5–20 % slower than separate direct calls per leaf (concatenation copies; XLA CPU gains
-nothing from batching) and still about 2x faster than optax 0.2.8 (benchmarks/bench_muon.py).
-
-Scaling (`scale`), per matrix with `m = fan_in = prod(reduction dims)`, `n = fan_out`:
-
-- `"spectral"`: `sqrt(n / m)`, the spectral condition of Yang, Simon & Bernstein (2310.17813).
-- `"keller"`: `sqrt(max(1, n / m))` (Keller Jordan's Muon).
-- `"rms"` (default): `rms_scale * sqrt(max(m, n))`. An exact full-rank polar factor has RMS
-  `1/sqrt(max(m, n))`, so the step has RMS about `rms_scale`, matching AdamW's typical update
-  RMS at `0.2` (Liu et al., "Muon is Scalable for LLM Training" / Moonlight, arXiv 2502.16982).
-- `"none"` or `None`: the bare polar factor.
-
-The factor depends on the matrix shape, not the leaf shape, so a stacked `(L, in, out)` leaf is
-scaled exactly like `L` separate `(in, out)` leaves. (optax 0.2.8's `adaptive=True` instead
-multiplies by `<G, polar(G)>` summed over the whole leaf, mixing the matrices of a stack.)
+It is the spectral-norm steepest-descent direction (Bernstein & Newhouse, arXiv 2409.20325;
+Jordan et al., "Muon", 2024). How leaves of one matrix shape share one Newton–Schulz call, and
+what that costs: docs/benchmarks.md; why it matters under sharding: docs/guides/sharding.md.
 """
 
 from __future__ import annotations
@@ -52,6 +23,16 @@ import numpy as np
 import optax
 
 from rowgeom._newton_schulz import orthogonalize, resolve_coefficients
+from rowgeom._tree import (
+    Path,
+    flatten_with_paths,
+    is_masked,
+    lookup_prefix,
+    path_repr,
+    path_str,
+    prefix_entries,
+    unmatched,
+)
 
 _SCALES = ("spectral", "keller", "rms", "none")
 
@@ -60,7 +41,10 @@ class MuonDimensionNumbers(NamedTuple):
     """Which axes of a leaf form the matrix: rows = `reduction_axis`, columns = `output_axis`.
 
     Each is an int or a tuple of ints (flattened in the given order); all remaining axes are batch
-    axes, each index of which is a separate matrix.
+    axes, each index of which is a separate matrix. A Flax kernel ``(in, out)`` is ``(0, 1)`` (the
+    default for rank-2 leaves); stacked layers ``(L, in, out)`` use ``(1, 2)``; a per-head
+    attention kernel ``(d, H, Dh)`` uses reduction ``(0,)`` with output ``(2,)`` (one matrix per
+    head, batch ``H``) or output ``(1, 2)`` (one ``(d, H·Dh)`` matrix).
 
     Examples:
       >>> import rowgeom
@@ -91,37 +75,27 @@ _DEFAULT_DIMS = MuonDimensionNumbers(0, 1)
 _PASS = object()  # a None / MaskedNode entry of a dimension-numbers tree: leave the leaf as is
 
 
-def _is_passthrough(x) -> bool:
-    return x is None or isinstance(x, optax.MaskedNode)
+def _dims_per_leaf(dims, leaves: list[tuple[Path, Any]]) -> list:
+    """One dimension-numbers entry per update leaf (`_PASS` where the tree says None).
 
-
-class _Box:
-    """Opaque (non-pytree) holder, so None/MaskedNode dimension numbers stay leaves."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-
-def _dims_per_leaf(dims, updates, n_leaves: int) -> list:
-    """Broadcasts a dimension-numbers tree (prefix) to one entry per update leaf."""
-    if dims is None:
-        return [None] * n_leaves  # None at the root: the rank-2 default rule, checked per leaf.
-    if _is_dims(dims):
-        return [dims] * n_leaves
-    is_dims_leaf = lambda d: _is_passthrough(d) or _is_dims(d)
-    expand = lambda d, sub: jax.tree.map(lambda _: _Box(d), sub, is_leaf=_is_passthrough)
-    try:
-        boxed = jax.tree.map(expand, dims, updates, is_leaf=is_dims_leaf)
-    except (ValueError, TypeError) as err:
+    ``None`` at the root means the rank-2 default rule, checked per leaf. A tree is matched by
+    path: its entry covers every leaf below it; a masked update leaf may lack one.
+    """
+    if dims is None or _is_dims(dims):
+        return [dims] * len(leaves)
+    entries = prefix_entries(dims, is_entry=lambda d: is_masked(d) or _is_dims(d))
+    unknown = unmatched(entries, (path for path, _ in leaves))
+    per_leaf = [lookup_prefix(entries, path) for path, _ in leaves]
+    missing = [path_str(path) for (path, x), (found, _) in zip(leaves, per_leaf, strict=True)
+               if not found and not is_masked(x)]
+    if unknown or missing:
+        problem = (f"it names {unknown}, which are not in the updates" if unknown
+                   else f"it has no entry for the updates {missing}")
         raise ValueError(
                 "dimension_numbers must be a MuonDimensionNumbers, a tree (prefix of the updates) "
-                "with MuonDimensionNumbers or None leaves, or a callable returning one; its "
-                f"structure does not match the updates: {err}") from None
-    out = [b.value for b in jax.tree.leaves(boxed, is_leaf=lambda b: isinstance(b, _Box))]
-    assert len(out) == n_leaves
-    return [_PASS if _is_passthrough(d) else d for d in out]  # explicit None: pass through
+                "with MuonDimensionNumbers or None leaves, or a callable returning one; "
+                + problem)
+    return [_PASS if is_masked(d) else d for _, d in per_leaf]  # explicit None: pass through
 
 
 def _axes(value, ndim: int, field: str, where: str) -> tuple[int, ...]:
@@ -144,11 +118,11 @@ class _Plan(NamedTuple):
     perm: tuple[int, ...]        # leaf axes -> (batch..., reduction..., output...)
     flat_shape: tuple[int, ...]  # (batch, m, n)
     wide: bool                   # True when m <= n (no transpose to orient wide)
-    scale: object                # float or traced scalar
+    scale: Any                   # float or traced scalar
 
 
 def _plan(path, x, dims, *, scale, rms_scale) -> _Plan:
-    where = f"updates{jax.tree_util.keystr(path)} (shape {tuple(x.shape)})"
+    where = f"updates{path_repr(path)} (shape {tuple(x.shape)})"
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"muon_orthogonalize needs floating updates; {where} has dtype {x.dtype}")
     if dims is None:
@@ -195,6 +169,48 @@ def _whole_matrices(stacked: jax.Array) -> jax.Array:
     return jax.sharding.reshard(stacked, jax.sharding.PartitionSpec(spec[0], None, None))
 
 
+def _wide_matrices_by_shape(leaves, leaf_plans) -> dict[tuple, list[tuple[int, jax.Array]]]:
+    """Each planned leaf as a ``(batch, m, n)`` stack oriented wide (``m <= n``), grouped by
+    ``(m, n, dtype, sharding)`` so that each group is orthogonalized by one call."""
+    groups: dict[tuple, list[tuple[int, jax.Array]]] = {}
+    for i, (x, plan) in enumerate(zip(leaves, leaf_plans, strict=True)):
+        if plan is None or x.size == 0:
+            continue
+        mats = jnp.transpose(x, plan.perm).reshape(plan.flat_shape)
+        if not plan.wide:
+            mats = jnp.swapaxes(mats, -1, -2)
+        # Explicit-mode sharding is part of the type: only equally sharded stacks concatenate.
+        key = (mats.shape[1:], mats.dtype, jax.typeof(mats).sharding.spec)
+        groups.setdefault(key, []).append((i, mats))
+    return groups
+
+
+def _as_leaf(part: jax.Array, plan: _Plan, x: jax.Array) -> jax.Array:
+    """Undoes `_wide_matrices_by_shape` for one leaf's share of a group, times its scale."""
+    if not plan.wide:
+        part = jnp.swapaxes(part, -1, -2)
+    part = (part * plan.scale).astype(x.dtype)
+    permuted = tuple(x.shape[ax] for ax in plan.perm)
+    inverse = tuple(int(a) for a in np.argsort(plan.perm))
+    return jnp.transpose(part.reshape(permuted), inverse)
+
+
+def _check_options(*, scale: str | None, eps: float, rms_scale: float,
+                   compute_dtype: Any) -> str:
+    """Checks `muon_orthogonalize`'s options (traced ``eps``/``rms_scale`` pass); the scale."""
+    if scale is None:
+        scale = "none"
+    if scale not in _SCALES:
+        raise ValueError(f"scale must be one of {_SCALES} or None, got {scale!r}")
+    if isinstance(eps, numbers.Real) and not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if isinstance(rms_scale, numbers.Real) and not (math.isfinite(rms_scale) and rms_scale > 0):
+        raise ValueError(f"rms_scale must be a finite number > 0, got {rms_scale!r}")
+    if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
+        raise TypeError(f"compute_dtype must be a floating dtype or None, got {compute_dtype!r}")
+    return scale
+
+
 def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: float = 1e-7,
                        compute_dtype: Any = None, scale: str | None = "rms",
                        rms_scale: float = 0.2,
@@ -208,7 +224,15 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
       eps: added to the Frobenius norm before normalising; zero matrices map to zero.
       compute_dtype: dtype of the iteration (e.g. `jnp.bfloat16`); products accumulate in f32,
         results keep each leaf's dtype.
-      scale: `"rms"`, `"spectral"`, `"keller"`, `"none"` or `None` (module docstring).
+      scale: per matrix, with ``m`` = fan-in (product of the reduction dims) and ``n`` = fan-out:
+        ``"rms"`` (default) ``rms_scale * sqrt(max(m, n))`` (a full-rank polar factor has RMS
+        ``1/sqrt(max(m, n))``, so the step's RMS is about ``rms_scale``, AdamW's typical update
+        RMS at 0.2: Liu et al., arXiv 2502.16982); ``"spectral"`` ``sqrt(n / m)`` (Yang, Simon &
+        Bernstein, arXiv 2310.17813); ``"keller"`` ``sqrt(max(1, n / m))`` (Keller Jordan's
+        Muon); ``"none"`` or `None`: the bare polar factor. The factor depends on the matrix
+        shape, not the leaf's, so a stacked ``(L, in, out)`` leaf is scaled like ``L`` separate
+        matrices (optax 0.2.8's ``adaptive=True`` instead multiplies by ``<G, polar(G)>`` summed
+        over the whole leaf, mixing the matrices of a stack).
       rms_scale: target update RMS for `scale="rms"`.
       dimension_numbers: `None` (every leaf must be rank 2: reduction axis 0, output axis 1), one
         `MuonDimensionNumbers` for every leaf, a tree (prefix of the updates) of
@@ -242,24 +266,16 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
       True
     """
     table, norm_scale = resolve_coefficients(ns_coeffs, ns_steps)
-    if scale is None:
-        scale = "none"
-    if scale not in _SCALES:
-        raise ValueError(f"scale must be one of {_SCALES} or None, got {scale!r}")
-    if isinstance(eps, numbers.Real) and not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if isinstance(rms_scale, numbers.Real) and not (math.isfinite(rms_scale) and rms_scale > 0):
-        raise ValueError(f"rms_scale must be a finite number > 0, got {rms_scale!r}")
-    if compute_dtype is not None and not jnp.issubdtype(jnp.dtype(compute_dtype), jnp.floating):
-        raise TypeError(f"compute_dtype must be a floating dtype or None, got {compute_dtype!r}")
+    scale = _check_options(scale=scale, eps=eps, rms_scale=rms_scale,
+                           compute_dtype=compute_dtype)
 
     def plans(tree):
         dims = dimension_numbers(tree) if callable(dimension_numbers) else dimension_numbers
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_passthrough)
-        per_leaf = _dims_per_leaf(dims, tree, len(leaves))
+        leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
+        per_leaf = _dims_per_leaf(dims, leaves)
         result = []
         for (path, x), d in zip(leaves, per_leaf, strict=True):
-            skip = _is_passthrough(x) or d is _PASS
+            skip = is_masked(x) or d is _PASS
             result.append(None if skip else _plan(path, x, d, scale=scale, rms_scale=rms_scale))
         return [x for _, x in leaves], treedef, result
 
@@ -270,31 +286,14 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
     def update_fn(updates, state, params=None):
         del params  # shapes come from the updates
         leaves, treedef, leaf_plans = plans(updates)
-        groups: dict[tuple, list[tuple[int, jax.Array]]] = {}
-        for i, (x, plan) in enumerate(zip(leaves, leaf_plans, strict=True)):
-            if plan is None or x.size == 0:
-                continue
-            mats = jnp.transpose(x, plan.perm).reshape(plan.flat_shape)
-            if not plan.wide:
-                mats = jnp.swapaxes(mats, -1, -2)
-            # Explicit-mode sharding is part of the type: only equally sharded stacks concatenate.
-            key = (mats.shape[1:], mats.dtype, jax.typeof(mats).sharding.spec)
-            groups.setdefault(key, []).append((i, mats))
-
         out = list(leaves)
-        for members in groups.values():
+        for members in _wide_matrices_by_shape(leaves, leaf_plans).values():
             stacked = _whole_matrices(jnp.concatenate([mats for _, mats in members], axis=0))
             polar = orthogonalize(stacked, table, norm_scale=norm_scale, eps=eps,
                                   compute_dtype=compute_dtype)
             offsets = np.cumsum([mats.shape[0] for _, mats in members])[:-1]
             for (i, _), part in zip(members, jnp.split(polar, offsets, axis=0), strict=True):
-                plan, x = leaf_plans[i], leaves[i]
-                if not plan.wide:
-                    part = jnp.swapaxes(part, -1, -2)
-                part = (part * plan.scale).astype(x.dtype)
-                permuted = tuple(x.shape[ax] for ax in plan.perm)
-                inverse = tuple(int(a) for a in np.argsort(plan.perm))
-                out[i] = jnp.transpose(part.reshape(permuted), inverse)
+                out[i] = _as_leaf(part, leaf_plans[i], leaves[i])
         return jax.tree_util.tree_unflatten(treedef, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -1,49 +1,15 @@
 """Newton–Schulz orthogonalization: an approximate polar factor from matrix products only.
 
-For a matrix `X = U Σ Vᵀ` the polar factor is `polar(X) = U Vᵀ`, the steepest-descent direction
-under the spectral norm (Bernstein & Newhouse, arXiv 2409.20325). Each Newton–Schulz step applies
-an odd quintic to every singular value at once,
+Contract: for ``X = U Σ Vᵀ``, `newton_schulz` returns about ``polar(X) = U Vᵀ`` (the spectral-norm
+steepest-descent direction, Bernstein & Newhouse, arXiv 2409.20325) by applying an odd quintic
+``σ <- a σ + b σ³ + c σ⁵`` to every singular value at once, ``X <- a X + (b A + c A²) X`` with
+``A = X Xᵀ``, after normalising by the Frobenius norm (an upper bound of the spectral norm).
+It works per matrix over the last two axes (leading axes are a batch), keeps the singular
+vectors and zero singular values (a zero-sum matrix keeps a zero-sum polar factor), and returns
+the input's dtype. `ns_coefficients` gives the ``(a, b, c)`` table of each step.
 
-    X <- a X + (b A + c A²) X,   A = X Xᵀ,   i.e.  σ <- p(σ) = a σ + b σ³ + c σ⁵,
-
-so after the input is normalised to spectral norm <= 1, a few steps push every non-zero singular
-value towards 1 while keeping the singular vectors. Zero singular values stay zero, which is why
-a zero-sum matrix (`1ᵀG = 0`, rows summing to zero) keeps a zero-sum polar factor: `1ᵀX = 0`
-gives `1ᵀA = 0`, so every term of each step is again zero-sum.
-
-Coefficient schedules (`ns_coeffs`):
-
-- `"keller"`: `(3.4445, -4.7750, 2.0315)` every step (Keller Jordan, "Muon: An optimizer for hidden
-  layers", 2024, kellerjordan.github.io/posts/muon, and modded-nanogpt). Tuned for the largest
-  slope at 0, it does not converge to 1. Measured band (fp32, 5 steps, numpy SVD): singular values
-  in [0.681, 1.135] whenever every normalised input singular value σ/||X||_F is >= 0.01, e.g. on
-  Gaussian matrices of shapes (64, 256), (256, 64), (100, 200), (256, 1024); on square Gaussian
-  matrices the smallest σ are far smaller and the band widens to [0.13, 1.20] at 128x128 and
-  [0.002, 1.20] at 256x256.
-- `"polar_express"`: the 5-step Polar Express schedule (Amsel, Persson, Musco & Gower, arXiv
-  2505.16932) exactly as shipped in KellerJordan/modded-nanogpt `train_gpt.py` ("computed for
-  num_iters=5, safety_factor=2e-2, cushion=2") and microsoft/dion `benchmark/polar_express.py`,
-  with their normalisation `X / (1.02 ||X||_F + eps)`. Measured band: [0.858, 1.142] whenever
-  every σ/(1.02 ||X||_F) >= 0.001 (same rectangular shapes); [0.06, 1.14] at 128x128 and
-  [0.20, 1.14] at 256x256 Gaussian. With `steps < 5` the first `steps` rows are used; with
-  `steps > 5` the extra steps use the converged degree-5 Newton–Schulz polynomial
-  `(15/8, -10/8, 3/8)` (fixed point 1 with zero slope), the tail the paper's Algorithm 1
-  appends. (The paper's Algorithm 1 lists an earlier 8-row table starting 8.28721201814563,
-  divided by a 1.01 safety factor and normalising by 1.01 ||X||_F; we follow modded-nanogpt/Dion.)
-- a `(3,)` triple, repeated `steps` times; or a `(steps, 3)` array, row `k` applied at step `k`.
-
-The normalisation is by the Frobenius norm (an upper bound of the spectral norm that costs O(mn)).
-It and the result are computed per matrix over the last two axes; leading axes are a batch.
-
-Implementation notes (why it is written this way):
-
-- The Gram matrix is formed on the smaller side (tall inputs are transposed), so a step costs
-  `2 m² n + m³` multiply-adds with `m` the smaller side.
-- No `vmap` over a batch of one: optax 0.2.8 does that, and on CPU XLA then copies a transpose in
-  every iteration; contracting with `lax.dot_general` directly is 1.6–2.4x faster (measured).
-- `compute_dtype` (e.g. bfloat16) sets the dtype of X between steps; every product accumulates in
-  float32 (`preferred_element_type`), which is also the fastest path for bf16 on CPU. The norm is
-  always taken in float32. The output has the input's dtype.
+The presets' sources and measured singular-value bands: docs/api/muon.md ("Newton–Schulz
+coefficients").
 """
 
 from __future__ import annotations
@@ -122,8 +88,8 @@ def ns_coefficients(coeffs: str | ArrayLike, steps: int) -> np.ndarray:
     """The `(steps, 3)` float64 table of `(a, b, c)` that `newton_schulz` applies, row k at step k.
 
     Args:
-      coeffs: `"keller"`, `"polar_express"` (see the module docstring for sources, bands and
-        the behaviour when `steps != 5`), a `(3,)` triple (repeated), or a `(steps, 3)` array.
+      coeffs: `"keller"`, `"polar_express"` (sources, bands and the behaviour when
+        `steps != 5`: the Muon API page), a `(3,)` triple (repeated), or a `(steps, 3)` array.
       steps: number of Newton–Schulz steps, a Python int >= 1.
 
     Raises:
@@ -148,6 +114,17 @@ def ns_coefficients(coeffs: str | ArrayLike, steps: int) -> np.ndarray:
       steps. Here an array must have exactly `steps` rows; presets define every `steps`.
     """
     return resolve_coefficients(coeffs, steps)[0]
+
+
+# Why `orthogonalize` is written this way:
+#
+# - The Gram matrix is formed on the smaller side (tall inputs are transposed), so a step costs
+#   `2 m² n + m³` multiply-adds with `m` the smaller side.
+# - No `vmap` over a batch of one: optax 0.2.8 does that, and on CPU XLA then copies a transpose in
+#   every iteration; contracting with `lax.dot_general` directly is 1.6–2.4x faster (measured).
+# - `compute_dtype` (e.g. bfloat16) sets the dtype of X between steps; every product accumulates in
+#   float32 (`preferred_element_type`), which is also the fastest path for bf16 on CPU. The norm is
+#   always taken in float32. The output has the input's dtype.
 
 
 def _dot(lhs: jax.Array, rhs: jax.Array, lhs_contract: int, rhs_contract: int) -> jax.Array:
@@ -203,7 +180,7 @@ def newton_schulz(x: ArrayLike, *, steps: int = 5, coeffs: str | ArrayLike = "ke
 
     Returns:
       Array of `x`'s shape and dtype whose matrices have singular values in the preset's band
-      (module docstring) and the singular vectors of `x`. Sign convention: same sign as `x`.
+      (the Muon API page) and the singular vectors of `x`. Sign convention: same sign as `x`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, rowgeom

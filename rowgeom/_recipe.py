@@ -14,48 +14,18 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
 ``vector``     ``adamw`` (no weight decay by default)
 =============  =========================================================================
 
-Why these defaults follow from one learning rate ``lr`` (`lm_optimizer_hparams` returns every
-group's resolved values; `describe` prints them per parameter):
+Contract: `lm_optimizer` is an ``optax.partition`` over these four labels (`label_params` by
+default), each group reading the model layout (``V``, ``d``, layer stacks) from the whole tree;
+`lm_optimizer_hparams` returns every group's resolved rate, decay and momentum, and `describe`
+prints them per parameter.
 
-- Muon's step is scaled to RMS ``0.2`` (``scale="rms"``: ``0.2·sqrt(max(m, n))`` times the polar
-  factor), the typical RMS of an AdamW step, so Muon and AdamW groups share ``lr`` (Liu et al.,
-  "Muon is Scalable for LLM Training", arXiv 2502.16982).
-- What a RowNorm head step does to each token row: with ``n_i`` the unit-length centred momentum
-  rows and ``n̄`` their mean, the step's rows are ``s_i = -head_lr·(n_i - n̄)``. Every row lies at
-  distance exactly ``head_lr`` from the common point ``head_lr·n̄``, so ``D(step) <= 2·head_lr``;
-  moving all rows by that common vector (a shift the softmax cannot see) would give every row
-  norm ``head_lr``. The stored rows' own norms are *not* all ``head_lr``: they spread over
-  ``head_lr·(1 ± ||n̄||)`` (rows whose centred momentum is below ``eps`` move less). Weight
-  decay adds ``-head_lr·wd·W``. With ``tied="head"`` (no centring) every row norm is
-  ``head_lr``. See the geometry page (docs/geometry.md) for the proofs.
-- Default head rates, from the head study's learning-rate sweep (docs/results/head_study.md:
-  base rate 0.006, V 4096, d 128, a factor-3 grid per head on one seed, lowest final validation
-  loss): ``head_lr = HEAD_LR_MULTIPLIERS[head] · lr``, i.e. RowNorm ``5·lr`` (chosen 0.03),
-  AdamW ``3·lr`` and Muon ``3·lr`` (chosen 0.018 each). Each head therefore gets its own
-  tuned-at-small-scale rate by default, so ``head=`` comparisons are fair without options; the
-  grid is a factor 3 apart, so treat the multipliers as accurate to about ``sqrt(3)``, and set
-  ``head_learning_rate`` directly for a model much wider or narrower than ``d = 128``.
-- The head momentum is an EMA ``M = β M + (1-β) G`` in float32, without Nesterov, before the
-  normalisation (Lau & Su's ``RowNormM``, arXiv 2605.18106). Hidden momentum is ``optax.trace``
-  (``M = β M + G``) with Nesterov as in Muon; the two forms differ by the factor ``1/(1-β)``,
-  which the normalisation after them removes (up to eps).
-- The head momentum and step stay float32 whatever the parameter dtype (means and norms are
-  never taken in bf16); ``optax.apply_updates`` casts the step to the parameter's dtype.
-- Weight decay 0.1 for the matrices (hidden, head, embedding), 0 for vectors. `track_row_diameter`
-  sits at the very end of the head chain so it measures the step the softmax sees, weight decay
-  included. It measures the first step and every ``track_every_k_steps``-th (default 10,
-  which divides the usual logging intervals 10, 50, 100, 1000): its ``O(Vd)`` passes would
-  otherwise cost about as much as the RowNorm step itself on every step. Pass your logging
-  interval (or 1 to measure every step).
+Why the defaults follow from one learning rate (RMS-matched Muon, the head rate as a radius, the
+head study's multipliers, EMA head momentum in float32): docs/guides/learning-rates.md. How the
+head's vocabulary axis and Muon's matrix axes are read from the shapes:
+docs/guides/labels.md. The RowNorm step itself: docs/geometry.md ("The reference step").
 
-Shapes, not only names, decide the rest (`label_params` reads the vocabulary size ``V`` and the
-width ``d`` from the token embedding): the head's vocabulary axis is ``head_vocab_axis`` if
-given, else the one axis of size ``V``, else inferred from the name (``kernel`` → 1,
-``embedding``/``weight`` → 0); hidden kernels of rank 3–4 (per-head attention, einsum and
-``DenseGeneral`` kernels, scanned layers with a layer axis) get Muon dimension numbers from the
-layout, or an error naming the leaf. With ``tied="head"`` the tied table is trained by RowNorm
-*without* centring: the shift is no symmetry of an input embedding and its gradient is not
-zero-sum.
+`track_row_diameter` ends the head chain so it measures the step the softmax sees; it measures
+the first step and every ``track_every_k_steps``-th (default 10): docs/guides/diagnostics.md.
 """
 
 from __future__ import annotations
@@ -70,20 +40,18 @@ import jax.numpy as jnp
 import optax
 
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import (
-    _box_types,
-    _lookup,
-    _shape,
-    leaf_shape,
-    make_labeler,
-    map_with_paths,
-    model_layout,
-    partition_by_label,
-    tree_paths,
-)
+from rowgeom._labels import label_table, make_labeler, model_layout, partition_by_label
 from rowgeom._layout import LayoutError, muon_axes, vocab_axis_of
 from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers, muon_orthogonalize
 from rowgeom._rownorm import projected_rownorm
+from rowgeom._tree import (
+    is_masked,
+    leaf_shape,
+    lookup_prefix,
+    map_with_paths,
+    path_str,
+    tree_paths,
+)
 
 HEADS = ("rownorm", "adamw", "muon")
 HEAD_LR_MULTIPLIERS = types.MappingProxyType({"rownorm": 5.0, "adamw": 3.0, "muon": 3.0})
@@ -121,12 +89,13 @@ _INJECT_HINT = ("under optax.inject_hyperparams list it in static_args "
 
 
 def infer_head_vocab_axis(path: tuple[str, ...], shape: tuple[int, ...]) -> int:
-    """The vocabulary axis of a rank-2 head parameter from its name (see module docstring)."""
+    """The vocabulary axis of a rank-2 head parameter from its name: ``kernel`` ``(d, V)`` -> 1,
+    ``embedding`` or ``weight`` ``(V, d)`` -> 0; anything else raises naming the leaf."""
     name = path[-1].lower() if path else ""
     if name in _VOCAB_AXIS_BY_NAME and len(shape) == 2:
         return _VOCAB_AXIS_BY_NAME[name]
     raise ValueError(
-        f"cannot infer the vocabulary axis of head parameter {'/'.join(path) or '<root>'!r} "
+        f"cannot infer the vocabulary axis of head parameter {path_str(path) or '<root>'!r} "
         f"(shape {tuple(shape)}): it has not exactly one axis of the vocabulary size, and only "
         "rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' or 'weight' ((V, d) -> 0) are "
         "recognised by name. Pass head_vocab_axis=<int>")
@@ -260,15 +229,12 @@ def plan_leaves(params: Any, *, labels: Any = None, tied: str | None = None,
                 head: str = "rownorm", head_vocab_axis: int | None = None,
                 muon_dimension_numbers: Any = None) -> list[LeafPlan]:
     """Label, Muon matrix axes and head vocabulary axis of every leaf (raises naming a leaf)."""
-    box_types = _box_types()
-    labeler = make_labeler(tied=tied) if labels is None else labels
-    tree = labeler(params) if callable(labeler) else labeler
-    table = {p: lab for p, lab in tree_paths(tree)}
+    table = label_table(make_labeler(tied=tied) if labels is None else labels, params)
     leaves = []
     for path, x in tree_paths(params):
-        found, label = _lookup(table, path)
-        leaves.append((path, _shape(x, box_types), label if found else None))
-    missing = ["/".join(p) for p, _, lab in leaves if lab is None]
+        found, label = lookup_prefix(table, path)
+        leaves.append((path, leaf_shape(x), label if found else None))
+    missing = [path_str(p) for p, _, lab in leaves if lab is None]
     if missing:
         raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
     layout = model_layout(leaves)
@@ -292,7 +258,7 @@ def plan_leaves(params: Any, *, labels: Any = None, tied: str | None = None,
         if unknown:
             raise ValueError(f"muon_dimension_numbers names {unknown}, which are not hidden "
                              "parameters (or their parents); hidden parameters are "
-                             f"{sorted('/'.join(p) for p in hidden)}")
+                             f"{sorted(path_str(p) for p in hidden)}")
     plans = []
     for path, shape, label in leaves:
         dims = axis = None
@@ -301,7 +267,7 @@ def plan_leaves(params: Any, *, labels: Any = None, tied: str | None = None,
             dims = (overrides[max(given, key=len)] if given
                     else _infer_dims(path, shape, layout))
         elif label == "head" and head == "muon" and len(shape) != 2:
-            raise ValueError(f"head={head!r}: the head {'/'.join(path)} {shape} must be a "
+            raise ValueError(f"head={head!r}: the head {path_str(path)} {shape} must be a "
                              "single matrix (rank 2)")
         if label == "head":
             axis = head_vocab_axis
@@ -323,7 +289,7 @@ def _infer_dims(path, shape, layout) -> MuonDimensionNumbers:
     try:
         red, out = muon_axes(path, shape, layout.width, layout.stacks)
     except LayoutError as err:
-        key = "/".join(path)
+        key = path_str(path)
         raise ValueError(
             f"lm_optimizer: cannot infer Muon's matrix axes of a hidden parameter: {err}. "
             f"Say them with muon_dimension_numbers={{{key!r}: rowgeom.MuonDimensionNumbers("
@@ -361,10 +327,6 @@ def _with_plans(inner, plans: _Plans, make) -> optax.GradientTransformationExtra
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _masked(x) -> bool:
-    return x is None or isinstance(x, optax.MaskedNode)
-
-
 def lm_optimizer(
     learning_rate: float | Callable[[Any], Any],
     *,
@@ -399,10 +361,10 @@ def lm_optimizer(
     """Muon for hidden matrices, projected RowNorm (or AdamW / Muon) for the head, AdamW else.
 
     Args:
-      learning_rate: float or schedule; every group's default derives from it (module docstring,
-        `lm_optimizer_hparams`): hidden, embedding and vector use it as is, the head
-        ``HEAD_LR_MULTIPLIERS[head]`` times it (RowNorm 5, AdamW 3, Muon 3: the head study's
-        sweep). Derived rates of a schedule are schedules.
+      learning_rate: float or schedule; every group's default derives from it
+        (`lm_optimizer_hparams`; the guide "Learning rates and radii"): hidden, embedding and
+        vector use it as is, the head ``HEAD_LR_MULTIPLIERS[head]`` times it (RowNorm 5, AdamW
+        3, Muon 3: the head study's sweep). Derived rates of a schedule are schedules.
       head: ``"rownorm"`` (projected RowNorm, arXiv 2608.22253), ``"adamw"`` or ``"muon"``.
       labels: None (``rowgeom.label_params`` defaults with `tied`), a tree of labels or a
         callable ``params -> labels`` (e.g. ``rowgeom.make_labeler(...)``); labels must be in
@@ -431,13 +393,13 @@ def lm_optimizer(
       muon_scale: ``rowgeom.muon_orthogonalize`` ``scale`` (``"rms"``: step RMS 0.2).
       muon_dimension_numbers: None (inferred per hidden leaf from the model layout: rank 2 is
         ``(in, out)``; scanned layers' layer axis and rank 3–4 attention/einsum kernels as in
-        the module docstring; an ambiguous leaf raises, naming it); a mapping
+        the guide "Labels and partitioning"; an ambiguous leaf raises, naming it); a mapping
         ``{"/"-joined path: MuonDimensionNumbers}`` overriding the inference for those leaves or
         subtrees (rowgeom's or ``optax.contrib``'s type); or, as in
         ``rowgeom.muon_orthogonalize``, one ``MuonDimensionNumbers`` for every hidden leaf, a
         tree or a callable (no inference).
       head_vocab_axis: int vocabulary axis of every head leaf; None: the one axis of size ``V``,
-        else by name (module docstring).
+        else by name (``kernel`` -> 1, ``embedding``/``weight`` -> 0).
       head_rescale: ``None``, ``"exact"`` or ``"bound"``: ``projected_rownorm``'s ``rescale`` for
         a RowNorm head: ``"exact"`` multiplies the direction by ``2/D(S*)`` so that the step
         (before weight decay) has ``D = 2·head_lr`` exactly, the whole diameter budget
@@ -488,6 +450,41 @@ def lm_optimizer(
         hidden_weight_decay=hidden_weight_decay, head_weight_decay=head_weight_decay,
         embedding_weight_decay=embedding_weight_decay, vector_weight_decay=vector_weight_decay,
         momentum=momentum, head_momentum=head_momentum, adam_b1=adam_b1)
+    ns_steps, head_num_valid, head_vocab_axis, track_every_k_steps = _static_options(
+        ns_steps, head_num_valid, head_vocab_axis, track_every_k_steps, ns_coeffs,
+        muon_dimension_numbers)
+    labels = _labeler(labels, tied)
+
+    # The whole tree's plan (labels, layout) is made once per init/update; the group
+    # transforms, which see only their masked share of the tree, read it by path.
+    plans = _Plans()
+    infer_dims = muon_dimension_numbers is None or _is_dims_override(muon_dimension_numbers)
+    head_axes = _planned_head_axes(plans, head_vocab_axis)
+    muon = dict(ns_steps=ns_steps, ns_coeffs=ns_coeffs, scale=muon_scale)
+    adam = dict(b1=adam_b1, b2=adam_b2, eps=adam_eps)
+    h, g, e, v = hp["hidden"], hp["head"], hp["embedding"], hp["vector"]
+    transforms = {
+        "hidden": _muon_chain(
+            h.learning_rate, h.weight_decay, momentum=momentum, nesterov=nesterov,
+            dimension_numbers=_planned_muon_dims(plans) if infer_dims else muon_dimension_numbers,
+            **muon),
+        "head": _head_chain(
+            head, g, head_axes=head_axes, tied=tied, head_momentum=head_momentum,
+            nesterov=nesterov, head_rescale=head_rescale, head_num_valid=head_num_valid,
+            track_head=track_head, track_every_k_steps=track_every_k_steps, muon=muon,
+            adam=adam),
+        "embedding": optax.adamw(e.learning_rate, weight_decay=e.weight_decay, **adam),
+        "vector": optax.adamw(v.learning_rate, weight_decay=v.weight_decay, **adam),
+    }
+    make = lambda tree: plan_leaves(
+        tree, labels=labels, tied=tied, head=head, head_vocab_axis=head_vocab_axis,
+        muon_dimension_numbers=muon_dimension_numbers if infer_dims else _NO_INFERENCE)
+    return _with_plans(partition_by_label(transforms, labels), plans, make)
+
+
+def _static_options(ns_steps, head_num_valid, head_vocab_axis, track_every_k_steps, ns_coeffs,
+                    muon_dimension_numbers) -> tuple[int, int | None, int | None, int]:
+    """The options that must be static (not injected): checked, with defaults filled in."""
     ns_steps = _static_int(_or(ns_steps, DEFAULT_NS_STEPS), "ns_steps")
     if head_num_valid is not None:
         head_num_valid = _static_int(head_num_valid, "head_num_valid")
@@ -501,38 +498,47 @@ def lm_optimizer(
     if isinstance(ns_coeffs, jax.Array):
         raise TypeError(f"ns_coeffs must be a preset name, a tuple or a numpy table, got a "
                         f"jax array; {_INJECT_HINT}")
+    if isinstance(muon_dimension_numbers, jax.Array):
+        raise TypeError(f"muon_dimension_numbers must not be an array; {_INJECT_HINT}")
+    return ns_steps, head_num_valid, head_vocab_axis, track_every_k_steps
+
+
+def _labeler(labels, tied):
+    """`labels` as given, or `label_params`' defaults with `tied` when None."""
     if labels is None:
-        labels = make_labeler(tied=tied)
-    elif isinstance(labels, (str, jax.Array)):
+        return make_labeler(tied=tied)
+    if isinstance(labels, (str, jax.Array)):
         # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
         raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
                         f"{_INJECT_HINT}")
-    if isinstance(muon_dimension_numbers, jax.Array):
-        raise TypeError(f"muon_dimension_numbers must not be an array; {_INJECT_HINT}")
+    return labels
 
-    plans = _Plans()
-    infer_dims = muon_dimension_numbers is None or _is_dims_override(muon_dimension_numbers)
-    hidden_dims = muon_dimension_numbers
-    if infer_dims:
-        hidden_dims = lambda tree: map_with_paths(
-            lambda p, x: None if _masked(x) else _planned(plans, p, x).muon_dims, tree,
-            is_leaf=_masked)
 
-    def head_axes(tree):
-        def axis(path, leaf):
-            if _masked(leaf):
-                return None  # not a head parameter: the partition masked it out
-            plan = plans.get(path)
-            if plan is not None:
-                return plan.vocab_axis
-            if head_vocab_axis is not None:
-                return head_vocab_axis
-            return infer_head_vocab_axis(path, leaf_shape(leaf))
-        return map_with_paths(axis, tree, is_leaf=_masked)
+def _planned_muon_dims(plans: _Plans):
+    """Muon's ``dimension_numbers`` callable: each hidden leaf's inferred axes, by path."""
+    return lambda tree: map_with_paths(
+        lambda p, x: None if is_masked(x) else _planned(plans, p, x).muon_dims, tree,
+        is_leaf=is_masked)
 
-    muon = dict(ns_steps=ns_steps, ns_coeffs=ns_coeffs, scale=muon_scale)
-    adam = dict(b1=adam_b1, b2=adam_b2, eps=adam_eps)
-    g = hp["head"]
+
+def _planned_head_axes(plans: _Plans, head_vocab_axis: int | None):
+    """The head transforms' ``vocab_axis`` callable: each head leaf's planned axis, by path."""
+    def axis(path, leaf):
+        if is_masked(leaf):
+            return None  # not a head parameter: the partition masked it out
+        plan = plans.get(path)
+        if plan is not None:
+            return plan.vocab_axis
+        if head_vocab_axis is not None:
+            return head_vocab_axis
+        return infer_head_vocab_axis(path, leaf_shape(leaf))
+
+    return lambda tree: map_with_paths(axis, tree, is_leaf=is_masked)
+
+
+def _head_chain(head: str, g: GroupHyperparams, *, head_axes, tied, head_momentum, nesterov,
+                head_rescale, head_num_valid, track_head, track_every_k_steps, muon, adam):
+    """The head group's chain (the module docstring's table), the tracker last."""
     if head == "rownorm":
         center = tied != "head"  # an input embedding has no shift symmetry: no centring
         head_tx = [
@@ -551,19 +557,7 @@ def lm_optimizer(
         # Last, so it sees -lr·(U + wd·W): the step the softmax sees.
         head_tx.append(track_row_diameter(vocab_axis=head_axes,
                                           every_k_steps=track_every_k_steps))
-
-    h, e, v = hp["hidden"], hp["embedding"], hp["vector"]
-    transforms = {
-        "hidden": _muon_chain(h.learning_rate, h.weight_decay, momentum=momentum,
-                              nesterov=nesterov, dimension_numbers=hidden_dims, **muon),
-        "head": optax.chain(*head_tx),
-        "embedding": optax.adamw(e.learning_rate, weight_decay=e.weight_decay, **adam),
-        "vector": optax.adamw(v.learning_rate, weight_decay=v.weight_decay, **adam),
-    }
-    make = lambda tree: plan_leaves(
-        tree, labels=labels, tied=tied, head=head, head_vocab_axis=head_vocab_axis,
-        muon_dimension_numbers=muon_dimension_numbers if infer_dims else _NO_INFERENCE)
-    return _with_plans(partition_by_label(transforms, labels), plans, make)
+    return optax.chain(*head_tx)
 
 
 _NO_INFERENCE = MuonDimensionNumbers()  # plan_leaves: dimension numbers given, infer nothing
@@ -572,6 +566,6 @@ _NO_INFERENCE = MuonDimensionNumbers()  # plan_leaves: dimension numbers given, 
 def _planned(plans: _Plans, path, leaf) -> LeafPlan:
     plan = plans.get(path)
     if plan is None:  # only outside lm_optimizer's own init/update
-        raise ValueError(f"no layout for {'/'.join(path)}: lm_optimizer's group transforms "
+        raise ValueError(f"no layout for {path_str(path)}: lm_optimizer's group transforms "
                          "must be used through lm_optimizer")
     return plan

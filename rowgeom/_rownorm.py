@@ -1,51 +1,14 @@
-"""Projected RowNorm: the common-ball steepest-descent step for the LM head.
+"""Projected RowNorm for the LM head: ``S = P · rownorm(P · u)``, ``P = I_V - 11ᵀ/V``.
 
-For a head update with token rows ``u_i`` (one per vocabulary entry), projected RowNorm returns
+Contract: `project_rownorm` (one array) and `projected_rownorm` (the stateless optax transform)
+centre the token rows, scale each to at most unit length (``x / max(||x||, eps)``, zero rows stay
+zero) and centre again, in float32, returning the input's dtype and sign: ``D(S) <= 2`` and
+``1ᵀS = 0``. Put it after momentum and before ``optax.scale_by_learning_rate`` (radius
+``r = lr``). ``vocab_axis`` has no default: normalising over the wrong axis is silently wrong.
 
-    S = P · rownorm(P · u),    P = I_V - 11ᵀ/V,    rownorm(X)_i = x_i / max(||x_i||, eps).
-
-The inner ``P`` removes the common-mode row (the softmax cannot see it); the row normalisation
-gives every token row at most unit length; the outer ``P`` fixes the gauge ``1ᵀS = 0``.
-
-Why (arXiv 2608.22253; docs: /spec "geometry" §4): the worst-case change of the softmax under a
-head step ``W -> W + S`` is ``||h|| · D(S)``, with ``D(S) = max_{i<j} ||s_i - s_j||`` the *row
-diameter* (Hilbert's projective metric on the simplex). Asking every row to lie in a common ball,
-``||s_i - c|| <= r``, relaxes ``D(S) <= 2r``, and over ``1ᵀS = 0`` its exact steepest-descent
-step is ``-r · P rownorm(P G)`` with first-order decrease ``r · Σ_i ||(PG)_i||`` (Theorem 2).
-That decrease is within ``sqrt((k+1)/(2k)) >= 1/√2`` of the exact diameter-constrained optimum,
-``k = rank(PG)`` (Theorem 3, Jung's theorem). ``P`` commutes with EMA/Nesterov momentum, so
-centring the gradient or the momentum is the same; the row normalisation must come *after*
-momentum, i.e. put this transform after ``optax.trace``.
-
-Conventions chosen here (the paper's own are unknown):
-
-- ``eps``: ``x / max(||x||, eps)``. Any of ``max(n, eps)``, ``n + eps`` and ``sqrt(n² + eps²)``
-  keeps ``||u_i|| <= 1``, the only property ``D <= 2r`` needs; ``max`` leaves every row with
-  ``||x_i|| >= eps`` exactly unit length. Zero rows map to zero (never ``0/0``).
-- Token rows are slices along ``vocab_axis``; every other axis is a feature axis. A Flax
-  ``Dense``/``nnx.Linear`` head kernel ``(d, V)`` has ``vocab_axis=1``; an ``Embed`` table or a
-  PyTorch-layout ``(V, d)`` weight has ``vocab_axis=0``. There is no default on purpose:
-  normalising over the wrong axis is silently wrong.
-- Padded vocabularies (``num_valid``): rows at index ``>= num_valid`` are excluded from both means
-  and get a zero update.
-- Means and norms are computed in float32 whatever the input dtype; only the result is cast back.
-  Input with entries above ``2**50`` is scaled by a power of two (exact: the step is scale
-  invariant, ``eps`` is scaled alike) wherever that could matter — on CPU, when a centred row's
-  squared norm exceeds ``2**100`` or is not finite — so no finite input overflows the squared
-  row norms or the centring: finite input never gives NaN or spurious zero rows.
-  The input centring is shifted by a pivot (the mean of the first two rows, an exact float32
-  point near the rows), so rows that are a large common vector plus a tiny spread keep an
-  accurate direction, and identical rows give exactly zero.
-- Two formulations with the same numbers: on CPU (no device mesh) cache-sized passes along the
-  array's contiguous axis (one way for a ``(V, d)`` table, another for a ``(d, V)`` kernel) that
-  write the result in place over a donated input with no full-size temporary; elsewhere, and
-  under a device mesh, a masked formulation whose only cross-shard traffic for a
-  vocabulary-sharded head is the all-reduce of a few ``d``-vectors.
-- Sign: like optax ``scale_by_*`` transforms the sign of the incoming updates is kept; follow with
-  ``optax.scale_by_learning_rate`` (radius ``r = lr``, so ``D(step) <= 2 lr``).
-- Centring discards a real component of the gradient when it is not zero-sum: tied embeddings,
-  z-loss, soft-capping. Use ``center_input=False`` there (plain RowNorm), and handle a head bias
-  separately.
+Why this is the common-ball steepest-descent step and how close it is to the exact one: the
+geometry page (docs/geometry.md); its conventions (eps, padding, huge inputs, bf16, tied heads):
+that page's "Edge cases"; the CPU and mesh formulations and their cost: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -61,13 +24,9 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike
 
-from rowgeom._geometry import (
-    _row_diameter,
-    _upper_bound,
-    map_head_leaves,
-    single_device_trace,
-    vocab_axes,
-)
+from rowgeom._geometry import _row_diameter, _upper_bound
+from rowgeom._numerics import single_device_trace
+from rowgeom._tree import map_head_leaves, vocab_axes
 from rowgeom._validation import canonical_axis, check_floating, check_min_rank
 
 _RESCALE_MODES = (None, "exact", "bound")
@@ -472,7 +431,7 @@ def _rescale(s, *, axis, mode, num_valid):
 def projected_rownorm(*, vocab_axis: Any, eps: float = 1e-8, center_input: bool = True,
                       center_output: bool = True, num_valid: int | None = None,
                       rescale: str | None = None) -> optax.GradientTransformation:
-    """Projected RowNorm as a stateless optax transform (see the module docstring for the math).
+    """Projected RowNorm as a stateless optax transform (the math: `project_rownorm`).
 
     Put it after momentum (``optax.chain(optax.trace(0.95), projected_rownorm(...),
     optax.scale_by_learning_rate(lr))``); it keeps the sign of incoming updates.
@@ -519,13 +478,9 @@ def projected_rownorm(*, vocab_axis: Any, eps: float = 1e-8, center_input: bool 
                          num_valid=num_valid)
         return s.astype(jnp.result_type(u))
 
-    def init_fn(params):
-        del params
-        return optax.EmptyState()
-
     def update_fn(updates, state, params=None):
         axes = vocab_axes(vocab_axis, updates if params is None else params)
         return map_head_leaves(transform_leaf, lambda u: u, updates, axes), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 

@@ -13,6 +13,19 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 
+def check_int(value: Any, *, argname: str, minimum: int) -> int:
+    """Returns `value` as an int ``>= minimum`` (a bool is no int here), or raises naming it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{argname} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{argname} must be an int, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{argname} must be >= {minimum}, got {value}")
+    return value
+
+
 def canonical_axis(axis: Any, ndim: int, *, argname: str = "vocab_axis") -> int:
     """Returns `axis` as a non-negative int, or raises naming `argname`."""
     try:

@@ -11,7 +11,8 @@ from flax import linen as nn
 from flax import nnx
 
 import rowgeom
-from rowgeom._labels import make_labeler, tree_paths
+from rowgeom._labels import make_labeler
+from rowgeom._tree import tree_paths
 
 V, D, LAYERS = 64, 16, 2
 

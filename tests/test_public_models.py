@@ -325,7 +325,7 @@ def test_public_layout_routes_exactly(family):
         assert len(rows) == 1, f"{family}: {path} {plan.shape} matches {len(rows)} table rows"
         assert (plan.label, _geometry(plan)) == rows[0], f"{family}: {path} {plan.shape}"
     # label_params agrees with lm_optimizer's plan, leaf by leaf.
-    labels = {"/".join(p): lab for p, lab in rowgeom._labels.tree_paths(
+    labels = {"/".join(p): lab for p, lab in rowgeom._tree.tree_paths(
         rowgeom.label_params(params, tied=options.get("tied")))}
     assert labels == {"/".join(p.path): p.label for p in plans}
 

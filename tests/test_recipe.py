@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import rowgeom
-from rowgeom._labels import tree_paths
 from rowgeom._recipe import ROWNORM_HEAD_LR_MULTIPLIER, STATIC_ARGS, infer_head_vocab_axis
+from rowgeom._tree import tree_paths
 
 V, D, LAYERS, LR, WD, BETA = 64, 16, 2, 1e-2, 0.1, 0.95
 

@@ -2,8 +2,8 @@
 
 A nested dict, an ``nnx.State`` of ``nnx.Variable`` (as ``nnx.state(model)`` returns it), the same
 state as plain arrays and a Flax Linen ``{"params": ...}`` tree with boxed leaves all name a leaf
-by the same ``"/"``-joined path, the form `rowgeom.label_params` uses in its messages. Flax is
-never imported: its boxes are recognised only when the caller already loaded it.
+by the same ``"/"``-joined path, the form `rowgeom.label_params` uses in its messages: the paths
+of ``rowgeom._tree``, shown as strings (`ROOT` for a bare array).
 """
 
 from __future__ import annotations
@@ -13,26 +13,16 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from rowgeom._labels import _box_types, _key_str, _unbox
+from rowgeom._tree import flatten_with_paths, lookup_prefix, path_str, unbox
 
 ROOT = "(root)"
 """How the path of a bare array (a tree with one leaf and no keys) is shown."""
 
 
-def path_string(path) -> str:
-    """``"a/b/0"`` for a key path (DictKey, GetAttrKey, SequenceKey, ...); `ROOT` when empty."""
-    return "/".join(_key_str(k) for k in path) or ROOT
-
-
 def leaves_with_paths(tree, *, keep_none: bool = False) -> list[tuple[str, object]]:
     """``[(path, leaf)]`` in tree order, Flax boxes unwrapped into their values."""
-    boxes = _box_types()
-
-    def is_leaf(x):
-        return (keep_none and x is None) or (bool(boxes) and isinstance(x, boxes))
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(path_string(p), _unbox(x, boxes)) for p, x in flat]
+    flat, _ = flatten_with_paths(tree, is_leaf=(lambda x: x is None) if keep_none else None)
+    return [(path_str(p) or ROOT, unbox(x)) for p, x in flat]
 
 
 def components(path: str) -> tuple[str, ...]:
@@ -42,12 +32,8 @@ def components(path: str) -> tuple[str, ...]:
 def prefix_lookup(table: dict[str, object], path: str):
     """``(key, value)`` of the longest entry of `table` that is a whole-component prefix of
     `path` (``"layers"`` covers ``"layers/0/kernel"``, not ``"layers_norm/scale"``)."""
-    parts = components(path)
-    for n in range(len(parts), -1, -1):
-        key = "/".join(parts[:n]) or ROOT
-        if key in table:
-            return key, table[key]
-    return None, None
+    found, key = lookup_prefix({components(k): k for k in table}, components(path))
+    return (key, table[key]) if found else (None, None)
 
 
 def per_leaf_axes(vocab_axis, tree, *, argname: str = "vocab_axis", rank=(2, None)):
