@@ -75,6 +75,7 @@ def _public_docstring(name: str) -> str:
     return _constant_docstrings(module).get(name, "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
 def test_docstring_example(test):
     runner = doctest.DocTestRunner(optionflags=OPTIONS)

@@ -144,6 +144,7 @@ def test_every_param_is_annotated_for_sharding():
         assert len(EXPECTED_SPECS[key]) == var.ndim, path
 
 
+@pytest.mark.slow
 def test_sharded_on_8_simulated_devices_matches_one_device(tmp_path):
     """Parameters placed by their annotations on a (2, 2, 2) mesh give the single-device logits."""
     script = textwrap.dedent("""

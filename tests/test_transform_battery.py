@@ -142,6 +142,7 @@ def test_eval_shape_init_matches_init(case):
 # --- optax wrappers ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @CASES
 def test_inject_hyperparams(case):
     """Same steps as the plain transform; a numeric hyperparameter changed in the state takes
@@ -161,6 +162,7 @@ def test_inject_hyperparams(case):
     _assert_trees_close(updates, want, what=f"second step, hyperparameters x{factor}")
 
 
+@pytest.mark.slow
 @CASES
 def test_multi_steps_equals_one_step_on_the_mean(case):
     tx, params, grads, plain_step, _, _ = _plain_steps(case.name)
@@ -176,6 +178,7 @@ def test_multi_steps_equals_one_step_on_the_mean(case):
     _assert_trees_close(state.inner_opt_state, want_state, what="MultiSteps state")
 
 
+@pytest.mark.slow
 @CASES
 def test_apply_if_finite_skips_a_nan_step(case):
     tx, params, grads, _, outs, _ = _plain_steps(case.name)
@@ -225,6 +228,7 @@ def _nnx_train_step(model, optimizer, grads):
     optimizer.update(model, grads)
 
 
+@pytest.mark.slow
 @CASES
 def test_nnx_optimizer_matches_plain_pytree(case):
     """`nnx.Optimizer` (Variable-wrapped params in init, arrays in update, nnx.jit) takes the
