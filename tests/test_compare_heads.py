@@ -33,6 +33,7 @@ def quick(tmp_path_factory, small_corpus):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_records_and_rate_choice(quick):
     _, out, result = quick
     saved = json.loads((out / "head_study.json").read_text())
@@ -52,6 +53,7 @@ def test_quick_study_records_and_rate_choice(quick):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_last_k_geometry(quick):
     """Per-step probes on the last K steps; RowNorm's D(step) <= 2 lr, rescaled: = 2 lr."""
     _, out, _ = quick
@@ -76,6 +78,7 @@ def test_quick_study_last_k_geometry(quick):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_report(quick):
     """Summary ratios recomputed from the raw records; markdown table and plot written."""
     _, out, _ = quick
@@ -101,6 +104,7 @@ def test_quick_study_report(quick):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_resumes_without_training(quick, monkeypatch):
     workdir, out, result = quick
 

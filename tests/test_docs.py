@@ -116,6 +116,7 @@ def test_nav_pages_and_figures_exist():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocess has 600 s
 def test_benchmark_suite_quick_mode(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--out",

@@ -249,6 +249,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # module fixtures train, then a 240 s subprocess
 def test_eight_devices_match_one(baseline, corpus, interrupted):
     """8 simulated devices (data=2, fsdp=2, tensor=2): a fresh run, and a resume from the 1-device
     checkpoint at step 3, both match the 1-device run."""
