@@ -23,6 +23,10 @@ DEFAULT_TIMEOUT_S = 240
 TAIL_CHARS = 4000
 
 
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+
+
 class ModuleSubprocess:
     """`python SCRIPT ARGS...` (or any argv), started once; see the module docstring."""
 
@@ -59,7 +63,8 @@ class ModuleSubprocess:
             self._failure = f"{self.name} ran past its {self.timeout_s:.0f} s timeout"
         except BaseException as e:  # e.g. pytest-timeout's signal: leave no process behind
             self.close()
-            self._failure = f"{self.name} was interrupted ({type(e).__name__})"
+            self._failure = f"{self.name} was interrupted ({type(e).__name__}: {e})"
+            self._reported_by = _current_test()
             raise
         else:
             if proc.returncode == 0:
@@ -74,10 +79,10 @@ class ModuleSubprocess:
             self._wait()
         if self._failure is not None:
             if self._reported_by is None:
-                self._reported_by = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+                self._reported_by = _current_test()
                 pytest.fail(self._failure, pytrace=False)
             headline = self._failure.splitlines()[0]
-            pytest.fail(f"{headline} (its stderr is in the failure of {self._reported_by})",
+            pytest.fail(f"{headline} (see the failure of {self._reported_by})",
                         pytrace=False)
         assert self._stdout is not None
         return self._stdout
