@@ -3,6 +3,11 @@
 - Rank promotion raises, so a silently broadcast axis is a test failure.
 - Hypothesis: a `ci` profile (few examples, few shapes: JIT compiles dominate the suite's time)
   and a `thorough` profile (>= 1000 examples per property), chosen with HYPOTHESIS_PROFILE.
+- Markers are strict; `slow` marks end-to-end, subprocess and long tests, which
+  `python -m pytest -q -m "not slow"` skips (CI runs everything; see CONTRIBUTING.md).
+- Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml);
+  scripts that need their own process (8 simulated devices) run once per module through
+  `_subprocess.ModuleSubprocess`, with a shorter timeout of their own.
 """
 
 import os

@@ -32,6 +32,8 @@ def quick(tmp_path_factory, small_corpus):
     return workdir, out, result
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_records_and_rate_choice(quick):
     _, out, result = quick
     saved = json.loads((out / "head_study.json").read_text())
@@ -50,6 +52,8 @@ def test_quick_study_records_and_rate_choice(quick):
     assert result["summary"] == saved["summary"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_last_k_geometry(quick):
     """Per-step probes on the last K steps; RowNorm's D(step) <= 2 lr, rescaled: = 2 lr."""
     _, out, _ = quick
@@ -73,6 +77,8 @@ def test_quick_study_last_k_geometry(quick):
         assert np.isfinite(r["final_val_loss"]) and r["final_step"] == steps
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_report(quick):
     """Summary ratios recomputed from the raw records; markdown table and plot written."""
     _, out, _ = quick
@@ -97,6 +103,8 @@ def test_quick_study_report(quick):
     assert (out / "head_study_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # may build the `quick` fixture (trains the example)
 def test_quick_study_resumes_without_training(quick, monkeypatch):
     workdir, out, result = quick
 

@@ -1,21 +1,24 @@
-"""Crash-safe resume: kill the example trainer at random points, resume, match a clean run.
+"""Crash-safe resume: kill the example trainer at known points, resume, match a clean run.
 
-The command-line trainer (`examples.lm.train`, tiny `test` config) is started in a subprocess
-and stopped ten times: with SIGKILL during start-up and restore, in the middle of training steps,
-and while an asynchronous orbax checkpoint is being written (the moment its temporary directory
-appears); and with SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) after a
-step, which must save a checkpoint at the current step and exit with status 0. Each relaunch is
-the same command: a workdir with checkpoints is resumed by default. The test checks that
+The trainer's command line (tiny `test` config) runs in a subprocess through
+`tests/_crash_trainer.py`, which stops it at a planned point of its run (`KILLS`): SIGKILL while
+restoring a checkpoint at start-up, after a training step, while an asynchronous orbax checkpoint
+is being written (its directory exists, its finalization is held back) and when all its arrays are
+written but orbax has not yet finalized it; and SIGTERM (what a preempted Cloud TPU VM or a
+cluster scheduler sends) after a step, which must save a checkpoint at that step and exit with
+status 0. The kills are placed by hooks inside the process, not at wall-clock moments, so every
+launch does the same work on a fast or a loaded machine, and what is on disk after each kill is
+known in advance. Each relaunch is the same command: a workdir with checkpoints is resumed by
+default. The test checks that
 
-- every relaunch resumes from the newest *complete* checkpoint (a half-written one, left behind as
-  orbax's temporary directory, is never restored, and at least one kill must leave one);
+- every relaunch resumes from the newest *finalized* checkpoint (told apart from a half-written
+  one with orbax's public `orbax.checkpoint.path.step` helpers), never a half-written newer one,
+  of which the writing / finalizing kills leave one each;
 - a SIGTERM leaves a complete checkpoint of the step the run had reached, and the run exits 0;
 - after the last relaunch finishes, `metrics.jsonl` is identical to an uninterrupted run's (bit for
   bit, apart from the wall-clock throughput keys) and the whole final train state (parameters,
   optimizer state, step, RNG key) is bit-identical.
 
-Kill points come from a seeded RNG; the triggers are progress events (metrics lines, checkpoint
-directories) rather than wall-clock times alone, so the test does the same work on a slow machine.
 All runs share one prebuilt token cache (no run retrains the tokenizer) and one persistent XLA
 compilation cache, which the uninterrupted run fills first.
 """
@@ -26,9 +29,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import _crash_trainer
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +40,32 @@ import pytest
 from examples.lm import checkpointing, configs, data, metrics, resume
 
 REPO = Path(__file__).resolve().parents[1]
+WRAPPER = Path(__file__).with_name("_crash_trainer.py")
 STEPS, SAVE_EVERY, KEEP = 12, 2, 2
-KILLS = 10
-TMP_MARK = ".orbax-checkpoint-tmp"
-LAUNCH_TIMEOUT = 180
+LAUNCH_TIMEOUT_S = 150  # one launch: start-up, restore, compiles (cached) and a few steps
+
+# (kill point, its step, the checkpoint the launch restores, finalized checkpoints after it).
+# Saves at every even step, the last two kept; see _crash_trainer.py for the points.
+KILLS = [
+    ("finalizing", 2, None, []),     # the first checkpoint: all written, never finalized
+    ("step", 3, None, [2]),          # fresh start again; checkpoint 2 completes
+    ("writing", 4, 2, [2]),          # half-written 4
+    ("restore", 2, 2, [2]),          # start-up, while restoring
+    ("sigterm", 5, 2, [4, 5]),       # preempted after step 5: saves 5 (2 is dropped, keep=2)
+    ("finalizing", 8, 5, [5, 6]),    # 6 completes, 8 is written but never finalized
+    ("step", 9, 6, [6, 8]),
+    ("sigterm", 10, 8, [8, 10]),     # on a save step: that save is the preemption checkpoint
+    ("writing", 12, 10, [8, 10]),    # the final checkpoint, after the last metrics line
+    ("restore", 10, 10, [8, 10]),
+]
+
+
+def trainer_args(root, workdir) -> list[str]:
+    """The trainer's command line (without the program), the same for every launch."""
+    return ["--config", "test", "--workdir", str(workdir), "--no-progress",
+            "--data.source", str(root / "corpus"), f"--data.dir={root / 'tokens'}",
+            "--steps", str(STEPS), "--checkpoint.every", str(SAVE_EVERY), "--eval.every", "4",
+            "--checkpoint.keep", str(KEEP)]
 
 
 @pytest.fixture(scope="module")
@@ -48,172 +73,87 @@ def root(tmp_path_factory, small_corpus):
     return small_corpus(tmp_path_factory.mktemp("crash"), tokenize=True)
 
 
-def _command(root, workdir):
-    return [sys.executable, "-m", "examples.lm.train", "--config", "test",
-            "--workdir", str(workdir), "--no-progress",
-            "--data.source", str(root / "corpus"), f"--data.dir={root / 'tokens'}",
-            "--steps", str(STEPS), "--checkpoint.every", str(SAVE_EVERY), "--eval.every", "4",
-            "--checkpoint.keep", str(KEEP)]
-
-
-def _env(root):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+def _env(root, kill=None):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", _crash_trainer.KILL_ENV)}
+    env |= {"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
             "PYTHONUNBUFFERED": "1",  # the resume message must reach the log before a kill
             "JAX_COMPILATION_CACHE_DIR": str(root / "xla_cache"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    if kill is not None:
+        env[_crash_trainer.KILL_ENV] = kill
+    return env
 
 
-def _complete_steps(ckdir: Path) -> list[int]:
-    """Checkpoint directories orbax has finalized (renamed from their temporary name)."""
+def _launch(root, workdir, kill=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(WRAPPER), *trainer_args(root, workdir)],
+                          env=_env(root, kill), cwd=REPO, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+
+
+def _finalized_steps(ckdir: Path) -> list[int]:
+    """Checkpoints orbax has finalized (public API: orbax.checkpoint.path.step)."""
+    from orbax.checkpoint.path import step as step_lib
+
     if not ckdir.is_dir():
         return []
-    return sorted(int(p.name) for p in ckdir.iterdir() if p.name.isdigit())
+    return sorted(step_lib.step_from_checkpoint_name(p.name)
+                  for p in step_lib.checkpoint_steps_paths(ckdir))
 
 
-def _partial(ckdir: Path) -> set[tuple[str, int, int]]:
-    """Temporary (half-written) checkpoint directories as (name, inode, mtime): orbax reuses a
-    step's temporary name, and the file system may reuse its inode."""
-    found = set()
-    try:
-        for p in ckdir.iterdir():
-            if TMP_MARK in p.name:
-                st = p.stat()
-                found.add((p.name, st.st_ino, st.st_mtime_ns))
-    except FileNotFoundError:  # no directory yet, or one vanished while listing
-        pass
-    return found
+def _tail(proc) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-2000:]}\n--- stderr\n" \
+           f"{proc.stderr[-3000:]}"
 
 
-def _last_step(workdir: Path, log_path: Path) -> int:
-    """The last step this launch logged (0 before it has truncated the old metrics)."""
-    if "process(es);" not in log_path.read_text():  # printed after the truncation
-        return 0
-    try:
-        lines = (workdir / metrics.METRICS_FILE).read_bytes().splitlines()
-    except FileNotFoundError:
-        return 0
-    match = re.match(rb'\{"step": (\d+),', lines[-1]) if lines else None
-    return int(match.group(1)) if match else 0
-
-
-def _launch_and_kill(cmd, env, log_path, workdir, mode, rng):
-    """Start `cmd`, SIGKILL it when `mode`'s trigger fires; returns a description of the kill.
-
-    Triggers leave room for progress (a checkpoint completes once the step after the next save
-    step has been logged) but never let the run finish: it always has step STEPS left to do,
-    or is killed while writing its final checkpoint.
-    """
-    ckdir = workdir / "checkpoints"
-    resume_from = max(_complete_steps(ckdir), default=0)
-    old_partial = _partial(ckdir)
-    if mode == "startup":  # imports, restore, compilation: before the first new step
-        deadline = rng.uniform(0.2, 2.0)
-        trigger = f"{deadline:.2f} s after launch"
-    elif mode == "step":  # inside the training loop, at a random time after a step
-        target = min(resume_from + int(rng.integers(1, 6)), STEPS - 1)
-        delay = rng.uniform(0.0, 0.3)
-        trigger = f"{delay:.2f} s after step {target}"
-    elif mode == "sigterm":  # a preemption notice after a random step
-        # Early enough that the signal lands before the last step (which just finishes).
-        target = min(resume_from + int(rng.integers(1, 4)), STEPS - 3)
-        trigger = f"SIGTERM after step {target}"
-    else:  # "save": while orbax writes a checkpoint (its temporary directory exists)
-        armed_at = min(resume_from + int(rng.integers(1, 5)), STEPS - 1)
-        trigger = f"writing the first checkpoint after step {armed_at}"
-        armed = None
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        start = time.monotonic()
-        try:
-            while proc.poll() is None:
-                assert time.monotonic() - start < LAUNCH_TIMEOUT, f"{mode} kill: no trigger"
-                if mode == "startup" and time.monotonic() - start >= deadline:
-                    break
-                if mode == "step" and _last_step(workdir, log_path) >= target:
-                    time.sleep(delay)
-                    break
-                if mode == "sigterm" and _last_step(workdir, log_path) >= target:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=LAUNCH_TIMEOUT)
-                    assert proc.returncode == 0, Path(log_path).read_text()[-3000:]
-                    text = Path(log_path).read_text()
-                    saved = int(re.search(r"saved a checkpoint at step (\d+)", text).group(1))
-                    assert saved >= target and max(_complete_steps(ckdir)) == saved, text
-                    return {"mode": mode, "trigger": trigger, "resume_from": resume_from,
-                            "complete_after": _complete_steps(ckdir), "partial_after": []}
-                if mode == "save":
-                    last = _last_step(workdir, log_path)
-                    if armed is None and last >= armed_at:
-                        armed = _partial(ckdir)
-                    # A new temporary directory or, should the poll miss it, the next save step's
-                    # metrics line (the save starts right after it is written).
-                    if armed is not None and (_partial(ckdir) - armed or (
-                            last > armed_at and last % SAVE_EVERY == 0)):
-                        break
-                time.sleep(0.002)
-            killed = proc.poll() is None
-        finally:
-            proc.kill()
-            proc.wait()
-    assert killed, f"{mode} kill ({trigger}) came too late: the run exited with " \
-                   f"{proc.returncode}\n{Path(log_path).read_text()[-3000:]}"
-    assert proc.returncode == -signal.SIGKILL
-    partial = sorted(name for name, *_ in _partial(ckdir) - old_partial)
-    return {"mode": mode, "trigger": trigger, "resume_from": resume_from,
-            "complete_after": _complete_steps(ckdir), "partial_after": partial}
-
-
-def _expected_resume_line(resume_from, workdir):
-    if resume_from == 0:
+def _resume_line(restores, workdir) -> str:
+    if restores is None:
         return "no checkpoint in"
-    return f"resumed from step {resume_from} ({workdir / 'checkpoints'})"
+    return f"resumed from step {restores} ({workdir / 'checkpoints'})"
 
 
-def test_sigkill_resume_is_bit_identical(root, final_checkpoint):
-    env = _env(root)
-    baseline = root / "baseline"
-    clean = subprocess.run(_command(root, baseline), env=env, cwd=REPO, capture_output=True,
-                           text=True, timeout=LAUNCH_TIMEOUT)
-    assert clean.returncode == 0, clean.stdout[-2000:] + clean.stderr[-4000:]
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # 12 launches, each bounded by LAUNCH_TIMEOUT_S
+def test_killed_and_resumed_run_is_bit_identical(root, final_checkpoint):
+    clean = _launch(root, root / "baseline")
+    assert clean.returncode == 0, _tail(clean)
 
     workdir = root / "killed"
-    cmd = _command(root, workdir)
-    rng = np.random.default_rng(20261130)
-    modes = list(rng.permutation(["startup"] * 2 + ["step"] * 2 + ["sigterm"] * 2
-                                 + ["save"] * 4))
-    kills = []
-    for i, mode in enumerate(modes):
-        kill = _launch_and_kill(cmd, env, root / f"launch{i}.log", workdir, str(mode), rng)
-        if mode != "startup":  # a start-up kill may come before the restore
-            # The relaunch restored the newest *complete* checkpoint, never a partial one.
-            text = (root / f"launch{i}.log").read_text()
-            assert _expected_resume_line(kill["resume_from"], workdir) in text, text[-3000:]
-        kills.append(kill)
-    assert len(kills) == KILLS
+    ckdir = workdir / "checkpoints"
+    half_written = []
+    for i, (point, at, restores, finalized_after) in enumerate(KILLS):
+        what = f"launch {i} ({point}:{at})"
+        assert max(_finalized_steps(ckdir), default=None) == restores, what
+        proc = _launch(root, workdir, kill=f"{point}:{at}")
+        if point == "sigterm":
+            assert proc.returncode == 0, f"{what}: {_tail(proc)}"
+            assert f"saved a checkpoint at step {at} in" in proc.stdout, f"{what}: {_tail(proc)}"
+        else:
+            assert proc.returncode == -signal.SIGKILL, f"{what} was not killed: {_tail(proc)}"
+        if point != "restore":  # killed before the resume message
+            assert _resume_line(restores, workdir) in proc.stdout, f"{what}: {_tail(proc)}"
+        assert _finalized_steps(ckdir) == finalized_after, what
+        unfinished = _crash_trainer.unfinalized_steps(ckdir)
+        if point in ("writing", "finalizing"):
+            # Half-written and newer than every finalized one: the next launch must skip it.
+            assert at in unfinished and at > max(finalized_after, default=0), (what, unfinished)
+            half_written.append(at)
+    assert half_written == [2, 4, 8, 12]
 
-    # Half-written checkpoints were left behind, and were newer than what the next run restored.
-    partial_kills = [k for k in kills if k["partial_after"]]
-    assert partial_kills, kills
-    for k in partial_kills:
-        steps = [int(re.match(r"\d+", name).group()) for name in k["partial_after"]]
-        assert min(steps) > max(k["complete_after"], default=0), k
-
-    final = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                           timeout=LAUNCH_TIMEOUT)
-    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-4000:]
-    resume_from = max(kills[-1]["complete_after"], default=0)
-    assert _expected_resume_line(resume_from, workdir) in final.stdout, final.stdout
+    final = _launch(root, workdir)
+    assert final.returncode == 0, _tail(final)
+    assert _resume_line(KILLS[-1][2], workdir) in final.stdout, _tail(final)
     assert final.stdout.strip().splitlines()[-1] == clean.stdout.strip().splitlines()[-1]
 
     # Bit-identical metrics (full-precision floats; wall-clock throughput aside) and train state.
-    got, expected = metrics.read_metrics(workdir), metrics.read_metrics(baseline)
+    got, expected = metrics.read_metrics(workdir), metrics.read_metrics(root / "baseline")
     assert [metrics.deterministic_part(r) for r in got] == \
         [metrics.deterministic_part(r) for r in expected]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all("tokens_per_sec" in r for r in got)
     (got, _), (expected, _) = (final_checkpoint(workdir, STEPS),
-                                final_checkpoint(baseline, STEPS))
+                                final_checkpoint(root / "baseline", STEPS))
     paths_got = jax.tree_util.tree_flatten_with_path(got)[0]
     paths_exp = jax.tree_util.tree_flatten_with_path(expected)[0]
     assert [p for p, _ in paths_got] == [p for p, _ in paths_exp]
@@ -221,9 +161,6 @@ def test_sigkill_resume_is_bit_identical(root, final_checkpoint):
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
         assert a.tobytes() == b.tobytes(), f"{jax.tree_util.keystr(path)} differs"
-    print("kills:", *(f"{k['mode']} {k['trigger']}: restored {k['resume_from']}, complete "
-                      f"{k['complete_after']}, partial {k['partial_after']}" for k in kills),
-          sep="\n  ")
 
 
 # --------------------------------------------------------------------------- safe loading

@@ -35,6 +35,7 @@ def _run(root, name, **overrides):
                    for r in metrics.read_metrics(root / name)).encode()
 
 
+@pytest.mark.slow
 def test_same_seed_same_trajectory(root):
     first, second = _run(root, "a"), _run(root, "b")
     assert first == second

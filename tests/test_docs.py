@@ -75,6 +75,7 @@ def _public_docstring(name: str) -> str:
     return _constant_docstrings(module).get(name, "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
 def test_docstring_example(test):
     runner = doctest.DocTestRunner(optionflags=OPTIONS)
@@ -115,6 +116,7 @@ def test_nav_pages_and_figures_exist():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # its subprocess has 600 s
 def test_benchmark_suite_quick_mode(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--out",

@@ -49,6 +49,7 @@ def test_pages_found():
             "guides/labels.md"} <= set(PAGES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_page_prints_what_it_shows(page):
     namespace = {"__name__": f"docs_{page.replace('/', '_')}"}

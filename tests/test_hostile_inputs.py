@@ -411,6 +411,7 @@ def _jitted(name, axis):
     return jax.jit(functools.partial(HEAD_FUNCTIONS[name][0], ax=axis))
 
 
+@pytest.mark.slow
 @given(finite_arrays(), st.sampled_from([0, 1]))
 def test_property_diameters_finite_and_bracketed(x, axis):
     d = float(_jitted("row_diameter", axis)(jnp.asarray(x)))
@@ -428,6 +429,7 @@ def test_property_diameters_finite_and_bracketed(x, axis):
     assert lower <= d + slack and d <= upper + slack, (lower, d, upper)
 
 
+@pytest.mark.slow
 @given(finite_arrays(), st.sampled_from([0, 1]))
 def test_property_clip_is_finite_and_clips(x, axis):
     # The cap holds for the exactly scaled update; storing it in float32 moves each entry by up
@@ -443,6 +445,7 @@ def _representable(value):
     return value < np.finfo(np.float32).max / (1 + 1e-5)
 
 
+@pytest.mark.slow
 @given(finite_arrays(), st.sampled_from([0, 1]))
 def test_property_tracker_and_hilbert_are_finite(x, axis):
     update, state = _jitted("track_row_diameter", axis)(jnp.asarray(x))
@@ -469,6 +472,7 @@ def test_property_tracker_and_hilbert_are_finite(x, axis):
                                atol=4 * eps * np.abs(z).max(initial=0.0) + 4 * tiny)
 
 
+@pytest.mark.slow
 @given(finite_arrays())
 def test_property_orthogonalizers_are_finite(x):
     for name in MATRIX_FUNCTIONS:
@@ -482,6 +486,7 @@ def _lm_step(head):
     return tx, jax.jit(tx.update)
 
 
+@pytest.mark.slow
 @given(st.sampled_from(["rownorm", "adamw", "muon"]), st.integers(0, 2**32 - 1),
        st.integers(-140, 55), st.sampled_from(["normal", "zeros", "one_row"]))
 def test_property_lm_optimizer_steps_are_finite(head, seed, log2, pattern):

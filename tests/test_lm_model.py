@@ -144,6 +144,8 @@ def test_every_param_is_annotated_for_sharding():
         assert len(EXPECTED_SPECS[key]) == var.ndim, path
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)  # its subprocess has 300 s
 def test_sharded_on_8_simulated_devices_matches_one_device(tmp_path):
     """Parameters placed by their annotations on a (2, 2, 2) mesh give the single-device logits."""
     script = textwrap.dedent("""

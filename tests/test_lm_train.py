@@ -129,6 +129,7 @@ def test_schedules_end_at_min_lr():
         assert all(a >= b - 1e-7 for a, b in zip(lr[3:], lr[4:], strict=False))  # no increase
 
 
+@pytest.mark.slow
 def test_training_smoke(baseline):
     workdir, stdout = baseline
     records = [json.loads(line) for line in _lines(workdir)]
@@ -160,6 +161,7 @@ def test_training_smoke(baseline):
     assert last == train.summary_line(evals[-1]) and last.startswith(f"final step {STEPS}:")
 
 
+@pytest.mark.slow
 def test_full_precision_floats(baseline):
     """Every float in metrics.jsonl round-trips exactly (repr), e.g. the fp32 losses."""
     for line in _lines(baseline[0]):
@@ -168,6 +170,7 @@ def test_full_precision_floats(baseline):
         assert all(float(np.float32(v)) == v for k, v in record.items() if k.endswith("loss"))
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(baseline, corpus, interrupted):
     workdir, out = interrupted
     assert any("starting fresh" in line for line in out)
@@ -186,6 +189,7 @@ def test_resume_is_bit_identical(baseline, corpus, interrupted):
                for r in metrics.read_metrics(resumed))
 
 
+@pytest.mark.slow
 def test_resume_follows_the_saved_schedule(baseline, corpus, interrupted):
     """Options the command line does not set come from the checkpoint: a resumed run with
     another default horizon and learning rate follows the saved ones exactly."""
@@ -196,6 +200,7 @@ def test_resume_follows_the_saved_schedule(baseline, corpus, interrupted):
     assert _records(resumed) == _records(baseline[0])
 
 
+@pytest.mark.slow
 def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
     quiet = lambda *a: None
     # A finished run rerun with the same options: nothing to do, the final evaluation reported.
@@ -218,6 +223,7 @@ def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
     assert first["step"] == 4 and first["learning_rate"] == float(new)
 
 
+@pytest.mark.slow
 def test_overwrite_starts_fresh(corpus, interrupted):
     fresh = corpus / "overwritten"
     shutil.copytree(interrupted[0], fresh)
@@ -254,6 +260,8 @@ _EIGHT_DEVICES = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # module fixtures train, then a 240 s subprocess
 def test_eight_devices_match_one(baseline, corpus, interrupted):
     """8 simulated devices (data=2, fsdp=2, tensor=2): a fresh run, and a resume from the 1-device
     checkpoint at step 3, both match the 1-device run."""
@@ -285,6 +293,7 @@ def test_eight_devices_match_one(baseline, corpus, interrupted):
 # --------------------------------------------------------------------------- runs of real data
 
 
+@pytest.mark.slow
 def test_every_config_trains_for_any_number_of_steps():
     """--steps N for N >= 1: the warmup is clamped, the schedule is positive and finite and
     ends at min_lr_ratio x peak on the last update."""
@@ -315,6 +324,7 @@ def _gcs_mock(root: Path):
     return epath.testing.mock_epath(**{name: forward for name in names})
 
 
+@pytest.mark.slow
 def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     """llm.c shards encoded with a tokenizer.json, trained with --tokenizer into gs://bucket/run:
     the vocabulary is the tokenizer's padded to 128, the padding rows stay exactly zero and are
@@ -391,6 +401,7 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
         assert message in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
     """With vocab_size 384 of which 300 are tokens, every update equals rowgeom.lm_optimizer's on
     the same model cut to its 300 real rows, and the padding rows get exactly zero updates."""

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -23,6 +24,9 @@ from examples.lm import metrics
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "_multiprocess_worker.py"
 STEPS = 4  # as in the worker
+# One launch (all its processes together); the test's pytest timeout covers two launches.
+LAUNCH_TIMEOUT_S = 200
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 120)]
 
 
 def _free_port() -> int:
@@ -44,18 +48,28 @@ def _worker(process_id, num_processes, port, devices, root, workdir):
         env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(procs, timeout=240):
-    outs = []
+def _finish(procs, timeout_s=LAUNCH_TIMEOUT_S):
+    """Wait for every process of one launch within one deadline; on a failure or a timeout, fail
+    with each process's exit status and output tail (the others are killed)."""
+    deadline = time.monotonic() + timeout_s
+    outs, late = [], False
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
+            try:
+                outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0])
+            except subprocess.TimeoutExpired:
+                late = True
+                break
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
+        outs += [p.communicate()[0] for p in procs[len(outs):]]
+    if late or any(p.returncode != 0 for p in procs):
+        report = "\n".join(f"--- process {i}: exit {p.returncode}\n{out[-3000:]}"
+                           for i, (p, out) in enumerate(zip(procs, outs, strict=True)))
+        what = f"ran past its {timeout_s} s timeout" if late else "failed"
+        pytest.fail(f"a launch of {len(procs)} process(es) {what}\n{report}", pytrace=False)
     return outs
 
 

@@ -216,6 +216,7 @@ def train_step(model, optimizer, ids):
     return loss, optimizer.update(model, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["rownorm", "adamw", "muon"])
 def test_nnx_optimizer_steps_under_nnx_jit(head):
     model = TinyLM(nnx.Rngs(1))
@@ -360,6 +361,7 @@ def test_default_head_rates_come_from_lm_optimizer_hparams(params, head):
         np.testing.assert_allclose(step, -rate * np.asarray(want), rtol=1e-4, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_head_num_valid_matches_the_recipe_on_the_real_rows():
     """A vocabulary padded from 52 to 64 tokens: with head_num_valid=52 every head update equals
     the recipe's on the 52 real rows alone, and the padding rows get exactly zero."""

@@ -229,6 +229,7 @@ def jung(k):
     return np.sqrt((k + 1) / (2 * k))
 
 
+@pytest.mark.slow
 def test_t7_within_jungs_factor_of_the_exact_diameter_optimum(rng):
     oracle = pytest.importorskip("rowgeom._oracle")
     pytest.importorskip("clarabel")
@@ -295,6 +296,7 @@ def test_t5_shift_and_scale_invariance(seed, scale):
     np.testing.assert_allclose(project(scale * g), base, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_t8_degenerate_input(rng, impl):
     c = rng.normal(size=(1, 5)) * 100
@@ -407,6 +409,7 @@ def test_inside_partition_and_chain(rng):
     chex.assert_trees_all_equal(out["embed"], grads["embed"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exact", "bound"])
 def test_rescale(rng, mode):
     g = jnp.asarray(rng.normal(size=(5, 30)), jnp.float32)

@@ -103,6 +103,8 @@ def test_empty_report_says_nothing_was_measured(tmp_path):
     assert not any(ch.isdigit() for ch in md.split("No ladder run")[1].split("--plan")[0])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # trains the example at several scales
 @pytest.mark.usefixtures("fast_compile")
 def test_quick_ladder_end_to_end(tmp_path, small_corpus):
     """Two points, two heads, every protocol: records, the matched-rate rescale, resumption and
@@ -151,6 +153,7 @@ def test_quick_ladder_end_to_end(tmp_path, small_corpus):
     assert json.dumps(again["protocols"]) == json.dumps(result["protocols"])
 
 
+@pytest.mark.slow
 def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
     """The ladder's spectral head (RMS-matched Muon head at lr·s, head decay wd/s, through the
     example's optimizer) gives the same head updates as rowgeom's Muon with scale="spectral"."""

@@ -1,33 +1,37 @@
 """Sharded equals unsharded (vocabulary-sharded heads under jit) and the communication contract,
 on 8 simulated CPU devices.
 
-The checks run in a subprocess because XLA_FLAGS must be set before jax is imported.
+The checks run in one subprocess for the module (`_sharded_checks.py`, which prints one JSON
+object) because XLA_FLAGS must be set before jax is imported; a failure of it is reported once.
+Run it alone with `python tests/_sharded_checks.py`.
 """
 
-import functools
-import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from _subprocess import ModuleSubprocess
 
+pytestmark = pytest.mark.slow  # one subprocess compiling every sharded variant
 SCRIPT = pathlib.Path(__file__).with_name("_sharded_checks.py")
 V, D = 512, 64
 
 
-@functools.lru_cache(maxsize=1)
-def _results():
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def checks():
+    proc = ModuleSubprocess.script(SCRIPT)
+    yield proc
+    proc.close()
+
+
+@pytest.fixture
+def results(checks):
+    return checks.json()
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 @pytest.mark.parametrize("layout", ["table", "kernel"])
-def test_vocab_sharded_rownorm_matches_unsharded(axis_type, layout):
-    res = _results()[axis_type]
+def test_vocab_sharded_rownorm_matches_unsharded(results, axis_type, layout):
+    res = results[axis_type]
     assert res[f"rownorm_{layout}_diff"] <= 1e-6
     assert res[f"diameter_{layout}_diff"] <= 1e-5
     assert res[f"bounds_{layout}_diff"] <= 1e-5
@@ -36,20 +40,20 @@ def test_vocab_sharded_rownorm_matches_unsharded(axis_type, layout):
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-def test_feature_sharded_head_and_tracker_match_unsharded(axis_type):
-    assert _results()[axis_type]["feature_sharded_diff"] <= 1e-5
+def test_feature_sharded_head_and_tracker_match_unsharded(results, axis_type):
+    assert results[axis_type]["feature_sharded_diff"] <= 1e-5
     # every_k_steps=3 over three steps: measured on 1 and 3, kept on 2, as unsharded.
-    assert _results()[axis_type]["tracker_every_k_diff"] <= 1e-5
-    assert _results()[axis_type]["tracker_every_k_measured"] == [3, 3]
+    assert results[axis_type]["tracker_every_k_diff"] <= 1e-5
+    assert results[axis_type]["tracker_every_k_measured"] == [3, 3]
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 @pytest.mark.parametrize("layout", ["table", "kernel", "feature_sharded", "tracker_every_k"])
-def test_head_update_moves_only_vectors(axis_type, layout):
+def test_head_update_moves_only_vectors(results, axis_type, layout):
     """Only reductions of d- or V-sized vectors cross devices: never the (V, d) head itself."""
     prefix = "rownorm_" if layout in ("table", "kernel") else ""
     key = f"{prefix}{layout}_collectives"
-    found = _results()[axis_type][key]
+    found = results[axis_type][key]
     assert found, "expected the means / row norms to need an all-reduce across shards"
     assert any(op == "all-reduce" for op, _ in found), found
     for op, shape in found:
@@ -60,7 +64,7 @@ def test_head_update_moves_only_vectors(axis_type, layout):
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-def test_sharded_muon_matches_unsharded(axis_type):
-    res = _results()[axis_type]
+def test_sharded_muon_matches_unsharded(results, axis_type):
+    res = results[axis_type]
     assert res["muon_stack_diff"] <= 1e-5
     assert res["muon_mat_diff"] <= 1e-5

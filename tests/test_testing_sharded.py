@@ -1,8 +1,10 @@
 """rowgeom.testing assertions on a vocabulary-sharded head over 8 simulated CPU devices
 (Auto and Explicit mesh axes), in a subprocess: XLA_FLAGS must be set before jax is imported."""
 
-import subprocess
 import sys
+
+import pytest
+from _subprocess import ModuleSubprocess
 
 SCRIPT = r"""
 import os
@@ -38,12 +40,15 @@ for axis_type in (AxisType.Auto, AxisType.Explicit):
 """
 
 
+@pytest.mark.slow
 def test_assertions_on_a_vocab_sharded_head():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines] == ["Auto", "Explicit"], proc.stdout
+    proc = ModuleSubprocess([sys.executable, "-c", SCRIPT])
+    try:
+        stdout = proc.stdout()
+    finally:
+        proc.close()
+    lines = stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["Auto", "Explicit"], stdout
     for line in lines:
         assert "leaf 'lm_head/kernel': row diameter D = " in line
         assert "(exact rowgeom.row_diameter, V = 48)" in line

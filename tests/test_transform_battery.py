@@ -20,10 +20,7 @@ with a float64 numpy reference. Public API only.
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
-import subprocess
-import sys
 
 import _battery_cases as bc
 import jax
@@ -31,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _subprocess import ModuleSubprocess
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,7 +38,8 @@ import rowgeom
 CASES = pytest.mark.parametrize("case", bc.CASES, ids=bc.CASE_NAMES)
 pytestmark = pytest.mark.usefixtures("fast_compile")  # cheaper XLA compiles, same semantics
 SHARDED_SCRIPT = pathlib.Path(__file__).with_name("_battery_sharded.py")
-SHARDED_TIMEOUT_S = 400
+# The wait for it after the in-process tests (below pytest's per-test timeout, pyproject.toml).
+SHARDED_TIMEOUT_S = 240
 
 
 def _assert_trees_close(got, want, *, rtol=1e-5, what=""):
@@ -143,6 +142,7 @@ def test_eval_shape_init_matches_init(case):
 # --- optax wrappers ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @CASES
 def test_inject_hyperparams(case):
     """Same steps as the plain transform; a numeric hyperparameter changed in the state takes
@@ -162,6 +162,7 @@ def test_inject_hyperparams(case):
     _assert_trees_close(updates, want, what=f"second step, hyperparameters x{factor}")
 
 
+@pytest.mark.slow
 @CASES
 def test_multi_steps_equals_one_step_on_the_mean(case):
     tx, params, grads, plain_step, _, _ = _plain_steps(case.name)
@@ -177,6 +178,7 @@ def test_multi_steps_equals_one_step_on_the_mean(case):
     _assert_trees_close(state.inner_opt_state, want_state, what="MultiSteps state")
 
 
+@pytest.mark.slow
 @CASES
 def test_apply_if_finite_skips_a_nan_step(case):
     tx, params, grads, _, outs, _ = _plain_steps(case.name)
@@ -226,6 +228,7 @@ def _nnx_train_step(model, optimizer, grads):
     optimizer.update(model, grads)
 
 
+@pytest.mark.slow
 @CASES
 def test_nnx_optimizer_matches_plain_pytree(case):
     """`nnx.Optimizer` (Variable-wrapped params in init, arrays in update, nnx.jit) takes the
@@ -249,31 +252,22 @@ def test_nnx_optimizer_matches_plain_pytree(case):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _sharded_process():
-    """Starts the 8-device subprocess when the module starts, so that it runs beside the
-    in-process tests (its compiles take most of its time); killed if still running at the end."""
-    proc = subprocess.Popen([sys.executable, str(SHARDED_SCRIPT)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def _sharded_process(request):
+    """The 8-device subprocess, run once for the module. It starts when the module starts, so
+    that it runs beside the in-process tests (its compiles take most of its time), unless no
+    selected test needs it (e.g. `-m "not slow"`); killed if still running at the end."""
+    proc = ModuleSubprocess.script(SHARDED_SCRIPT, timeout_s=SHARDED_TIMEOUT_S)
+    if any(getattr(item, "module", None) is request.module
+           and "sharded_results" in item.fixturenames for item in request.session.items):
+        proc.start()
     yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
+    proc.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def sharded_results(_sharded_process):
-    """The subprocess's results, read once for the module; its stderr if it fails."""
-    try:
-        out, err = _sharded_process.communicate(timeout=SHARDED_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _sharded_process.kill()
-        _, err = _sharded_process.communicate()
-        pytest.fail(f"{SHARDED_SCRIPT.name} ran past {SHARDED_TIMEOUT_S}s; stderr tail:\n"
-                    f"{err[-3000:]}")
-    if _sharded_process.returncode != 0:
-        pytest.fail(f"{SHARDED_SCRIPT.name} exited {_sharded_process.returncode}; "
-                    f"stderr tail:\n{err[-4000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    """The subprocess's results (its stderr, once, if it fails; see tests/_subprocess.py)."""
+    return _sharded_process.json()
 
 
 LAYOUTS = ["8", "2x4", "8-explicit"]
@@ -283,6 +277,7 @@ LAYOUTS = ["8", "2x4", "8-explicit"]
 KNOWN_RESHARDED = {"8-explicit": {"muon_orthogonalize"}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @CASES
 def test_sharded_equals_unsharded(sharded_results, layout, case):
@@ -296,6 +291,7 @@ def test_sharded_equals_unsharded(sharded_results, layout, case):
     assert res["state"] <= 1e-5, res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sharded_updates_keep_the_params_sharding(sharded_results, layout):
     """Every update leaf comes back sharded like its parameter (no silent all-gather), except
