@@ -236,11 +236,13 @@ def _bounds_and_sum(s, *, axis: int, sweeps: int):
     if x3.shape[1] <= 1:
         return fast + (row_sum,)
 
-    def rescaled(x):  # squares may have over/underflowed: redo on power-of-two scaled rows
-        y, exponent = _rescale_rows(x, 1)
+    def rescaled(t):  # squares may have over/underflowed: redo on power-of-two scaled rows
+        y, exponent = _rescale_rows(_three_axes(t, axis), 1)
         return tuple(_times_pow2(b, exponent) for b in _bounds3(y, sweeps=sweeps))
 
-    return lax.cond(_out_of_range(fast[1]), rescaled, lambda x: fast, x3) + (row_sum,)
+    # The operand is `s` itself, not its (A, V, B) view: inside one program with the step that
+    # produced `s`, XLA materialised the view as a second full-size buffer for the conditional.
+    return lax.cond(_out_of_range(fast[1]), rescaled, lambda t: fast, s) + (row_sum,)
 
 
 def _bounds3(x3, *, sweeps: int, total=None):
