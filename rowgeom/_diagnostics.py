@@ -18,7 +18,6 @@ the first update and every k-th (updates ``1, k, 2k, ...``, counted from ``init`
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,7 +37,7 @@ from rowgeom._tree import (
     unbox,
     vocab_axes,
 )
-from rowgeom._validation import check_matrix_like
+from rowgeom._validation import check_int, check_matrix_like
 
 PyTree = Any  # a nested structure of arrays (dicts, lists, NamedTuples, nnx.State, ...)
 
@@ -114,15 +113,7 @@ def _check_every_k_steps(k) -> int:
         return 1
     if isinstance(k, jax.core.Tracer):  # injected as a hyperparameter, under jit
         raise TypeError(f"every_k_steps must be a Python int, got a traced array; {_STATIC_HINT}")
-    if isinstance(k, bool):
-        raise TypeError(f"every_k_steps must be a positive int, got {k!r}")
-    try:
-        value = operator.index(k)
-    except TypeError:
-        raise TypeError(f"every_k_steps must be a positive int, got {k!r}") from None
-    if value < 1:
-        raise ValueError(f"every_k_steps must be a positive int (1: every update), got {value}")
-    return value
+    return check_int(k, argname="every_k_steps", minimum=1)
 
 
 def track_row_diameter(
