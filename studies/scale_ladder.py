@@ -97,19 +97,21 @@ ROBUST_SEEDS = (1, 2, 3)
 PAPER_SHAPES = {"190M": (768, 50304), "380M": (1024, 50304), "640M": (1280, 50304)}
 
 # Per-step wall time (s) of the jitted train step, measured by `--time-shapes`
-# (examples.lm.train.benchmark: median of 4 steps after 2, seq 64, batch 16) on 2 CPU cores
-# shared with a running test suite, 2026-11-30. Keyed by (d, V, layers, head kind).
+# (examples/lm/train.py benchmark: median of 4 steps after 2, seq 64, batch 16) on 2 otherwise
+# idle CPU cores, 2026-11-30 13:31 UTC (under a running test suite the same steps took 1.2-3x
+# longer). Keyed by (d, V, layers, head kind).
 STEP_COST_S = {
-    "128,4096,2,adamw": 0.183, "128,4096,2,muon": 0.197, "128,4096,2,rownorm": 0.185,
-    "256,4096,2,adamw": 0.477, "256,4096,2,muon": 0.562, "256,4096,2,rownorm": 0.485,
-    "512,4096,2,adamw": 2.135, "512,4096,2,muon": 2.127, "512,4096,2,rownorm": 3.600,
-    "768,4096,2,adamw": 8.416, "768,4096,2,muon": 9.939, "768,4096,2,rownorm": 8.239,
-    "256,16384,2,adamw": 1.642, "256,16384,2,muon": 2.061, "256,16384,2,rownorm": 1.848,
-    "256,50304,2,adamw": 4.185, "256,50304,2,muon": 5.523, "256,50304,2,rownorm": 2.220,
-    "768,50304,1,adamw": 5.313, "768,50304,1,muon": 11.662, "768,50304,1,rownorm": 5.608}
-# Seconds of one exact head-step diameter (O(V²d), rowgeom.row_diameter) per (d, V), same machine.
-PROBE_COST_S = {"128,4096": 0.037, "256,4096": 0.077, "512,4096": 0.372, "768,4096": 0.486,
-                "256,16384": 1.488, "256,50304": 7.614, "768,50304": 24.41}
+    "128,4096,2,adamw": 0.151, "128,4096,2,muon": 0.135, "128,4096,2,rownorm": 0.152,
+    "256,4096,2,adamw": 0.258, "256,4096,2,muon": 0.277, "256,4096,2,rownorm": 0.252,
+    "256,16384,2,adamw": 0.513, "256,16384,2,muon": 0.676, "256,16384,2,rownorm": 0.676,
+    "256,50304,2,adamw": 1.257, "256,50304,2,muon": 1.593, "256,50304,2,rownorm": 1.23,
+    "512,4096,2,adamw": 1.047, "512,4096,2,muon": 1.126, "512,4096,2,rownorm": 0.974,
+    "768,4096,2,adamw": 2.717, "768,4096,2,muon": 3.073, "768,4096,2,rownorm": 2.749,
+    "768,50304,1,adamw": 3.651, "768,50304,1,muon": 6.742, "768,50304,1,rownorm": 3.396}
+# Seconds of one exact head-step diameter (O(V²d), rowgeom.row_diameter) per (d, V), same run.
+PROBE_COST_S = {
+    "128,4096": 0.021, "256,4096": 0.038, "256,16384": 0.475, "256,50304": 4.561,
+    "512,4096": 0.072, "768,4096": 0.134, "768,50304": 11.825}
 RUN_OVERHEAD_S = 25.0  # compile, tokenizer cache load, evaluations (head study: ~25 s per run)
 
 QUICK = dict(points=(Point(32, 512), Point(64, 512), Point(32, 1024), Point(64, 1024, 1)),
