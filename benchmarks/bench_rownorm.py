@@ -74,8 +74,13 @@ def head_operations(axis: int) -> dict:
         return jax.jit(lambda u: tx.update(u, optax.EmptyState())[0], donate_argnums=0)
 
     tracker = rowgeom.track_row_diameter(vocab_axis=axis)
+    xla = jax.jit(lambda u: _project_f32(u, vocab_axis=axis, eps=1e-8, center_input=True,
+                                         center_output=True, num_valid=None, argname="u",
+                                         impl="blocked"), donate_argnums=0)
     return {
         "projected_rownorm": (update(rowgeom.projected_rownorm(vocab_axis=axis)), True),
+        # the XLA formulation the native kernel replaced on CPU (before / after, one run)
+        "projected_rownorm[xla]": (xla, True),
         "clip_row_diameter": (update(rowgeom.clip_row_diameter(1.0, vocab_axis=axis)), True),
         "row_diameter_bounds": (
             jax.jit(lambda u: rowgeom.row_diameter_bounds(u, vocab_axis=axis)), False),

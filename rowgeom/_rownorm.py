@@ -24,6 +24,7 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike
 
+from rowgeom import _native
 from rowgeom._geometry import _row_diameter, _upper_bound
 from rowgeom._numerics import single_device_trace
 from rowgeom._tree import map_head_leaves, vocab_axes
@@ -143,7 +144,9 @@ def _reference_path(x, axis, *, eps, center_input, center_output, num_valid):
 
 
 def _blocked_path(x, axis, *, eps, center_input, center_output, num_valid, block_rows=None):
-    """The CPU formulation (one device): no full-size temporary, result written in place.
+    """The XLA formulation on one CPU device, where the native kernel is not used (no compiler,
+    ``ROWGEOM_NATIVE=0``, a middle vocabulary axis) and for its derivative: no full-size
+    temporary, result written in place.
 
     The exact algorithm needs the column mean ``m`` (one read), the squared row norms
     ``||x_i - m||²`` and the weighted column sum ``s = Σ_i (x_i - m) / n_i`` of the output
@@ -160,10 +163,10 @@ def _blocked_path(x, axis, *, eps, center_input, center_output, num_valid, block
       so one walk over slabs gives their means and accumulates the token norms, and a second
       takes each slab's part of ``s`` just before writing it.
 
-    Measured at (50304, 768) float32 on 2 shared cores (steady state, interleaved, best of 15,
-    load average ~11): 5.5x a donated ``x * 0.5`` for ``(V, d)`` and 6.5x for ``(d, V)``,
-    against 6.9x and 11.4x for the previous single blocked formulation in the same run
-    (benchmarks/bench_rownorm.py). What remains is XLA:CPU's reduction speed, not traffic.
+    Measured at (50304, 768) float32 on 2 shared cores (steady state, interleaved, best of 15):
+    5.1x a donated ``x * 0.5`` for ``(V, d)`` and 5.7x for ``(d, V)``, against 3.1-3.3x and
+    2.0-2.6x for the native kernel in the same run (benchmarks/bench_rownorm.py). What remains
+    is XLA:CPU's reduction speed (about half of memory bandwidth), not traffic.
 
     The norms use ``||x_i - m||`` directly: the expanded ``||x_i||² - 2 x_i·m + ||m||²`` would
     fold pass 2 into pass 1 but cancels catastrophically for rows near their mean. The overflow
@@ -341,6 +344,28 @@ def _tokens_minor(x, *, eps, center_input, center_output, num_valid, slab_rows):
     return over_slabs(write_slab, x)
 
 
+def _native_applies(x, axis) -> bool:
+    """The native kernel takes the token rows as the first or the last axis (a (V, d) table
+    or a (d, V) kernel, features flattened); other layouts use the XLA formulation."""
+    return (axis == 0 or axis == x.ndim - 1) and _native.available()
+
+
+def _native_path(x, axis, **opts):
+    """The CPU kernel (rowgeom/csrc/rownorm.cc): the blocked path's algorithm with its passes
+    at memory bandwidth, written in place over a donated input. Differentiable: its JVP is the
+    blocked path's (the same function)."""
+    rows = axis == 0
+
+    @jax.custom_jvp
+    def kernel(x):
+        flat = x.reshape(x.shape[0], -1) if rows else x.reshape(-1, x.shape[-1])
+        return _native.rownorm(flat, tokens_are_rows=rows, **opts).reshape(x.shape)
+
+    kernel.defjvp(lambda primals, tangents: jax.jvp(
+            lambda x: _blocked_path(x, axis, **opts), primals, tangents))
+    return kernel(x)
+
+
 def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, argname,
                  impl="auto"):
     check_min_rank(u, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
@@ -358,14 +383,21 @@ def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, 
     if impl == "auto" and not single_device_trace():
         y = _reference_path(x, axis, **opts)
     elif impl == "auto":
-        y = lax.platform_dependent(x, cpu=lambda x: _blocked_path(x, axis, **opts),
+        cpu = _native_path if _native_applies(x, axis) else _blocked_path
+        y = lax.platform_dependent(x, cpu=lambda x: cpu(x, axis, **opts),
                                    default=lambda x: _reference_path(x, axis, **opts))
+    elif impl == "native":  # auto's CPU branch, the kernel required
+        if not _native.available():
+            raise RuntimeError("impl='native': the native kernel is not available (see the "
+                               "warning, or ROWGEOM_NATIVE)")
+        y = (_native_path if _native_applies(x, axis) else _blocked_path)(x, axis, **opts)
     elif impl == "blocked":
         y = _blocked_path(x, axis, **opts)
     elif impl == "reference":
         y = _reference_path(x, axis, **opts)
     else:
-        raise ValueError(f"impl must be 'auto', 'blocked' or 'reference', got {impl!r}")
+        raise ValueError(f"impl must be 'auto', 'native', 'blocked' or 'reference', got "
+                         f"{impl!r}")
     return y
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rowgeom import project_rownorm, projected_rownorm
 from rowgeom._rownorm import _blocked_path, _project_f32
 
-IMPLS = ("auto", "blocked", "reference")
+IMPLS = ("auto", "native", "blocked", "reference")
 
 
 # --- independent float64 references ---------------------------------------------------------------
@@ -148,14 +148,19 @@ def test_multi_device_mesh_uses_the_slice_free_path():
     """The blocked CPU path slices the vocab axis; under a device mesh (vocabulary possibly
     sharded) the masked formulation is used, which only all-reduces d-vectors (run in
     tests/test_sharding.py)."""
-    spec = jax.ShapeDtypeStruct((200_000, 16), jnp.float32)  # several blocks: a loop
+    spec = jax.ShapeDtypeStruct((200_000, 16), jnp.float32)
     fn = lambda u: project_rownorm(u, vocab_axis=0)
-    assert "dynamic_slice" in str(jax.make_jaxpr(fn)(spec))
+    blocked = lambda u: _project_f32(u, vocab_axis=0, eps=1e-8, center_input=True,
+                                     center_output=True, num_valid=None, argname="u",
+                                     impl="blocked")
+    assert "rowgeom_rownorm_cpu" in str(jax.make_jaxpr(fn)(spec))  # the native kernel
+    assert "dynamic_slice" in str(jax.make_jaxpr(blocked)(spec))  # several blocks: a loop
     mesh = jax.sharding.AbstractMesh((8,), ("vocab",),
                                      axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.sharding.use_abstract_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(fn)(spec))
     assert "dynamic_slice" not in jaxpr and "platform_index" not in jaxpr
+    assert "rowgeom_rownorm_cpu" not in jaxpr
 
 
 def _entry_ops(compiled_text):
