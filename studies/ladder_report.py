@@ -298,6 +298,32 @@ def build(runs: dict, *, rules: dict, ladder, paper_shapes: dict) -> dict:
             "paper": PAPER, "paper_shapes": paper_shapes}
 
 
+def _coverage_lines(runs: dict, ladder) -> list[str]:
+    """Finished against planned runs per protocol and point: what this page can and cannot say."""
+    from studies.scale_ladder import Point, plan
+
+    planned: dict = {}
+    for row in plan(ladder):
+        if row["protocol"].startswith("sweep (edge"):
+            continue  # only when a best rate is at an edge
+        key = (row["protocol"], row["point"])
+        planned[key] = planned.get(key, 0) + 1
+    done: dict = {}
+    for protocol, rs in runs.items():
+        for r in rs:
+            if protocol == "matched" and r["head"] == "rownorm":
+                continue  # RowNorm's matched runs are its tuned runs (not planned twice)
+            key = (protocol, Point(**r["point"]).name)
+            done[key] = done.get(key, 0) + 1
+    lines = ["### Coverage (finished / planned runs)", "",
+             "A protocol or point with no finished run says nothing on this page: nothing is "
+             "extrapolated from runs that did not happen.", "",
+             "| protocol | point | finished | planned |", "|---|---|---|---|"]
+    for key in sorted(set(planned) | set(done)):
+        lines.append(f"| {key[0]} | {key[1]} | {done.get(key, 0)} | {planned.get(key, 0)} |")
+    return lines
+
+
 def write_report(runs: dict, *, rules, ladder, out: Path, config: dict,
                  session_wall_s: float) -> dict:
     """Write scale_ladder.json / .md (and figures when there are runs) under `out`."""
@@ -321,6 +347,7 @@ def write_report(runs: dict, *, rules, ladder, out: Path, config: dict,
         return result
     md += [f"Status: {content['runs_done']} run records (a run shared by two protocols counts "
            f"in each), {result['wall_s_runs_total'] / 60:.1f} min of training.", "",
+           *_coverage_lines(runs, ladder), "",
            "Labels: **measured** = mean (± std over seeds) of finished runs, last-K means of "
            "the head step; **predicted** = a log-log least-squares fit evaluated at a shape no "
            "run had, with its 95% t-interval (of the fitted trend).", ""]

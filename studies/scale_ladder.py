@@ -76,15 +76,18 @@ VOCABS = (4096, 16384, 50304)
 THIN = Point(768, 50304, 1)
 POINTS = tuple(sorted({*(Point(d, WIDTH_V) for d in WIDTHS), *(Point(VOCAB_D, v) for v in VOCABS),
                        THIN}))
-# Seeds per point: 3 where a run costs a few minutes, fewer where it costs more (see --plan).
-SEEDS_BY_POINT = {Point(128, 4096): (1, 2, 3), Point(256, 4096): (1, 2, 3),
-                  Point(512, 4096): (1, 2), Point(768, 4096): (1,),
-                  Point(256, 16384): (1, 2), Point(256, 50304): (1,), THIN: (1,)}
+# The grid is cut to fit one ~2 h session of a 2-core machine (`--plan` prices every run):
+# 100 steps per run; 2 seeds at the two cheap sweep points, 1 elsewhere; the tuned-rate, matched
+# and robustness protocols only at the sweep points; the thin paper-shape point without the
+# spectral-scaled Muon head (its direction is the RMS-matched head's: only the rate differs).
+SEEDS_BY_POINT = {Point(128, 4096): (1, 2), Point(256, 4096): (1, 2),
+                  Point(512, 4096): (1,), Point(768, 4096): (1,),
+                  Point(256, 16384): (1,), Point(256, 50304): (1,), THIN: (1,)}
 HEADS = ("adamw", "muon", "muon-spectral", "rownorm")
+HEADS_BY_POINT = {THIN: ("adamw", "muon", "rownorm")}
 PROTOCOLS = ("equal", "tuned", "matched", "robust")
-# Points where a run costs most (see --plan) run the equal-rate and tuned-rate protocols only.
-PROTOCOLS_BY_POINT = {Point(768, 4096): ("equal", "tuned"), Point(256, 50304): ("equal", "tuned"),
-                      THIN: ("equal", "tuned")}
+PROTOCOLS_BY_POINT = {p: ("equal",) for p in POINTS
+                      if p not in (Point(128, 4096), Point(256, 4096))}
 EQUAL_LR = 0.018  # the head study's tuned AdamW / Muon rate; RowNorm's was 0.03
 SWEEP_POINTS = (Point(128, 4096), Point(256, 4096))
 SWEEP = {"adamw": (6e-3, 1.8e-2, 5.4e-2), "muon": (6e-3, 1.8e-2, 5.4e-2),
@@ -92,7 +95,7 @@ SWEEP = {"adamw": (6e-3, 1.8e-2, 5.4e-2), "muon": (6e-3, 1.8e-2, 5.4e-2),
 SWEEP_SEED = 100
 ROBUST_POINT = Point(128, 4096)
 ROBUST_MULTIPLIERS = (1 / 9, 1 / 3, 1.0, 3.0, 9.0, 27.0)
-ROBUST_SEEDS = (1, 2, 3)
+ROBUST_SEEDS = (1, 2, 3)  # seed-major: seed 1 on every head and rate first
 # The paper's head shapes (190M / 380M / 640M): predictions are made here.
 PAPER_SHAPES = {"190M": (768, 50304), "380M": (1024, 50304), "640M": (1280, 50304)}
 
@@ -138,6 +141,7 @@ class Ladder:
     robust_seeds: tuple
     seeds_by_point: dict
     protocols_by_point: dict = dataclasses.field(default_factory=dict)
+    heads_by_point: dict = dataclasses.field(default_factory=dict)
     heads: tuple = HEADS
     protocols: tuple = PROTOCOLS
     equal_lr: float = EQUAL_LR
@@ -148,6 +152,9 @@ class Ladder:
     def seeds(self, point: Point) -> tuple:
         return self.seeds_by_point[point]
 
+    def heads_at(self, point: Point) -> tuple:
+        return tuple(h for h in self.heads if h in self.heads_by_point.get(point, HEADS))
+
     def runs_protocol(self, protocol: str, point: Point) -> bool:
         return (protocol in self.protocols
                 and protocol in self.protocols_by_point.get(point, PROTOCOLS))
@@ -157,7 +164,8 @@ def full_ladder(**over) -> Ladder:
     return Ladder(points=POINTS, width_v=WIDTH_V, vocab_d=VOCAB_D, thin=THIN,
                   sweep_points=SWEEP_POINTS, sweep=SWEEP, robust_point=ROBUST_POINT,
                   robust_multipliers=ROBUST_MULTIPLIERS, robust_seeds=ROBUST_SEEDS,
-                  seeds_by_point=SEEDS_BY_POINT, protocols_by_point=PROTOCOLS_BY_POINT, **over)
+                  seeds_by_point=SEEDS_BY_POINT, protocols_by_point=PROTOCOLS_BY_POINT,
+                  heads_by_point=HEADS_BY_POINT, **over)
 
 
 def quick_ladder(**over) -> Ladder:
@@ -165,6 +173,25 @@ def quick_ladder(**over) -> Ladder:
     seeds = q.pop("seeds")
     return Ladder(**q, seeds_by_point={p: seeds for p in q["points"]}, sweep_extend=0,
                   quick=True, **over)
+
+
+def restrict(ladder: Ladder, *, points=None, max_seeds=None) -> Ladder:
+    """The ladder on a subset of its points and/or its first `max_seeds` seeds (same workdir)."""
+    if points is not None:
+        names = {p.name: p for p in ladder.points}
+        unknown = sorted(set(points) - set(names))
+        if unknown:
+            raise SystemExit(f"--points: unknown {unknown}; the ladder's points are "
+                             f"{sorted(names)}")
+        ladder = dataclasses.replace(ladder, points=tuple(p for p in ladder.points
+                                                          if p.name in points))
+    if max_seeds is not None:
+        if max_seeds < 1:
+            raise SystemExit(f"--max-seeds: expected a positive integer, got {max_seeds}")
+        ladder = dataclasses.replace(
+            ladder, seeds_by_point={p: s[:max_seeds] for p, s in ladder.seeds_by_point.items()},
+            robust_seeds=ladder.robust_seeds[:max_seeds])
+    return ladder
 
 
 def point_config(point: Point, *, quick: bool, data_dir: str | None = None,
@@ -177,9 +204,9 @@ def point_config(point: Point, *, quick: bool, data_dir: str | None = None,
         heads = max(1, point.d // 16)
     else:
         base = configs.override(configs.get_config("cpu-tiny"), {
-            "model.max_seq_len": 64, "data.batch_size": 16, "steps": 300,
-            "optim.warmup_steps": 20, "eval.every": 100, "eval.batches": 8,
-            "eval.hilbert_sequences": 8, "eval.probe_last_steps": 10, "log_every": 5})
+            "model.max_seq_len": 64, "data.batch_size": 16, "steps": 100,
+            "optim.warmup_steps": 10, "eval.every": 50, "eval.batches": 8,
+            "eval.hilbert_sequences": 8, "eval.probe_last_steps": 5, "log_every": 2})
         heads = point.d // 32
     over = {k: v for k, v in {"data.source": data_source, "data.dir": data_dir,
                               "steps": steps}.items() if v is not None}
@@ -245,14 +272,18 @@ def run_point(ladder: Ladder, workdir: Path, point: Point, head: str, lr: float,
     lr = _lr(lr)
     rundir = run_dir(workdir, point, head, lr, seed)
     extra = rundir / "ladder.json"
+    cfg = point_config(point, quick=ladder.quick, data_source=data_source, steps=steps,
+                       data_dir=str(workdir / "data" / f"V{point.V}"))
     if extra.exists():
-        return json.loads(extra.read_text())
+        done = json.loads(extra.read_text())
+        if done["steps"] != cfg.steps:  # run names do not carry the horizon: never mix two
+            raise ValueError(f"{extra} is a {done['steps']}-step run but this ladder trains "
+                             f"{cfg.steps} steps; use another --workdir (or the same --steps)")
+        return done
     if report_only:
         return None
     kind, eff_lr = _trained_as(point, head, lr)
     eff_lr = float(f"{eff_lr:.6g}")
-    cfg = point_config(point, quick=ladder.quick, data_source=data_source, steps=steps,
-                       data_dir=str(workdir / "data" / f"V{point.V}"))
     if head == "muon-spectral":
         cfg = configs.override(cfg, {"optim.head_weight_decay": cfg.optim.weight_decay
                                      / spectral_factor(point)})
@@ -326,7 +357,7 @@ class Driver:
         L = self.ladder
         for point in L.points:
             for seed in L.seeds(point) if L.runs_protocol("equal", point) else ():
-                for head in L.heads:
+                for head in L.heads_at(point):
                     self.get("equal", point, head, L.equal_lr, seed)
 
     def sweep(self):
@@ -357,7 +388,7 @@ class Driver:
         L = self.ladder
         for point in L.points:
             for seed in L.seeds(point) if L.runs_protocol("tuned", point) else ():
-                for head in L.heads:
+                for head in L.heads_at(point):
                     if head in self.rules:
                         self.get("tuned", point, head, tuned_rate(self.rules[head], point), seed)
 
@@ -439,7 +470,7 @@ def plan(ladder: Ladder, steps=None) -> list[dict]:
 
     for p in L.points:
         for s in L.seeds(p) if L.runs_protocol("equal", p) else ():
-            for h in L.heads:
+            for h in L.heads_at(p):
                 add("equal", p, h, f"{L.equal_lr:g}", s)
     for p in L.sweep_points:
         for h in L.heads:
@@ -449,7 +480,7 @@ def plan(ladder: Ladder, steps=None) -> list[dict]:
                 add("sweep (edge, if needed)", p, h, "edge ×3", L.sweep_seed)
     for p in L.points:
         for s in L.seeds(p):
-            for h in L.heads:
+            for h in L.heads_at(p):
                 if L.runs_protocol("tuned", p):
                     add("tuned", p, h, "tuned (rule)", s)
                 if h != "rownorm" and L.runs_protocol("matched", p):
@@ -555,9 +586,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="override steps per run")
     parser.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS))
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    parser.add_argument("--points", nargs="+", default=None, metavar="NAME",
+                        help="only these points (names as in --plan, e.g. d128-V4096-L2): run "
+                             "the cheap points first, the costly ones later, into one workdir")
+    parser.add_argument("--max-seeds", type=int, default=None,
+                        help="at most this many seeds per point and for the robustness grid")
     args = parser.parse_args(argv)
     make = quick_ladder if args.quick else full_ladder
-    ladder = make(heads=tuple(args.heads), protocols=tuple(args.protocols))
+    ladder = restrict(make(heads=tuple(args.heads), protocols=tuple(args.protocols)),
+                      points=args.points, max_seeds=args.max_seeds)
     if args.plan:
         return print_plan(ladder, steps=args.steps)
     if args.time_shapes:

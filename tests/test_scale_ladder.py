@@ -91,6 +91,20 @@ def test_spectral_factor_and_plan():
     np.testing.assert_allclose(total, sum(r["est_s"] for r in rows))
 
 
+def test_restrict_selects_points_and_seeds_and_the_thin_point_skips_spectral():
+    full = scale_ladder.full_ladder()
+    cut = scale_ladder.restrict(full, points=["d128-V4096-L2", "d768-V50304-L1"], max_seeds=1)
+    assert [p.name for p in cut.points] == ["d128-V4096-L2", "d768-V50304-L1"]
+    assert all(len(cut.seeds(p)) == 1 for p in cut.points) and cut.robust_seeds == (1,)
+    assert scale_ladder.restrict(full) == full
+    with pytest.raises(SystemExit, match="unknown.*d999"):
+        scale_ladder.restrict(full, points=["d999-V1-L2"])
+    with pytest.raises(SystemExit, match="positive"):
+        scale_ladder.restrict(full, max_seeds=0)
+    thin = {r["head"] for r in scale_ladder.plan(full) if r["point"] == "d768-V50304-L1"}
+    assert thin == {"adamw", "muon", "rownorm"}
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -148,9 +162,13 @@ def test_quick_ladder_end_to_end(tmp_path, small_corpus):
     assert "(a) equal head rate" in md and "(d) robustness grid" in md
     assert "not fitted" in md  # two widths, one seed: no interval is claimed
     assert (root / "out" / "scale_ladder_robust.png").stat().st_size > 0
+    assert "| equal | d32-V512-L2 | 2 | 2 |" in md  # coverage: finished / planned
     # resumption: a rerun trains nothing and rebuilds the same report
     again = scale_ladder.ladder_study(ladder, **kw, log=lambda *a: pytest.fail(f"trained {a}"))
     assert json.dumps(again["protocols"]) == json.dumps(result["protocols"])
+    # run names do not carry the horizon: another --steps on the same workdir is refused
+    with pytest.raises(ValueError, match="8-step run but this ladder trains 9 steps"):
+        scale_ladder.ladder_study(ladder, **kw, steps=9, log=lambda *a: None)
 
 
 @pytest.mark.slow
