@@ -34,7 +34,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "rownorm.cc"
 _TARGET = "rowgeom_rownorm_cpu"
 _SYMBOL = "RowgeomRowNorm"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
-_MAX_THREADS = 32  # memory bandwidth is saturated long before this
+_MAX_THREADS = 8  # memory bandwidth saturates before this; each pass starts its threads anew
 _lock = threading.Lock()
 
 

@@ -358,9 +358,12 @@ ffi::Error RowNormImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y,
   const int64_t vocab = tokens_are_rows ? rows : cols;
   if (num_valid < 1 || num_valid > vocab)
     return ffi::Error::InvalidArgument("rowgeom_rownorm: num_valid out of range");
+  // Threads: at most one per 64 Ki elements (a new thread costs ~30 us; small heads are done
+  // before it starts) and per row of the parallel loop.
   const int64_t work = tokens_are_rows ? num_valid : rows;
+  const int64_t by_size = std::max<int64_t>(1, (rows * cols) >> 16);
   Options o{num_valid, eps, center_input, center_output,
-            int(std::max<int64_t>(1, std::min<int64_t>(threads, work)))};
+            int(std::max<int64_t>(1, std::min({threads, work, by_size})))};
   if (tokens_are_rows)
     token_rows(x.typed_data(), y->typed_data(), rows, cols, o);
   else
