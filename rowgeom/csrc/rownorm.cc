@@ -58,17 +58,6 @@ inline void split(int64_t n, int threads, int t, int64_t* lo, int64_t* hi) {
   *hi = n * (t + 1) / threads;
 }
 
-inline float dot_lanes(const float* a, int64_t n) {  // sum of squares with kLanes partials
-  float acc[kLanes] = {0};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[j + l] * a[j + l];
-  double total = 0.0;
-  for (int l = 0; l < kLanes; ++l) total += acc[l];
-  for (; j < n; ++j) total += double(a[j]) * a[j];
-  return float(total);
-}
-
 inline float sum_lanes(const float* a, int64_t n, float scale, float p) {  // sum(a*scale - p)
   float acc[kLanes] = {0};
   int64_t j = 0;
@@ -80,7 +69,7 @@ inline float sum_lanes(const float* a, int64_t n, float scale, float p) {  // su
   return float(total);
 }
 
-float max_abs(const float* x, int64_t rows, int64_t cols, int64_t valid_rows,
+float max_abs(const float* x, int64_t cols, int64_t valid_rows,
               int64_t valid_cols, int threads) {
   std::vector<float> part(threads, 0.0f);
   parallel(threads, [&](int t) {
@@ -119,21 +108,22 @@ struct Options {
   int threads;
 };
 
-// ---------------------------------------------------------------- tokens are rows: (V, F)
-
-struct RowStats {
+// What the output pass needs, per feature (pivot, mean; colsum: the output centring of the
+// (V, F) layout) and per valid token (the weight 1 / max(norm, eps)), and the largest squared
+// norm for the overflow guard.
+struct Stats {
   std::vector<float> pivot, mean, colsum, weights;
   float max_n2 = 0.0f;
+  Stats(int64_t F, int64_t nv) : pivot(F, 0.0f), mean(F, 0.0f), colsum(F, 0.0f), weights(nv, 0.0f) {}
 };
 
-RowStats row_stats(const float* x, int64_t F, const Options& o, float scale, float eps) {
+// ---------------------------------------------------------------- tokens are rows: (V, F)
+
+
+Stats row_stats(const float* x, int64_t F, const Options& o, float scale, float eps) {
   const int64_t nv = o.num_valid;
   const int T = o.threads;
-  RowStats st;
-  st.pivot.assign(F, 0.0f);
-  st.mean.assign(F, 0.0f);
-  st.colsum.assign(F, 0.0f);
-  st.weights.assign(nv, 0.0f);
+  Stats st(F, nv);
   if (o.center_input) {
     const int64_t k = std::min<int64_t>(2, nv);
     for (int64_t j = 0; j < F; ++j) {
@@ -240,9 +230,9 @@ RowStats row_stats(const float* x, int64_t F, const Options& o, float scale, flo
 
 void token_rows(const float* x, float* y, int64_t V, int64_t F, const Options& o) {
   float scale = 1.0f, eps = o.eps;
-  RowStats st = row_stats(x, F, o, scale, eps);
+  Stats st = row_stats(x, F, o, scale, eps);
   if (suspect(st.max_n2)) {
-    guard(max_abs(x, V, F, o.num_valid, F, o.threads), o.eps, &scale, &eps);
+    guard(max_abs(x, F, o.num_valid, F, o.threads), o.eps, &scale, &eps);
     st = row_stats(x, F, o, scale, eps);
   }
   const int64_t nv = o.num_valid;
@@ -267,19 +257,11 @@ void token_rows(const float* x, float* y, int64_t V, int64_t F, const Options& o
 
 // ---------------------------------------------------------- tokens are columns: (F, V)
 
-struct ColStats {
-  std::vector<float> pivot, mean, weights;
-  float max_n2 = 0.0f;
-};
-
-ColStats col_stats(const float* x, int64_t F, int64_t V, const Options& o, float scale,
-                   float eps) {
+Stats col_stats(const float* x, int64_t F, int64_t V, const Options& o, float scale,
+                float eps) {
   const int64_t nv = o.num_valid;
   const int T = o.threads;
-  ColStats st;
-  st.pivot.assign(F, 0.0f);
-  st.mean.assign(F, 0.0f);
-  st.weights.assign(nv, 0.0f);
+  Stats st(F, nv);
   const int64_t k = std::min<int64_t>(2, nv);
   // Each thread takes whole feature rows: their mean, then (the row still in cache) their
   // squares into a private copy of the token norms.
@@ -317,9 +299,9 @@ ColStats col_stats(const float* x, int64_t F, int64_t V, const Options& o, float
 
 void tokens_minor(const float* x, float* y, int64_t F, int64_t V, const Options& o) {
   float scale = 1.0f, eps = o.eps;
-  ColStats st = col_stats(x, F, V, o, scale, eps);
+  Stats st = col_stats(x, F, V, o, scale, eps);
   if (suspect(st.max_n2)) {
-    guard(max_abs(x, F, V, F, o.num_valid, o.threads), o.eps, &scale, &eps);
+    guard(max_abs(x, V, F, o.num_valid, o.threads), o.eps, &scale, &eps);
     st = col_stats(x, F, V, o, scale, eps);
   }
   const int64_t nv = o.num_valid;
