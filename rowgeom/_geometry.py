@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rowgeom import _native
 from rowgeom._numerics import (
     _out_of_range,
     _pow2_exponent,
@@ -203,6 +204,14 @@ def _centroid_sq_dists(x3: jax.Array, total: jax.Array | None = None) -> jax.Arr
     return _sq_dists(x3, total / x3.shape[1])
 
 
+def _on_cpu(x3: jax.Array, native, xla):
+    """``native(x3)`` on one CPU device where the kernels take the view (`rowgeom._native`:
+    tokens first or last), else ``xla(x3)``; the same numbers up to float32 rounding."""
+    if single_device_trace() and _native.applies(x3.shape):
+        return lax.platform_dependent(x3, cpu=native, default=xla)
+    return xla(x3)
+
+
 def _upper_bound(s, axis: int) -> jax.Array:
     """``2 max_i ||s_i - sbar|| >= D(S)``, O(Vd); 0 for V = 1.
 
@@ -211,7 +220,7 @@ def _upper_bound(s, axis: int) -> jax.Array:
     """
     x3 = _three_axes(s, axis)
     bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x))[0])
-    fast = bound(x3)
+    fast = _on_cpu(x3, lambda x: _native.bracket(x, sweeps=0)[1], bound)
 
     def rescaled(x):
         y, exponent = _rescale_rows(x, 1)
@@ -230,9 +239,17 @@ def _bounds_and_sum(s, *, axis: int, sweeps: int):
     """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
     row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
     x3 = _three_axes(s, axis)
-    total = jnp.sum(x3, axis=1, keepdims=True)
+
+    def xla(x3):
+        total = jnp.sum(x3, axis=1, keepdims=True)
+        return _bounds3(x3, sweeps=sweeps, total=total), total
+
+    def native(x3):
+        lower, upper, total = _native.bracket(x3, sweeps=sweeps)
+        return (lower, upper), total
+
+    fast, total = _on_cpu(x3, native, xla)
     row_sum = total.reshape(s.shape[:axis] + s.shape[axis + 1:])
-    fast = _bounds3(x3, sweeps=sweeps, total=total)
     if x3.shape[1] <= 1:
         return fast + (row_sum,)
 

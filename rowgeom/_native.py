@@ -1,15 +1,17 @@
-"""The native CPU kernel of projected RowNorm (``csrc/rownorm.cc``), an XLA FFI custom call.
+"""Native CPU kernels, as XLA FFI custom calls: projected RowNorm (``csrc/rownorm.cc``) and the
+row-diameter bracket (``csrc/bracket.cc``).
 
-Contract: `available()` builds the kernel on first use with the system C++ compiler (``$CXX``,
-else ``c++``) against the installed jaxlib's FFI headers, caches the shared library under
-``$ROWGEOM_CACHE_DIR`` (default ``~/.cache/rowgeom``) keyed by the source, the jaxlib version, the
-compiler and this CPU, registers it, and returns True. Without a compiler, or if the build fails,
-it warns once (naming the reason and how to silence it) and returns False: callers then use the
-XLA formulation, which gives the same result more slowly. ``ROWGEOM_NATIVE=0`` turns the kernel
-off. `rownorm` is the custom call on a 2-D float32 array, its output aliased to its input so a
-donated input is overwritten in place.
+Contract: `available()` builds the kernels (one shared library) on first use with the system
+C++ compiler (``$CXX``, else ``c++``) against the installed jaxlib's FFI headers, caches it under
+``$ROWGEOM_CACHE_DIR`` (default ``~/.cache/rowgeom``) keyed by the sources, the jaxlib version,
+the compiler and this CPU, registers the targets, and returns True. Without a compiler, or if
+the build fails, it warns once (naming the reason and how to silence it) and returns False:
+callers then use the XLA formulations, which give the same results more slowly.
+``ROWGEOM_NATIVE=0`` turns the kernels off. `rownorm` is the RowNorm call on a 2-D float32
+array, its output aliased to its input so a donated input is overwritten in place; `bracket`
+returns ``(lower, upper, row_sum)``.
 
-Why a hand-written kernel: XLA:CPU runs the reductions the exact algorithm needs at about half
+Why hand-written kernels: XLA:CPU runs the reductions the exact algorithm needs at about half
 of memory bandwidth, whatever the formulation (docs/benchmarks.md has the numbers).
 """
 
@@ -30,9 +32,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-_SOURCE = Path(__file__).parent / "csrc" / "rownorm.cc"
-_TARGET = "rowgeom_rownorm_cpu"
-_SYMBOL = "RowgeomRowNorm"
+_SOURCES = (Path(__file__).parent / "csrc" / "rownorm.cc",
+            Path(__file__).parent / "csrc" / "bracket.cc")
+_TARGETS = {"rowgeom_rownorm_cpu": "RowgeomRowNorm", "rowgeom_bracket_cpu": "RowgeomBracket"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 _MAX_THREADS = 8  # memory bandwidth saturates before this; each pass starts its threads anew
 _lock = threading.Lock()
@@ -67,9 +69,10 @@ def _build(compiler: str) -> Path:
     import jaxlib
 
     key = hashlib.sha256("\0".join([
-        _SOURCE.read_text(), jaxlib.__version__, compiler, " ".join(_FLAGS), _cpu_signature(),
+        *(src.read_text() for src in _SOURCES), jaxlib.__version__, compiler, " ".join(_FLAGS),
+        _cpu_signature(),
     ]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rownorm-{key}.so"
+    target = _cache_dir() / f"kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +80,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -99,8 +102,9 @@ def _load() -> str | None:
     try:
         with _lock:
             lib = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-            jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
-                                        platform="cpu")
+            for target, symbol in _TARGETS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                            platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use the XLA formulation
         return f"{type(e).__name__}: {e}"
     return None
@@ -116,9 +120,10 @@ def available() -> bool:
 
 @functools.cache
 def _warn_once(why: str) -> None:
-    warnings.warn(f"rowgeom: the native CPU kernel of projected RowNorm is not available "
-                  f"({why}); using the XLA formulation (same result, about 1.5-2x slower on "
-                  f"CPU). Set ROWGEOM_NATIVE=0 to choose that silently.",
+    warnings.warn(f"rowgeom: the native CPU kernels (projected RowNorm, the row-diameter "
+                  f"bracket) are not available ({why}); using the XLA formulations (same "
+                  f"results, about 1.5-2x slower on CPU). Set ROWGEOM_NATIVE=0 to choose that "
+                  f"silently.",
                   RuntimeWarning, stacklevel=3)
 
 
@@ -135,8 +140,31 @@ def rownorm(x: jax.Array, *, tokens_are_rows: bool, num_valid: int, eps: float,
     """The kernel on a 2-D float32 ``x``: ``(V, F)`` when ``tokens_are_rows``, else ``(F, V)``."""
     if x.ndim != 2 or x.dtype != np.float32:
         raise ValueError(f"rownorm kernel: expected a 2-D float32 array, got {x.dtype}{x.shape}")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype),
+    call = jax.ffi.ffi_call("rowgeom_rownorm_cpu", jax.ShapeDtypeStruct(x.shape, x.dtype),
                             input_output_aliases={0: 0}, vmap_method="sequential")
     return call(x, tokens_are_rows=bool(tokens_are_rows), num_valid=np.int64(num_valid),
                 eps=np.float32(eps), center_input=bool(center_input),
                 center_output=bool(center_output), threads=np.int64(threads()))
+
+
+def applies(x3_shape) -> bool:
+    """Whether the kernels take an ``(A, V, B)`` view: tokens first (``A == 1``) or last
+    (``B == 1``), on a host whose default backend is the CPU, with the kernels built."""
+    return ((x3_shape[0] == 1 or x3_shape[2] == 1) and jax.default_backend() == "cpu"
+            and available())
+
+
+def bracket(x3: jax.Array, *, sweeps: int):
+    """``(lower, upper, row_sum)`` of an ``(A, V, B)`` float32 view with ``A == 1`` or
+    ``B == 1``: `rowgeom._geometry._bounds3` and the sum of the token rows, in float32."""
+    a, vocab, b = x3.shape
+    rows = a == 1
+    flat = x3.reshape(vocab, b) if rows else x3.reshape(a, vocab)
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    call = jax.ffi.ffi_call(
+        "rowgeom_bracket_cpu",
+        (scalar, scalar, jax.ShapeDtypeStruct((b if rows else a,), np.float32)),
+        vmap_method="sequential")
+    lower, upper, row_sum = call(flat, tokens_are_rows=bool(rows), sweeps=np.int64(sweeps),
+                                 threads=np.int64(threads()))
+    return lower, upper, row_sum.reshape(a, 1, b)

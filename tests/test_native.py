@@ -217,3 +217,48 @@ def test_environment_switch_and_missing_compiler_in_a_fresh_process(tmp_path):
                           env={**env, "CXX": "no-such-compiler"}, timeout=120)
     assert none.stdout.startswith("False False 1 "), none.stdout + none.stderr
     assert "no-such-compiler" in none.stdout and none.stdout.rstrip().endswith("True")
+
+
+# --- the row-diameter bracket (csrc/bracket.cc) ------------------------------------------------
+
+
+BRACKET_SHAPES = [((300, 17), 0), ((17, 300), 1), ((3, 4, 130), -1), ((130, 3, 4), 0),
+                  ((2, 1), 0), ((1, 5), 0), ((1, 7), 1)]
+
+
+@pytest.mark.parametrize("sweeps", [0, 2])
+def test_bracket_matches_the_xla_formulation_and_brackets_the_diameter(rng, sweeps):
+    from rowgeom._geometry import _bounds3, _bounds_and_sum, _three_axes
+
+    for shape, axis in BRACKET_SHAPES:
+        x = jnp.asarray(rng.normal(size=shape) * 2.0 + 1.5, jnp.float32)
+        axis = axis % x.ndim
+        lower, upper, row_sum = _bounds_and_sum(x, axis=axis, sweeps=sweeps)
+        hlo = _bounds_and_sum.lower(x, axis=axis, sweeps=sweeps).as_text()
+        assert "rowgeom_bracket_cpu" in hlo, shape
+        want_lower, want_upper = jax.jit(
+            lambda x, a=axis: _bounds3(_three_axes(x, a), sweeps=sweeps))(x)
+        np.testing.assert_allclose(float(upper), float(want_upper), rtol=2e-6, err_msg=shape)
+        np.testing.assert_allclose(float(lower), float(want_lower), rtol=2e-6, err_msg=shape)
+        np.testing.assert_allclose(row_sum, np.asarray(x, np.float64).sum(axis), rtol=1e-5,
+                                   atol=1e-4)
+        rows = np.moveaxis(np.asarray(x, np.float64), axis, 0).reshape(shape[axis], -1)
+        exact = max((np.linalg.norm(rows[:, None] - rows[None], axis=-1)).max(), 0.0)
+        assert float(lower) <= exact * (1 + 1e-5) + 1e-6 and exact <= float(upper) * (1 + 1e-5)
+
+
+def test_bracket_non_finite_and_huge_rows(rng):
+    """NaN anywhere gives NaN bounds (never a finite wrong answer); entries ~1e30 overflow the
+    squares, and the caller's power-of-two rescaling keeps the bounds exact."""
+    import rowgeom
+
+    for axis in (0, 1):
+        x = rng.normal(size=(40, 9))
+        x = x if axis == 0 else x.T
+        bad = x.copy()
+        bad[(3, 4) if axis == 0 else (4, 3)] = np.nan
+        lower, upper = rowgeom.row_diameter_bounds(jnp.asarray(bad, jnp.float32), vocab_axis=axis)
+        assert np.isnan(float(lower)) and np.isnan(float(upper))
+        small = rowgeom.row_diameter_bounds(jnp.asarray(x, jnp.float32), vocab_axis=axis)
+        big = rowgeom.row_diameter_bounds(jnp.asarray(x * 1e30, jnp.float32), vocab_axis=axis)
+        np.testing.assert_allclose(np.asarray(big, np.float64) / 1e30, small, rtol=1e-5)
