@@ -279,6 +279,8 @@ def run_point(ladder: Ladder, workdir: Path, point: Point, head: str, lr: float,
         if done["steps"] != cfg.steps:  # run names do not carry the horizon: never mix two
             raise ValueError(f"{extra} is a {done['steps']}-step run but this ladder trains "
                              f"{cfg.steps} steps; use another --workdir (or the same --steps)")
+        if (rundir / "metrics.jsonl").exists():  # the current spike and divergence rules
+            done.update(_extras(rundir, cfg, done["last_k"]))
         return done
     if report_only:
         return None

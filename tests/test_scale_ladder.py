@@ -65,6 +65,11 @@ def test_spikes_and_divergence():
     spiky[[10, 11, 25]] += 1.0  # two onsets: 10-11 is one spike
     assert ladder_fit.count_spikes(spiky) == 2
     assert ladder_fit.count_spikes([*calm[:20], np.nan]) == 1
+    # mini-batch noise of +-0.4 nats is not a spike; a 3-nat jump in it is
+    noisy = calm + 0.4 * np.random.default_rng(0).standard_normal(calm.size)
+    assert ladder_fit.count_spikes(noisy) == 0
+    noisy[30] += 3.0
+    assert ladder_fit.count_spikes(noisy) == 1
     assert not ladder_fit.diverged([5.0, 4.0, 3.9])
     assert ladder_fit.diverged([5.0, 4.0, 6.0]) and ladder_fit.diverged([5.0, np.nan])
 
