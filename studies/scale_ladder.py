@@ -370,17 +370,19 @@ class Driver:
                 grid = sorted(L.sweep[head])
                 mine = [r for lr in grid
                         if (r := self.get("sweep", point, head, lr, L.sweep_seed)) is not None]
+                complete = len(mine) == len(grid)  # every grid rate finished
                 step = grid[-1] / grid[-2] if len(grid) > 1 else 3.0
-                for _ in range(L.sweep_extend):  # best at an edge: one more rate past it
+                for _ in range(L.sweep_extend if complete else 0):
                     b, tried = _best(mine), sorted(r["lr"] for r in mine)
                     if b is None or tried[0] < b < tried[-1]:
-                        break
-                    r = self.get("sweep", point, head,
+                        break  # best inside the rates tried
+                    r = self.get("sweep", point, head,  # best at an edge: one rate past it
                                  b * step if b == tried[-1] else b / step, L.sweep_seed)
                     if r is None:
+                        complete = False  # report-only, the edge run not finished yet
                         break
                     mine.append(r)
-                if len(mine) == len(grid) and (b := _best(mine)) is not None:
+                if complete and (b := _best(mine)) is not None:
                     best[point] = b
             if len(best) == len(L.sweep_points):
                 self.rules[head] = carry_rule(best) | {

@@ -210,3 +210,25 @@ def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
         np.testing.assert_allclose(u_ours["lm_head"]["kernel"], u_ref["lm_head"]["kernel"],
                                    rtol=2e-4, atol=1e-7)
         params = optax.apply_updates(params, u_ours)
+
+
+def test_sweep_extends_past_an_edge_and_still_makes_a_rule(tmp_path, monkeypatch):
+    """A best rate at the grid's edge gets one more rate past it; the rule then uses the
+    extended best (a bug once dropped the head's rule whenever an edge run had been added)."""
+    trained = []
+
+    def fake_run(ladder, workdir, point, head, lr, seed, **kw):
+        trained.append((point.d, head, round(lr, 6)))
+        best = {128: 0.002, 256: 0.006}[point.d]  # the smallest grid rate or below it
+        return {"point": dataclasses.asdict(point), "head": head, "lr": lr, "seed": seed,
+                "final_val_loss": 5.0 + abs(np.log(lr / best)), "D": lr}
+
+    monkeypatch.setattr(scale_ladder, "run_point", fake_run)
+    ladder = dataclasses.replace(scale_ladder.full_ladder(heads=("adamw",)), sweep_extend=1)
+    driver = scale_ladder.Driver(ladder, tmp_path, log=lambda *a: None)
+    driver.sweep()
+    assert (128, "adamw", 0.002) in trained  # 0.006 was the edge at d128: one rate below it
+    assert (256, "adamw", 0.002) in trained  # 0.006 is the edge at d256 too; 0.002 is worse
+    rule = driver.rules["adamw"]
+    assert rule["best"] == {"d128-V4096-L2": 0.002, "d256-V4096-L2": 0.006}
+    np.testing.assert_allclose(rule["alpha"], np.log(3) / np.log(2))
