@@ -207,7 +207,7 @@ def _centroid_sq_dists(x3: jax.Array, total: jax.Array | None = None) -> jax.Arr
 def _on_cpu(x3: jax.Array, native, xla):
     """``native(x3)`` on one CPU device where the kernels take the view (`rowgeom._native`:
     tokens first or last), else ``xla(x3)``; the same numbers up to float32 rounding."""
-    if single_device_trace() and _native.applies(x3.shape):
+    if single_device_trace() and (x3.shape[0] == 1 or x3.shape[2] == 1) and _native.usable():
         return lax.platform_dependent(x3, cpu=native, default=xla)
     return xla(x3)
 

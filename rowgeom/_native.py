@@ -147,11 +147,10 @@ def rownorm(x: jax.Array, *, tokens_are_rows: bool, num_valid: int, eps: float,
                 center_output=bool(center_output), threads=np.int64(threads()))
 
 
-def applies(x3_shape) -> bool:
-    """Whether the kernels take an ``(A, V, B)`` view: tokens first (``A == 1``) or last
-    (``B == 1``), on a host whose default backend is the CPU, with the kernels built."""
-    return ((x3_shape[0] == 1 or x3_shape[2] == 1) and jax.default_backend() == "cpu"
-            and available())
+def usable() -> bool:
+    """Whether to call the kernels: the default backend is the CPU and they are built. An
+    accelerator host neither builds nor calls them (callers check the layout themselves)."""
+    return jax.default_backend() == "cpu" and available()
 
 
 def bracket(x3: jax.Array, *, sweeps: int):

@@ -346,10 +346,8 @@ def _tokens_minor(x, *, eps, center_input, center_output, num_valid, slab_rows):
 
 def _native_applies(x, axis) -> bool:
     """The native kernel takes the token rows as the first or the last axis (a (V, d) table
-    or a (d, V) kernel, features flattened); other layouts use the XLA formulation. Only
-    where the default backend is the CPU: an accelerator host neither builds nor calls it."""
-    return ((axis == 0 or axis == x.ndim - 1) and jax.default_backend() == "cpu"
-            and _native.available())
+    or a (d, V) kernel, features flattened); other layouts use the XLA formulation."""
+    return (axis == 0 or axis == x.ndim - 1) and _native.usable()
 
 
 def _native_path(x, axis, **opts):
