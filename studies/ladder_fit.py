@@ -10,6 +10,8 @@ observation (seeds are not averaged first), so seed noise enters the residual va
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from scipy import stats
 
@@ -92,7 +94,11 @@ def count_spikes(losses, *, window: int = 5, jump: float = 0.25, rel: float = 0.
     return count
 
 
-def diverged(val_losses) -> bool:
-    """A run diverged when its final validation loss is not finite or above its first one."""
+def diverged(val_losses, vocab: int | None = None) -> bool:
+    """A run diverged when its final validation loss is not finite, above its first one, or
+    (given the vocabulary size) at or above ``ln(vocab)``, the loss of predicting every token
+    uniformly: a model there has learned nothing, even if it got there from a worse start."""
     xs = np.asarray(val_losses, np.float64)
-    return bool(xs.size == 0 or not np.isfinite(xs[-1]) or xs[-1] > xs[0])
+    if xs.size == 0 or not np.isfinite(xs[-1]) or xs[-1] > xs[0]:
+        return True
+    return bool(vocab is not None and xs[-1] >= math.log(vocab))

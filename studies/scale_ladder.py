@@ -260,7 +260,7 @@ def _extras(rundir: Path, cfg: configs.Config, k: int) -> dict:
     val = [r["val_loss"] for r in records if "val_loss" in r]
     return {"tightness": float(np.mean(tight)) if tight else None,
             "loss_spikes": ladder_fit.count_spikes(train_loss),
-            "diverged": ladder_fit.diverged(val),
+            "diverged": ladder_fit.diverged(val, vocab=cfg.model.vocab_size),
             "diameter_exact": (cfg.model.d_model * cfg.model.vocab_size
                                <= cfg.eval.exact_diameter_max_elements)}
 

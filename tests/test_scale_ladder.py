@@ -72,6 +72,9 @@ def test_spikes_and_divergence():
     assert ladder_fit.count_spikes(noisy) == 1
     assert not ladder_fit.diverged([5.0, 4.0, 3.9])
     assert ladder_fit.diverged([5.0, 4.0, 6.0]) and ladder_fit.diverged([5.0, np.nan])
+    # below its first evaluation but no better than uniform over 4096 tokens (ln 4096 = 8.32)
+    assert not ladder_fit.diverged([9.0, 8.6]) and ladder_fit.diverged([9.0, 8.6], vocab=4096)
+    assert not ladder_fit.diverged([9.0, 5.5], vocab=4096)
 
 
 def test_spectral_factor_and_plan():
