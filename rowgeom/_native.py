@@ -32,8 +32,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-_SOURCES = (Path(__file__).parent / "csrc" / "rownorm.cc",
-            Path(__file__).parent / "csrc" / "bracket.cc")
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "rownorm.cc", _CSRC / "bracket.cc")
+_HEADERS = (_CSRC / "common.h",)
 _TARGETS = {"rowgeom_rownorm_cpu": "RowgeomRowNorm", "rowgeom_bracket_cpu": "RowgeomBracket"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 _MAX_THREADS = 8  # memory bandwidth saturates before this; each pass starts its threads anew
@@ -69,7 +70,8 @@ def _build(compiler: str) -> Path:
     import jaxlib
 
     key = hashlib.sha256("\0".join([
-        *(src.read_text() for src in _SOURCES), jaxlib.__version__, compiler, " ".join(_FLAGS),
+        *(f.read_text() for f in (*_SOURCES, *_HEADERS)), jaxlib.__version__, compiler,
+        " ".join(_FLAGS),
         _cpu_signature(),
     ]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kernels-{key}.so"

@@ -16,31 +16,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int64_t kBlockRows = 64;
-
-template <class F>
-void parallel(int threads, F&& f) {
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(f, t);
-  f(0);
-  for (auto& th : pool) th.join();
-}
-
-inline void split(int64_t n, int threads, int t, int64_t* lo, int64_t* hi) {
-  *lo = n * t / threads;
-  *hi = n * (t + 1) / threads;
-}
+using rowgeom::kBlockRows;
+using rowgeom::kLanes;
+using rowgeom::parallel;
+using rowgeom::split;
 
 // Running (max, argmax, sum) with jnp semantics: NaN wins, first index among equals.
 struct Top {
@@ -167,8 +155,7 @@ ffi::Error BracketImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> lowe
   const int64_t rows = dims[0], cols = dims[1];
   const int64_t V = tokens_are_rows ? rows : cols, F = tokens_are_rows ? cols : rows;
   const float* data = x.typed_data();
-  const int64_t by_size = std::max<int64_t>(1, (rows * cols) >> 16);
-  const int T = int(std::max<int64_t>(1, std::min({threads, rows, by_size})));
+  const int T = rowgeom::thread_count(threads, rows, rows * cols);
   std::vector<float> row_sum(F, 0.0f), point(F);
   Top top;
   if (tokens_are_rows) {

@@ -29,34 +29,22 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;  // independent float accumulators of a row reduction
-constexpr int64_t kBlockRows = 64;  // rows summed in float before adding to float64 totals
+using rowgeom::kBlockRows;
+using rowgeom::kLanes;
+using rowgeom::parallel;
+using rowgeom::split;
+
 constexpr float kHugeExp = 50.0f;   // the overflow guard's threshold 2^50 on max |x|
 const float kTiny = std::numeric_limits<float>::min();
-
-// Runs f(t) for t in [0, threads) on threads - 1 new threads and the caller.
-template <class F>
-void parallel(int threads, F&& f) {
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(f, t);
-  f(0);
-  for (auto& th : pool) th.join();
-}
-
-inline void split(int64_t n, int threads, int t, int64_t* lo, int64_t* hi) {
-  *lo = n * t / threads;
-  *hi = n * (t + 1) / threads;
-}
 
 inline float sum_lanes(const float* a, int64_t n, float scale, float p) {  // sum(a*scale - p)
   float acc[kLanes] = {0};
@@ -340,12 +328,9 @@ ffi::Error RowNormImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y,
   const int64_t vocab = tokens_are_rows ? rows : cols;
   if (num_valid < 1 || num_valid > vocab)
     return ffi::Error::InvalidArgument("rowgeom_rownorm: num_valid out of range");
-  // Threads: at most one per 64 Ki elements (a new thread costs ~30 us; small heads are done
-  // before it starts) and per row of the parallel loop.
   const int64_t work = tokens_are_rows ? num_valid : rows;
-  const int64_t by_size = std::max<int64_t>(1, (rows * cols) >> 16);
   Options o{num_valid, eps, center_input, center_output,
-            int(std::max<int64_t>(1, std::min({threads, work, by_size})))};
+            rowgeom::thread_count(threads, work, rows * cols)};
   if (tokens_are_rows)
     token_rows(x.typed_data(), y->typed_data(), rows, cols, o);
   else
