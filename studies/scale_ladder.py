@@ -13,7 +13,8 @@ last-K head-step diameter and Hilbert RMS on held-out hidden states. The ladder:
 
 - widths d ∈ {128, 256, 512, 768} at V 4096; vocabularies V ∈ {4096, 16384, 50304} at d 256
   (a BPE of each size, cached per size); and the paper's smallest head shape d 768, V 50304 on
-  a one-layer backbone (`POINTS`). Layers 2, head dim 32, MLP 3d, sequence 64, batch 16.
+  a one-layer backbone (`POINTS`). Layers 2, head dim 32, MLP 3d, sequence 64, batch 16,
+  100 steps (warm-up 10, cosine), last-5-step means.
 - heads (`HEADS`): AdamW; Muon RMS-matched (the library's `scale="rms"`, step RMS 0.2); Muon
   spectral-scaled (`scale="spectral"`: polar factor × sqrt(fan_out/fan_in) = sqrt(V/d)); projected
   RowNorm. The spectral head is trained as the RMS-matched Muon head at rate `lr·SPECTRAL(d)`,
@@ -32,7 +33,9 @@ last-K head-step diameter and Hilbert RMS on held-out hidden states. The ladder:
       gives the achieved ratio D_head / D_rownorm of the matched runs).
   (d) `robust`: at `ROBUST_POINT`, each head at `ROBUST_MULTIPLIERS` × its tuned rate on 3
       seeds: final loss, loss-spike onsets (`ladder_fit.count_spikes`) and divergence.
-- seeds per point: `SEEDS_BY_POINT` (3 where a run is cheap, fewer where it is not).
+- seeds per point: `SEEDS_BY_POINT` (2 at the two sweep points, 1 elsewhere); which protocols
+  run where: `PROTOCOLS_BY_POINT` (tuned, matched and robust at the sweep points only). The
+  comment above those constants says why; `--plan` prices the whole grid (about 3 h).
 
 Every run leaves `WORKDIR/<point>/<role>-<head>-lr<lr>-s<seed>/result.json` (plus `ladder.json`
 with the ladder's extra per-run numbers); a rerun skips finished runs and restarts an interrupted
