@@ -46,7 +46,6 @@ def run(u, impl, **kw):
 
 def test_kernel_is_built_and_used_by_default():
     assert _native.available()
-    spec = jax.ShapeDtypeStruct((64, 8), jnp.float32)
     for axis, shape in [(0, (64, 8)), (1, (8, 64)), (-1, (2, 4, 64)), (0, (64, 2, 4))]:
         spec = jax.ShapeDtypeStruct(shape, jnp.float32)
         hlo = jax.jit(lambda u, a=axis: project_rownorm(u, vocab_axis=a)).lower(spec).as_text()
