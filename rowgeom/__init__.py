@@ -6,7 +6,6 @@ measure a head step the way the softmax sees it.
 """
 
 from rowgeom._clip import clip_row_diameter
-from rowgeom._describe import Description, ParamRow, describe
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import (
     hilbert_distance,
@@ -14,27 +13,31 @@ from rowgeom._geometry import (
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._labels import (
+from rowgeom._labels import Labeler, label_params, make_labeler, partition_by_label
+from rowgeom._muon import MuonDimensionNumbers, muon_orthogonalize
+from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
     DEFAULT_HIDDEN_NAMES,
     DEFAULT_VECTOR_NAMES,
     LABELS,
     TOKEN_EMBEDDING_NAMES,
-    label_params,
-    make_labeler,
-    partition_by_label,
 )
-from rowgeom._muon import MuonDimensionNumbers, muon_orthogonalize
 from rowgeom._newton_schulz import newton_schulz, ns_coefficients
-from rowgeom._oracle import common_ball_oracle, diameter_oracle
-from rowgeom._recipe import (
+from rowgeom._options import (
+    FLAT_KEYWORDS,
     HEAD_LR_MULTIPLIERS,
-    STATIC_ARGS,
+    AdamOptions,
     GroupHyperparams,
-    lm_optimizer,
+    GroupOptions,
+    HeadOptions,
+    LMHyperparams,
+    MuonOptions,
     lm_optimizer_hparams,
 )
+from rowgeom._oracle import common_ball_oracle, diameter_oracle
+from rowgeom._plan import LeafPlan, OptimizerPlan, describe
+from rowgeom._recipe import STATIC_ARGS, lm_optimizer
 from rowgeom._rownorm import project_rownorm, projected_rownorm
 
 __version__ = "0.1.0"
@@ -60,18 +63,37 @@ __all__ = (
     "row_diameter",
     "row_diameter_bounds",
     "track_row_diameter",
-    # Routing and composition (labels, layouts, resolved hyperparameters).
+    # Routing and composition (labels, options, the plan, resolved hyperparameters).
+    "AdamOptions",
     "DEFAULT_EMBEDDING_NAMES",
     "DEFAULT_HEAD_NAMES",
     "DEFAULT_HIDDEN_NAMES",
     "DEFAULT_VECTOR_NAMES",
-    "Description",
+    "FLAT_KEYWORDS",
     "GroupHyperparams",
+    "GroupOptions",
     "HEAD_LR_MULTIPLIERS",
-    "ParamRow",
+    "HeadOptions",
+    "LMHyperparams",
+    "Labeler",
+    "LeafPlan",
+    "MuonOptions",
+    "OptimizerPlan",
     "STATIC_ARGS",
     "TOKEN_EMBEDDING_NAMES",
     "describe",
     "lm_optimizer_hparams",
     "make_labeler",
 )
+
+
+def __getattr__(name: str):
+    # Names of 0.1.0 kept as deprecated aliases (CHANGELOG.md).
+    renamed = {"Description": "OptimizerPlan", "ParamRow": "LeafPlan"}
+    if name in renamed:
+        import warnings
+
+        warnings.warn(f"rowgeom.{name} is deprecated; use rowgeom.{renamed[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[renamed[name]]
+    raise AttributeError(f"module 'rowgeom' has no attribute {name!r}")

@@ -14,18 +14,28 @@ The rules with examples, public layouts and tied embeddings: docs/guides/labels.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optax
 
-from rowgeom._layout import (
-    ModelLayout,
+from rowgeom._names import (
+    DEFAULT_EMBEDDING_NAMES,
+    DEFAULT_HEAD_NAMES,
+    DEFAULT_HIDDEN_NAMES,
+    DEFAULT_VECTOR_NAMES,
+    MATRIX_LEAF_NAMES,
+    NORM_MODULE,
+    TIED_POLICIES,
+    TOKEN_EMBEDDING_NAMES,
+)
+from rowgeom._structure import (
+    ModelStructure,
     block_position,
-    find_stacks,
-    find_vocab,
     is_position_embedding,
+    model_structure,
     stack_of,
 )
 from rowgeom._tree import (
@@ -37,92 +47,6 @@ from rowgeom._tree import (
     prefix_entries,
     tree_paths,
 )
-
-LABELS = ("hidden", "head", "embedding", "vector")
-"""The four parameter labels, one per update geometry.
-
-``"hidden"`` (Muon), ``"head"`` (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW);
-the keys `lm_optimizer` partitions by and `label_params` assigns.
-
-Examples:
-    >>> import rowgeom
-    >>> rowgeom.LABELS
-    ('hidden', 'head', 'embedding', 'vector')
-"""
-
-DEFAULT_HEAD_NAMES = frozenset({
-    "lm_head", "head", "output", "output_layer", "unembed", "unembedding", "unembedder",
-    "logits", "logits_dense", "logitdense", "to_logits",
-})
-"""Path components that name the output (unembedding) matrix: label ``"head"``.
-
-Examples:
-    >>> import rowgeom
-    >>> "lm_head" in rowgeom.DEFAULT_HEAD_NAMES and "logits_dense" in rowgeom.DEFAULT_HEAD_NAMES
-    True
-"""
-
-TOKEN_EMBEDDING_NAMES = frozenset({
-    "wte", "tok_embeddings", "tok_embedding", "tok_embed", "token_embedder", "token_embedding",
-    "token_embeddings", "embed_tokens", "word_embeddings", "word_embedding", "input_embedding",
-    "shared_embedding",
-})
-"""Path components that name the token embedding table (the one a tied head reuses).
-
-Its ``(V, d)`` shape gives `label_params` the vocabulary size and the model width.
-
-Examples:
-    >>> import rowgeom
-    >>> "wte" in rowgeom.TOKEN_EMBEDDING_NAMES and "wpe" not in rowgeom.TOKEN_EMBEDDING_NAMES
-    True
-"""
-
-DEFAULT_EMBEDDING_NAMES = TOKEN_EMBEDDING_NAMES | frozenset({
-    "embed", "embedding", "embeddings", "embedder", "wpe", "pos_embed", "pos_embedding",
-    "position_embedding", "position_embeddings", "embed_positions",
-})
-"""Path components that name lookup tables (token and position embeddings): ``"embedding"``.
-
-Examples:
-    >>> import rowgeom
-    >>> rowgeom.TOKEN_EMBEDDING_NAMES <= rowgeom.DEFAULT_EMBEDDING_NAMES
-    True
-"""
-
-DEFAULT_HIDDEN_NAMES = frozenset({
-    # block containers
-    "layers", "layer", "blocks", "block", "h", "transformer_blocks",
-    # attention
-    "attn", "attention", "self_attn", "self_attention", "cross_attn", "cross_attention",
-    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "qkv", "qkv_proj", "kv_proj",
-    "query", "key", "value", "out", "wq", "wk", "wv", "wo", "c_attn",
-    # MLP
-    "mlp", "ffn", "feed_forward", "feedforward", "gate", "up", "down", "gate_proj", "up_proj",
-    "down_proj", "wi", "wi_0", "wi_1", "w1", "w2", "w3", "c_fc", "c_proj", "fc1", "fc2",
-    "experts",
-})
-"""Path components that name blocks, attention and MLP projections: label ``"hidden"``.
-
-Examples:
-    >>> import rowgeom
-    >>> {"layers", "q_proj", "mlp"} <= rowgeom.DEFAULT_HIDDEN_NAMES
-    True
-"""
-
-DEFAULT_VECTOR_NAMES = frozenset({"scale", "bias", "biases", "gain", "beta", "gamma", "offset"})
-"""Leaf names that make a parameter a ``"vector"`` whatever its rank.
-
-A norm scale stacked over scanned layers ``(L, d)`` or a per-head bias ``(H, Dh)`` has rank 2
-but no matrix structure. A leaf whose own module is a norm (a component containing ``norm``,
-or ``ln_f``, ``ln_1``, ...) is a vector too, e.g. Hugging Face's ``input_layernorm/weight``.
-
-Examples:
-    >>> import rowgeom
-    >>> sorted(rowgeom.DEFAULT_VECTOR_NAMES)[:3]
-    ['beta', 'bias', 'biases']
-"""
-
-_TIED_POLICIES = (None, "embedding", "head")
 
 
 def _check_names(names, argname) -> frozenset[str]:
@@ -148,9 +72,6 @@ def _compile_rules(rules):
     return tuple(compiled)
 
 
-_NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
-
-
 def _regex(path: tuple[str, ...]) -> str:
     """A rule regex matching exactly this path (what error messages suggest)."""
     return "^" + re.escape(path_str(path)) + "$"
@@ -167,17 +88,7 @@ class _Leaf(NamedTuple):
     source: str | None  # rank, rule, vector name, name, block, stack, shape, default, tied
 
 
-class _Config(NamedTuple):
-    head_names: frozenset
-    embedding_names: frozenset
-    hidden_names: frozenset
-    vector_names: frozenset
-    rules: tuple
-    tied: str | None
-    default: str | None
-
-
-def _by_name(path, cfg: _Config) -> str | None:
+def _by_name(path, cfg: Labeler) -> str | None:
     # The first component (from the root) that names a known block decides, so
     # "layers/0/attention/output/dense" (BERT) is hidden although "output" names a head.
     for component in path:
@@ -191,34 +102,24 @@ def _by_name(path, cfg: _Config) -> str | None:
     return None
 
 
-def _first_pass(path, shape, cfg: _Config) -> _Leaf:
+def _first_pass(path, shape, cfg: Labeler) -> _Leaf:
     if len(shape) < 2:
         return _Leaf(path, shape, "vector", "rank")
     joined = path_str(path)
-    for pattern, label in cfg.rules:
+    for pattern, label in cfg._compiled:
         if pattern.search(joined):
             return _Leaf(path, shape, label, "rule")
     if path and (path[-1].lower() in cfg.vector_names
-                 or (len(path) > 1 and _NORM_MODULE.search(path[-2].lower())
-                     and path[-1].lower() not in ("kernel", "embedding"))):
+                 or (len(path) > 1 and NORM_MODULE.search(path[-2].lower())
+                     and path[-1].lower() not in MATRIX_LEAF_NAMES)):
         return _Leaf(path, shape, "vector", "vector name")
     label = _by_name(path, cfg)
     return _Leaf(path, shape, label, None if label is None else "name")
 
 
-def model_layout(leaves) -> ModelLayout:
-    """V, d and the layer stacks of labelled leaves (``_Leaf``s, or (path, shape, label) tuples)."""
-    rank2 = lambda lab: [(p, s) for p, s, lb, *_ in leaves if lb == lab and len(s) == 2]
-    vocab, width, source = find_vocab(rank2("embedding"), rank2("head"), TOKEN_EMBEDDING_NAMES)
-    labels = {p: lb for p, _, lb, *_ in leaves}
-    stacks = find_stacks([(p, s) for p, s, *_ in leaves], width,
-                         lambda p, s: labels[p] == "vector")
-    return ModelLayout(vocab, width, source, stacks)
-
-
-def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayout]:
+def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStructure]:
     """Structural cross-checks and inference on top of the names (module docstring)."""
-    layout = model_layout([lf for lf in leaves if lf.source in ("rule", "name", "rank",
+    layout = model_structure([lf for lf in leaves if lf.source in ("rule", "name", "rank",
                                                                  "vector name")])
     vocab, width, source = layout.vocab_size, layout.width, layout.source
     where_v = f"V={vocab}" + (f", from {path_str(source)}" if source else "")
@@ -286,7 +187,7 @@ def _resolve(leaves: list[_Leaf], cfg: _Config) -> tuple[list[_Leaf], ModelLayou
     return out, layout
 
 
-def _tied_table(leaves: list[_Leaf], layout: ModelLayout, tied) -> tuple[str, ...] | None:
+def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied) -> tuple[str, ...] | None:
     """Checks the tied-embedding policy; returns the path of a table to relabel "head"."""
     heads = [lf for lf in leaves if lf.label == "head"]
     embeds = [lf for lf in leaves if lf.label == "embedding"]
@@ -327,86 +228,100 @@ def _names(base, extra, argname: str) -> frozenset[str]:
     return _check_names(base, argname) | _check_names(extra, "extra_" + argname)
 
 
-def make_labeler(
-    *,
-    head_names: Collection[str] = DEFAULT_HEAD_NAMES,
-    embedding_names: Collection[str] = DEFAULT_EMBEDDING_NAMES,
-    hidden_names: Collection[str] = DEFAULT_HIDDEN_NAMES,
-    vector_names: Collection[str] = DEFAULT_VECTOR_NAMES,
-    extra_head_names: Collection[str] = (),
-    extra_embedding_names: Collection[str] = (),
-    extra_hidden_names: Collection[str] = (),
-    extra_vector_names: Collection[str] = (),
-    rules: Sequence[tuple[str, str]] = (),
-    tied: str | None = None,
-    default: str | None = None,
-) -> Callable[[Any], Any]:
-    """Returns ``labeler(params) -> tree of labels``: `label_params` with its options bound.
+@dataclasses.dataclass(frozen=True)
+class Labeler:
+    """The labelling rules of `label_params`, as one frozen, reusable object.
 
-    Arguments are checked once, here. The result suits ``optax.partition`` and
-    `partition_by_label`, which call it with the params at init and the updates at update.
+    Calling it labels a tree: ``Labeler(...)(params)`` is ``label_params(params, ...)``, so it
+    serves as ``optax.partition``'s label function (called with the params at init and the
+    updates at update) and as `lm_optimizer`'s ``labels``. Arguments are checked once, on
+    creation; the ``extra_*`` names are merged into their base set (``labeler.hidden_names``
+    holds both), so two labelers that label alike compare equal.
+
+    Attributes:
+      head_names: path component names that mean ``"head"`` (default `DEFAULT_HEAD_NAMES`).
+      embedding_names: names that mean ``"embedding"`` (default `DEFAULT_EMBEDDING_NAMES`).
+      hidden_names: names that mean ``"hidden"`` (default `DEFAULT_HIDDEN_NAMES`).
+      vector_names: leaf names that mean ``"vector"`` (default `DEFAULT_VECTOR_NAMES`).
+      extra_head_names: names added to `head_names`.
+      extra_embedding_names: names added to `embedding_names`.
+      extra_hidden_names: names added to `hidden_names`.
+      extra_vector_names: names added to `vector_names`.
+      rules: ``(regex, label)`` pairs tried first, in order, on matrices.
+      tied: None, ``"embedding"`` or ``"head"``: policy for a head tied to the embedding.
+      default: label for matrices nothing names (e.g. ``"hidden"``); None raises instead.
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
-      >>> labeler = rowgeom.make_labeler(extra_hidden_names={"router"})
+      >>> labeler = rowgeom.Labeler(extra_hidden_names={"router"})
       >>> params = {"embed": {"embedding": jnp.zeros((100, 16))},
       ...           "router": {"kernel": jnp.zeros((16, 4))},
       ...           "lm_head": {"kernel": jnp.zeros((16, 100))}}
       >>> labeler(params)["router"]["kernel"]
       'hidden'
     """
-    cfg = _config(head_names, embedding_names, hidden_names, vector_names, extra_head_names,
-                  extra_embedding_names, extra_hidden_names, extra_vector_names, rules, tied,
-                  default)
 
-    def labeler(params):
-        leaves, _ = _label_leaves(params, cfg)
+    head_names: Collection[str] = DEFAULT_HEAD_NAMES
+    embedding_names: Collection[str] = DEFAULT_EMBEDDING_NAMES
+    hidden_names: Collection[str] = DEFAULT_HIDDEN_NAMES
+    vector_names: Collection[str] = DEFAULT_VECTOR_NAMES
+    extra_head_names: Collection[str] = ()
+    extra_embedding_names: Collection[str] = ()
+    extra_hidden_names: Collection[str] = ()
+    extra_vector_names: Collection[str] = ()
+    rules: Sequence[tuple[str, str]] = ()
+    tied: str | None = None
+    default: str | None = None
+    _compiled: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.tied not in TIED_POLICIES:
+            raise ValueError(f"tied must be one of {TIED_POLICIES}, got {self.tied!r}")
+        if self.default is not None and not isinstance(self.default, str):
+            raise TypeError(f"default must be a label string or None, got {self.default!r}")
+        for kind in ("head", "embedding", "hidden", "vector"):
+            merged = _names(getattr(self, f"{kind}_names"), getattr(self, f"extra_{kind}_names"),
+                            f"{kind}_names")
+            object.__setattr__(self, f"{kind}_names", merged)
+            object.__setattr__(self, f"extra_{kind}_names", frozenset())
+        compiled = _compile_rules(self.rules)
+        object.__setattr__(self, "rules", tuple((p.pattern, lab) for p, lab in compiled))
+        object.__setattr__(self, "_compiled", compiled)
+
+    def __call__(self, params: Any) -> Any:
+        """The labels tree of `params` (same structure, Flax boxes replaced by labels)."""
+        leaves, _ = self.label_leaves(params)
         table = {lf.path: lf.label for lf in leaves}
         return map_with_paths(lambda p, _: table[p], params)
 
-    return labeler
+    def label_leaves(self, params: Any) -> tuple[list[_Leaf], ModelStructure]:
+        """Every leaf's label with the reason it got it, and the model structure read."""
+        first = [_first_pass(p, leaf_shape(x), self) for p, x in tree_paths(params)]
+        leaves, structure = _resolve(first, self)
+        retie = _tied_table(leaves, structure, self.tied)
+        if retie is not None:
+            leaves = [lf._replace(label="head", source="tied") if lf.path == retie else lf
+                      for lf in leaves]
+        return leaves, structure
 
 
-def _config(head_names, embedding_names, hidden_names, vector_names, extra_head_names,
-            extra_embedding_names, extra_hidden_names, extra_vector_names, rules, tied,
-            default) -> _Config:
-    if tied not in _TIED_POLICIES:
-        raise ValueError(f"tied must be one of {_TIED_POLICIES}, got {tied!r}")
-    if default is not None and not isinstance(default, str):
-        raise TypeError(f"default must be a label string or None, got {default!r}")
-    return _Config(
-        _names(head_names, extra_head_names, "head_names"),
-        _names(embedding_names, extra_embedding_names, "embedding_names"),
-        _names(hidden_names, extra_hidden_names, "hidden_names"),
-        _names(vector_names, extra_vector_names, "vector_names"),
-        _compile_rules(rules), tied, default)
+def make_labeler(**options: Any) -> Labeler:
+    """``Labeler(**options)``: `label_params` with its options bound, as a label function.
+
+    The result suits ``optax.partition`` and `partition_by_label`, which call it with the
+    params at init and the updates at update. `options` are `Labeler`'s attributes.
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> labeler = rowgeom.make_labeler(extra_hidden_names={"router"})
+      >>> labeler({"router": {"kernel": jnp.zeros((16, 4))},
+      ...          "lm_head": {"kernel": jnp.zeros((16, 100))}})["router"]["kernel"]
+      'hidden'
+    """
+    return Labeler(**options)
 
 
-def _label_leaves(params, cfg: _Config) -> tuple[list[_Leaf], ModelLayout]:
-    first = [_first_pass(p, leaf_shape(x), cfg) for p, x in tree_paths(params)]
-    leaves, layout = _resolve(first, cfg)
-    retie = _tied_table(leaves, layout, cfg.tied)
-    if retie is not None:
-        leaves = [lf._replace(label="head", source="tied") if lf.path == retie else lf
-                  for lf in leaves]
-    return leaves, layout
-
-
-def label_params(
-    params: Any,
-    *,
-    head_names: Collection[str] = DEFAULT_HEAD_NAMES,
-    embedding_names: Collection[str] = DEFAULT_EMBEDDING_NAMES,
-    hidden_names: Collection[str] = DEFAULT_HIDDEN_NAMES,
-    vector_names: Collection[str] = DEFAULT_VECTOR_NAMES,
-    extra_head_names: Collection[str] = (),
-    extra_embedding_names: Collection[str] = (),
-    extra_hidden_names: Collection[str] = (),
-    extra_vector_names: Collection[str] = (),
-    rules: Sequence[tuple[str, str]] = (),
-    tied: str | None = None,
-    default: str | None = None,
-) -> Any:
+def label_params(params: Any, **options: Any) -> Any:
     """Labels every leaf of `params` with one of `LABELS` (or a custom label from `rules`).
 
     Names first, then shapes as a cross-check (the vocabulary size ``V`` and width ``d`` come
@@ -442,21 +357,12 @@ def label_params(
 
     Args:
       params: any pytree of arrays, ``jax.ShapeDtypeStruct`` or Flax boxes (shapes only).
-      head_names: path component names that mean ``"head"`` (replaces `DEFAULT_HEAD_NAMES`).
-      embedding_names: names that mean ``"embedding"`` (replaces `DEFAULT_EMBEDDING_NAMES`).
-      hidden_names: names that mean ``"hidden"`` (replaces `DEFAULT_HIDDEN_NAMES`).
-      vector_names: leaf names that mean ``"vector"`` (replaces `DEFAULT_VECTOR_NAMES`).
-      extra_head_names: names added to `head_names`.
-      extra_embedding_names: names added to `embedding_names`.
-      extra_hidden_names: names added to `hidden_names`.
-      extra_vector_names: names added to `vector_names`.
-      rules: ``(regex, label)`` pairs tried first, in order, on matrices.
-      tied: None, ``"embedding"`` or ``"head"``: policy for a head tied to the embedding.
-      default: label for matrices nothing names (e.g. ``"hidden"``); None raises instead.
+      **options: the rules, as `Labeler`'s attributes (``rules=``, ``tied=``, ``default=``,
+        ``extra_hidden_names=``, ...).
 
     Returns:
       A tree of label strings with the structure of `params` (boxes replaced by labels).
-      For an ``optax.partition`` label function use `make_labeler`.
+      For an ``optax.partition`` label function use `Labeler` (or `make_labeler`).
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
@@ -477,11 +383,7 @@ def label_params(
       >>> rowgeom.label_params(params, rules=[(r"^router/", "hidden")])["router"]["kernel"]
       'hidden'
     """
-    return make_labeler(
-        head_names=head_names, embedding_names=embedding_names, hidden_names=hidden_names,
-        vector_names=vector_names, extra_head_names=extra_head_names,
-        extra_embedding_names=extra_embedding_names, extra_hidden_names=extra_hidden_names,
-        extra_vector_names=extra_vector_names, rules=rules, tied=tied, default=default)(params)
+    return Labeler(**options)(params)
 
 
 def label_table(labels: Any, params: Any) -> dict[Path, Any]:

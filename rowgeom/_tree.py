@@ -11,8 +11,12 @@ Contract (the layout page, docs/architecture.md, shows who uses what):
   caller already loaded it.
 - **Masked** leaves (`is_masked`: ``None`` and ``optax.MaskedNode``, what ``optax.partition`` and
   ``optax.masked`` put where a transform must not act) are leaves wherever a transform walks.
-- A **prefix tree** (``vocab_axis``, Muon dimension numbers, labels) is matched to a tree by path:
-  its entry at a path covers every leaf below it (`prefix_entries`, `lookup_prefix`).
+- A **per-leaf option** (labels, ``vocab_axis``, Muon dimension numbers, the routing a test
+  expects) has one semantics everywhere (`resolve_per_leaf`): one value for every leaf, a
+  callable ``tree -> option``, or a tree matched by path — nested like the parameters, flat with
+  ``"/"``-joined keys, or a mix, since a key's ``"/"`` separates components — whose entry at a
+  path covers every leaf below it (the longest prefix wins). An entry that covers no leaf is an
+  error naming it (a typo must not silently do nothing).
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ def key_name(key) -> str:
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
+
+
+def _components(keys) -> Path:
+    """The path of a key path: one component per key, a key's ``"/"`` splitting it further."""
+    return tuple(part for key in keys for part in key_name(key).split("/"))
 
 
 def path_str(path: Path) -> str:
@@ -110,7 +119,7 @@ def flatten_with_paths(tree, *, open_boxes: bool = False,
     extra = is_leaf if is_leaf is not None else (lambda x: False)
     outer, treedef = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: extra(x) or (bool(boxes) and isinstance(x, boxes)))
-    named = [(tuple(key_name(k) for k in keys), leaf) for keys, leaf in outer]
+    named = [(_components(keys), leaf) for keys, leaf in outer]
     if not open_boxes or not any(boxes and isinstance(x, boxes) for _, x in named):
         return named, treedef
     opened: list[tuple[Path, Any]] = []
@@ -133,7 +142,7 @@ def map_with_paths(fn: Callable[..., Any], tree, *, open_boxes: bool = False,
     return jax.tree_util.tree_unflatten(treedef, [fn(path, leaf) for path, leaf in leaves])
 
 
-# --- Prefix trees matched by path ---------------------------------------------------------------
+# --- Per-leaf options matched by path ----------------------------------------------------------
 
 
 def prefix_entries(prefix, *, is_entry: Callable[[Any], bool] | None = None) -> dict[Path, Any]:
@@ -156,6 +165,26 @@ def unmatched(entries: Iterable[Path], paths: Iterable[Path]) -> list[str]:
     return [path_str(k) for k in entries if not any(p[:len(k)] == k for p in paths)]
 
 
+def resolve_per_leaf(option, paths: list[Path], *, is_value: Callable[[Any], bool],
+                     argname: str) -> list[tuple[bool, Any]]:
+    """``(found, value)`` of a per-leaf option for each of `paths` (the module docstring).
+
+    `option` is one value (``is_value(option)``), or a tree of values matched by path; call a
+    callable option on the tree first. Paths no entry covers get ``(False, None)``: the caller
+    decides whether that is an error. Entries that cover none of `paths` raise, naming them.
+    """
+    if is_value(option):
+        return [(True, option)] * len(paths)
+    entries = prefix_entries(option, is_entry=is_value)
+    unknown = unmatched(entries, paths)
+    if unknown:
+        leaves = sorted(path_str(p) for p in paths)
+        more = f" and {len(leaves) - 8} more" if len(leaves) > 8 else ""
+        raise ValueError(f"{argname} names {unknown}, which are not in the tree (its leaves: "
+                         f"{leaves[:8]}{more})")
+    return [lookup_prefix(entries, path) for path in paths]
+
+
 # --- Per-leaf vocabulary axes (the head transforms and the tracker) ---------------------------
 
 
@@ -171,33 +200,25 @@ def _check_axis_value(ax):
 def vocab_axes(vocab_axis, tree):
     """Broadcasts ``vocab_axis`` to one ``int | None`` per leaf of ``tree``.
 
-    ``vocab_axis`` is an int (every leaf), ``None`` (no leaf), a tree with ints / ``None`` at
-    its leaves, or a callable ``tree -> such a tree`` (like optax masks). The tree is matched by
-    path, so it may be a prefix (an int for a whole subtree) or **partial**: a leaf of
-    ``tree`` under no entry of ``vocab_axis`` gets ``None`` (left unchanged, never a guessed
-    axis), e.g. ``{"lm_head": {"kernel": 1}}`` on a whole model. An entry that names no part of
-    ``tree`` is an error (a typo must not silently transform nothing).
+    ``vocab_axis`` is a per-leaf option (`resolve_per_leaf`): an int (every leaf), ``None`` (no
+    leaf), a tree or flat ``"/"``-keyed mapping with ints / ``None`` at its leaves, or a callable
+    ``tree -> such a tree`` (like optax masks). A leaf under no entry gets ``None`` (left
+    unchanged, never a guessed axis), e.g. ``{"lm_head/kernel": 1}`` on a whole model.
     """
     if callable(vocab_axis):
         vocab_axis = vocab_axis(tree)
     leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
-    if vocab_axis is None or not isinstance(vocab_axis, Mapping | list | tuple) \
-            or isinstance(vocab_axis, optax.MaskedNode):
-        return jax.tree_util.tree_unflatten(treedef, [_check_axis_value(vocab_axis)] * len(leaves))
-    entries = {}
-    for path, ax in prefix_entries(vocab_axis, is_entry=lambda x: x is None).items():
+    is_value = lambda ax: ax is None or not isinstance(ax, Mapping | list | tuple) \
+        or isinstance(ax, optax.MaskedNode)
+    per_leaf = resolve_per_leaf(vocab_axis, [p for p, _ in leaves], is_value=is_value,
+                                argname="vocab_axis")
+    axes = []
+    for (path, _), (_, ax) in zip(leaves, per_leaf, strict=True):
         try:
-            entries[path] = _check_axis_value(ax)
+            axes.append(_check_axis_value(ax))
         except (TypeError, ValueError) as err:
             raise type(err)(f"vocab_axis at {path_str(path) or '<root>'}: {err}") from None
-    unknown = unmatched(entries, (p for p, _ in leaves))
-    if unknown:
-        raise ValueError(
-            "vocab_axis must be an int, None, a tree prefix of the parameters (ints / None at "
-            "its leaves; it may leave leaves out, which are then untouched) or a callable "
-            f"returning one; it names {unknown}, which are not in the parameters")
-    return jax.tree_util.tree_unflatten(
-        treedef, [lookup_prefix(entries, path)[1] for path, _ in leaves])
+    return jax.tree_util.tree_unflatten(treedef, axes)
 
 
 def map_head_leaves(fn, skip, tree, axes):

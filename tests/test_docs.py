@@ -70,9 +70,10 @@ def _public_docstring(name: str) -> str:
     obj = getattr(rowgeom, name)
     if inspect.isfunction(obj) or inspect.isclass(obj):
         return inspect.getdoc(obj) or ""
-    module = importlib.import_module(
-        next(m for m in _modules()[1:] if getattr(m, name, None) is obj).__name__)
-    return _constant_docstrings(module).get(name, "")
+    # The module that assigns it (others may import it): the one with its docstring.
+    docs = [_constant_docstrings(m).get(name, "") for m in _modules()[1:]
+            if getattr(m, name, None) is obj]
+    return max(docs, key=len, default="")
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import rowgeom
-from rowgeom._recipe import ROWNORM_HEAD_LR_MULTIPLIER, STATIC_ARGS, infer_head_vocab_axis
+from rowgeom._structure import head_vocab_axis
 from rowgeom._tree import tree_paths
 
 V, D, LAYERS, LR, WD, BETA = 64, 16, 2, 1e-2, 0.1, 0.95
@@ -122,7 +122,7 @@ def np_diameter(s, vocab_axis):
 
 def test_rownorm_head_step_equals_the_fp64_reference(default_run):
     steps, _ = default_run
-    head_lr, mom = ROWNORM_HEAD_LR_MULTIPLIER * LR, 0.0
+    head_lr, mom = rowgeom.HEAD_LR_MULTIPLIERS["rownorm"] * LR, 0.0
     for before, grads, updates in steps:
         w, g = flat(before)["lm_head/kernel"], flat(grads)["lm_head/kernel"]
         mom = BETA * mom + (1 - BETA) * g  # EMA momentum, before the normalisation
@@ -203,7 +203,7 @@ def test_tied_head_is_uncentred_rownorm_on_the_table_rows():
     steps, _ = run_steps(rowgeom.lm_optimizer(LR, tied="head"), params, n=1)
     before, grads, updates = steps[0]
     w, g = flat(before)["wte/embedding"], flat(grads)["wte/embedding"]
-    expected = -ROWNORM_HEAD_LR_MULTIPLIER * LR * (
+    expected = -rowgeom.HEAD_LR_MULTIPLIERS["rownorm"] * LR * (
         np_rownorm((1 - BETA) * g, vocab_axis=0, center=False) + WD * w)
     np.testing.assert_allclose(flat(updates)["wte/embedding"], expected, rtol=2e-5, atol=1e-7)
 
@@ -241,9 +241,8 @@ def test_nnx_optimizer_steps_under_nnx_jit(head):
 def test_inject_hyperparams_scales_every_group_linearly(params):
     tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=LR)
     state = tx.init(params)
-    assert {"learning_rate", "momentum", "head_momentum", "weight_decay"} <= set(
-        state.hyperparams)
-    assert "ns_steps" not in state.hyperparams  # None by default: never injected
+    assert set(state.hyperparams) == {"learning_rate", "weight_decay"}  # the float rates
+    # Options objects and the flat keywords stay static: never injected.
     grads, update = random_grads(params, 0), jax.jit(tx.update)
     u1, state1 = update(grads, state, params)
     hyperparams = {**state.hyperparams, "learning_rate": jnp.float32(2 * LR)}
@@ -257,12 +256,14 @@ def test_inject_hyperparams_scales_every_group_linearly(params):
 
 
 def test_inject_hyperparams_static_args(params):
-    with pytest.raises(TypeError, match="ns_steps must be a Python int.*static_args"):
-        optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=LR, ns_steps=3).init(params)
-    tx = optax.inject_hyperparams(rowgeom.lm_optimizer, static_args=STATIC_ARGS)(
-        learning_rate=LR, ns_steps=3, head_vocab_axis=1, labels=rowgeom.label_params)
+    # Flat keywords and option objects pass through inject_hyperparams as static options.
+    tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(
+        learning_rate=LR, ns_steps=3, head=rowgeom.HeadOptions(vocab_axis=1))
+    assert set(tx.init(params).hyperparams) == {"learning_rate", "weight_decay"}
+    tx = optax.inject_hyperparams(rowgeom.lm_optimizer, static_args=rowgeom.STATIC_ARGS)(
+        learning_rate=LR, labels=rowgeom.label_params)
     state = tx.init(params)
-    assert not set(STATIC_ARGS) & set(state.hyperparams)
+    assert not set(rowgeom.STATIC_ARGS) & set(state.hyperparams)
     # A callable `labels` not listed in static_args is mistaken for a schedule: caught.
     with pytest.raises(TypeError, match="labels must be.*static_args"):
         optax.inject_hyperparams(rowgeom.lm_optimizer)(
@@ -303,12 +304,13 @@ def test_optax_contrib_muon_sends_embedding_and_head_to_muon_but_lm_optimizer_do
 
 
 def test_head_vocab_axis_inference():
-    assert infer_head_vocab_axis(("lm_head", "kernel"), (D, V)) == 1
-    assert infer_head_vocab_axis(("wte", "embedding"), (V, D)) == 0
-    assert infer_head_vocab_axis(("lm_head", "weight"), (V, D)) == 0
+    assert head_vocab_axis(("lm_head", "kernel"), (D, V), None) == 1
+    assert head_vocab_axis(("wte", "embedding"), (V, D), None) == 0
+    assert head_vocab_axis(("lm_head", "weight"), (V, D), None) == 0
+    assert head_vocab_axis(("output", "w"), (D, V), V) == 1  # the one axis of size V
     for path, shape in ((("output", "w"), (D, V)), (("lm_head", "kernel"), (D, 2, V))):
-        with pytest.raises(ValueError, match="head_vocab_axis"):
-            infer_head_vocab_axis(path, shape)
+        with pytest.raises(ValueError, match=r"HeadOptions\(vocab_axis"):
+            head_vocab_axis(path, shape, None)
     # With the vocabulary size known from the embedding, the one axis of size V is the vocab axis.
     params = {"embed": np.zeros((V, D), np.float32), "output": {"w": np.zeros((D, V), np.float32)}}
     steps, _ = run_steps(rowgeom.lm_optimizer(LR, track_head=False), params, n=1)
@@ -316,7 +318,7 @@ def test_head_vocab_axis_inference():
     assert np.abs(got.sum(axis=1)).max() < 1e-5  # centred over the inferred vocab axis 1
     # A square head (V == d) named neither kernel nor weight: an error naming it, then the fix.
     square = {"embed": np.zeros((D, D), np.float32), "output": {"w": np.zeros((D, D), np.float32)}}
-    with pytest.raises(ValueError, match="output/w.*Pass head_vocab_axis"):
+    with pytest.raises(ValueError, match=r"output/w.*HeadOptions\(vocab_axis"):
         rowgeom.lm_optimizer(LR).init(square)
     rowgeom.lm_optimizer(LR, head_vocab_axis=1).init(square)
 
@@ -326,8 +328,12 @@ def test_bad_arguments_name_the_parameter():
         rowgeom.lm_optimizer(LR, head="sgd")
     with pytest.raises(ValueError, match="tied must be"):
         rowgeom.lm_optimizer(LR, tied=True)
-    with pytest.raises(TypeError, match="head_vocab_axis must be a Python int"):
-        rowgeom.lm_optimizer(LR, head_vocab_axis=jnp.asarray(1))
+    with pytest.raises(TypeError, match="HeadOptions.vocab_axis must be an int"):
+        rowgeom.lm_optimizer(LR, head_vocab_axis=1.0)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['head_lr'\]"):
+        rowgeom.lm_optimizer(LR, head_lr=1e-3)
+    with pytest.raises(ValueError, match=r"groups: unknown group\(s\) \['lm_head'\]"):
+        rowgeom.lm_optimizer(LR, groups={"lm_head": rowgeom.GroupOptions(weight_decay=0.0)})
     with pytest.raises(TypeError, match="labels must be"):
         rowgeom.lm_optimizer(LR, labels="hidden")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rowgeom.testing._tree import components, leaves_with_paths, prefix_lookup
+from rowgeom.testing._tree import leaves_with_paths, per_path
 
 
 def assert_labels_equal(labels, expected) -> None:
@@ -45,25 +45,25 @@ def assert_labels_equal(labels, expected) -> None:
         lm_head/kernel: got 'head', expected 'hidden' (from 'lm_head')
     """
     actual = leaves_with_paths(labels)
-    table = dict(leaves_with_paths(expected))
+    expected_table = dict(leaves_with_paths(expected))
     if not actual:
         raise AssertionError("the labels tree has no leaves")
-    if not table:
+    if not expected_table:
         raise ValueError("expected routing is empty")
-    wrong, uncovered, used = [], [], set()
-    for path, label in actual:
-        key, want = prefix_lookup(table, path)
-        if key is None:
+    paths = [path for path, _ in actual]
+    unused = [f"  {key}: expected {want!r}, but no leaf has this path"
+              for key, want in expected_table.items() if not _covers(key, paths)]
+    # Each leaf's covering entry (the longest prefix), by rowgeom's one per-leaf resolver.
+    keys = {key: key for key in expected_table if _covers(key, paths)}
+    covering = per_path(keys, paths, argname="expected") if keys else [(False, None)] * len(paths)
+    wrong, uncovered = [], []
+    for (path, label), (found, key) in zip(actual, covering, strict=True):
+        key = str(key)
+        if not found:
             uncovered.append(f"  {path}: got {label!r}, no expected label covers it")
-            continue
-        used.add(key)
-        if label != want:
+        elif label != expected_table[key]:
             source = "" if key == path else f" (from {key!r})"
-            wrong.append(f"  {path}: got {label!r}, expected {want!r}{source}")
-    paths = [components(path) for path, _ in actual]
-    unused = [f"  {key}: expected {table[key]!r}, but no leaf has this path"
-              for key in table if key not in used
-              and not any(p[:len(components(key))] == components(key) for p in paths)]
+            wrong.append(f"  {path}: got {label!r}, expected {expected_table[key]!r}{source}")
     if not (wrong or uncovered or unused):
         return
     lines = []
@@ -78,3 +78,9 @@ def assert_labels_equal(labels, expected) -> None:
         lines.append(f"{len(unused)} expected paths match no leaf:")
         lines += unused
     raise AssertionError("\n".join(lines))
+
+
+
+def _covers(key: str, paths: list[str]) -> bool:
+    parts = tuple(key.split("/"))
+    return any(tuple(path.split("/"))[:len(parts)] == parts for path in paths)

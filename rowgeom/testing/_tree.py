@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from rowgeom._tree import flatten_with_paths, lookup_prefix, path_str, unbox
+from rowgeom._tree import flatten_with_paths, path_str, resolve_per_leaf, unbox
 
 ROOT = "(root)"
 """How the path of a bare array (a tree with one leaf and no keys) is shown."""
@@ -29,11 +29,13 @@ def components(path: str) -> tuple[str, ...]:
     return () if path == ROOT else tuple(path.split("/"))
 
 
-def prefix_lookup(table: dict[str, object], path: str):
-    """``(key, value)`` of the longest entry of `table` that is a whole-component prefix of
-    `path` (``"layers"`` covers ``"layers/0/kernel"``, not ``"layers_norm/scale"``)."""
-    found, key = lookup_prefix({components(k): k for k in table}, components(path))
-    return (key, table[key]) if found else (None, None)
+def per_path(option, paths: list[str], *, argname: str, is_value=lambda v: not isinstance(
+        v, Mapping)) -> list[tuple[bool, object]]:
+    """``(found, value)`` of a per-leaf option for each ``"/"``-joined path: rowgeom's one
+    semantics (`rowgeom._tree.resolve_per_leaf`: nested or flat mappings, longest prefix wins,
+    an entry covering no path is an error naming it)."""
+    return resolve_per_leaf(option, [components(p) for p in paths], is_value=is_value,
+                            argname=argname)
 
 
 def per_leaf_axes(vocab_axis, tree, *, argname: str = "vocab_axis", rank=(2, None)):
@@ -48,30 +50,19 @@ def per_leaf_axes(vocab_axis, tree, *, argname: str = "vocab_axis", rank=(2, Non
     leaves = leaves_with_paths(tree)
     if not leaves:
         raise ValueError(f"the tree has no array leaves to check (got {type(tree).__name__})")
-    if isinstance(vocab_axis, (bool, np.bool_)):
+    if isinstance(vocab_axis, (bool, np.bool_)) or not isinstance(
+            vocab_axis, (int, np.integer, Mapping)):
         raise TypeError(f"{argname} must be an int or a mapping from paths to ints, "
                         f"got {vocab_axis!r}")
-    if isinstance(vocab_axis, (int, np.integer)):
-        return _checked([(path, leaf, int(vocab_axis)) for path, leaf in leaves], rank, argname)
-    if not isinstance(vocab_axis, Mapping):
-        raise TypeError(f"{argname} must be an int or a mapping from paths to ints, "
-                        f"got {type(vocab_axis).__name__}")
-    table = dict(leaves_with_paths(vocab_axis, keep_none=True))
-    for key, value in table.items():
-        if value is not None and (isinstance(value, (bool, np.bool_))
-                                  or not isinstance(value, (int, np.integer))):
-            raise TypeError(f"{argname}[{key!r}] must be an int or None, got {value!r}")
-    selected, used = [], set()
-    for path, leaf in leaves:
-        key, axis = prefix_lookup(table, path)
-        if key is not None:
-            used.add(key)
-            if axis is not None:
-                selected.append((path, leaf, int(axis)))
-    unused = sorted(set(table) - used)
-    if unused:
-        raise ValueError(f"{argname} names paths with no leaf under them: {unused}; the tree's "
-                         f"leaves are {[p for p, _ in leaves]}")
+    per_leaf = per_path(vocab_axis, [p for p, _ in leaves], argname=argname,
+                        is_value=lambda v: v is None or not isinstance(v, Mapping))
+    selected = []
+    for (path, leaf), (found, axis) in zip(leaves, per_leaf, strict=True):
+        if not found or axis is None:
+            continue
+        if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"{argname} for {path!r} must be an int or None, got {axis!r}")
+        selected.append((path, leaf, int(axis)))
     if not selected:
         raise ValueError(f"{argname} selects no leaf of the tree (every entry is None)")
     return _checked(selected, rank, argname)

@@ -1,7 +1,9 @@
-"""The structure of a language model's parameter tree: vocabulary, width, blocks, layer stacks.
+"""What a language model's parameter tree says about the model: vocabulary, width, blocks,
+layer stacks, and from them each hidden leaf's matrix axes and each head leaf's vocabulary axis.
 
-Names say what a parameter is for; shapes say how big the model is. `label_params` uses both,
-so that a name that contradicts the shapes is an error instead of a silently wrong geometry:
+Names say what a parameter is for (`rowgeom._names`); shapes say how big the model is.
+`label_params` and the optimizer plan use both, so that a name that contradicts the shapes is an
+error instead of a silently wrong geometry:
 
 - the **vocabulary size** ``V`` and **width** ``d`` come from the token embedding table
   (``(V, d)``, the layout of every JAX ``Embed``), else from a named head matrix;
@@ -12,11 +14,12 @@ so that a name that contradicts the shapes is an error instead of a silently wro
 - a stack's **layer axis** is read off its norm scales (``(L, d)`` or, as in MaxText's default
   ``param_scan_axis=1``, ``(d, L)``), else from the one leading axis all its leaves share.
 
-`infer_muon_dimension_numbers` turns this into Muon's matrix axes for rank 3–4 kernels: the
-layer axis is a batch axis, the one axis of size ``d`` is one side of the matrix, the other
-axes together are the other side. Orthogonalisation commutes with transposition, so which
-side is fan-in matters only for the ``"spectral"``/``"keller"`` scales (the ``d`` axis is taken
-as fan-in unless it is the last axis); ``lm_optimizer``'s default ``"rms"`` scale is symmetric.
+`muon_axes` turns this into Muon's matrix axes for rank 3–4 kernels: the layer axis is a batch
+axis, the one axis of size ``d`` is one side of the matrix, the other axes together are the
+other side. Orthogonalisation commutes with transposition, so which side is fan-in matters only
+for the ``"spectral"``/``"keller"`` scales (the ``d`` axis is taken as fan-in unless it is the
+last axis); `lm_optimizer`'s default ``"rms"`` scale is symmetric. `head_vocab_axis` is the one
+axis of size ``V``, else the leaf name's convention (`rowgeom._names.VOCAB_AXIS_BY_LEAF_NAME`).
 """
 
 from __future__ import annotations
@@ -25,16 +28,13 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-BLOCK_CONTAINER_NAMES = frozenset({
-    "layers", "layer", "blocks", "block", "h", "transformer_blocks", "decoder_layers",
-    "encoder_layers", "decoder_blocks", "encoder_blocks", "resblocks",
-})
-"""Path components that hold the repeated transformer blocks (numbered children or a stack)."""
+from rowgeom._names import (
+    BLOCK_CONTAINER_NAMES,
+    POSITION_EMBEDDING_NAMES,
+    TOKEN_EMBEDDING_NAMES,
+    VOCAB_AXIS_BY_LEAF_NAME,
+)
 
-POSITION_EMBEDDING_NAMES = frozenset({
-    "wpe", "pos_embed", "pos_embedding", "position_embedding", "position_embeddings",
-    "embed_positions", "posembed_input", "posembed_output",
-})
 _NUMBERED = re.compile(r"^(?P<base>.*?)_?(?P<index>\d+)$")
 
 
@@ -66,7 +66,7 @@ def is_position_embedding(path: Sequence[str]) -> bool:
     return any(c.lower() in POSITION_EMBEDDING_NAMES or "pos" in c.lower() for c in path)
 
 
-class ModelLayout(NamedTuple):
+class ModelStructure(NamedTuple):
     """What the shapes say about a parameter tree (see the module docstring).
 
     ``vocab_size``/``width``: ``V`` and ``d`` (None when no embedding or head was found);
@@ -79,12 +79,12 @@ class ModelLayout(NamedTuple):
     stacks: dict[tuple[str, ...], tuple[int, int] | None]
 
 
-def find_vocab(embeddings, heads, token_names) -> tuple[int | None, int | None, tuple | None]:
+def find_vocab(embeddings, heads) -> tuple[int | None, int | None, tuple | None]:
     """``(V, d, path)`` from the token embedding ``(V, d)``, else a head matrix (larger axis V).
 
     `embeddings` and `heads` are lists of ``(path, shape)`` of rank-2 leaves.
     """
-    tokens = [(p, s) for p, s in embeddings if any(c.lower() in token_names for c in p)]
+    tokens = [(p, s) for p, s in embeddings if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in p)]
     if not tokens:
         tokens = [(p, s) for p, s in embeddings if not is_position_embedding(p)]
     if tokens:
@@ -146,12 +146,12 @@ def stack_of(path: Sequence[str], stacks: dict) -> tuple[tuple[str, ...], tuple 
     return None if info == NOT_STACKED else (prefix, info)
 
 
-class LayoutError(ValueError):
+class StructureError(ValueError):
     """A shape-based inference that cannot be made unambiguously (the message names the leaf)."""
 
 
 def muon_axes(path: Sequence[str], shape: Sequence[int], width: int | None, stacks: dict):
-    """``(reduction_axes, output_axes)`` of a hidden parameter, or LayoutError naming it."""
+    """``(reduction_axes, output_axes)`` of a hidden parameter, or StructureError naming it."""
     shape = tuple(shape)
     where = f"{'/'.join(path)} {shape}"
     rest = list(range(len(shape)))
@@ -159,24 +159,24 @@ def muon_axes(path: Sequence[str], shape: Sequence[int], width: int | None, stac
     if stack is not None and len(shape) >= 3:
         prefix, info = stack
         if info is None:
-            raise LayoutError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
-                              "axis cannot be told from the shapes")
+            raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose "
+                                 "layer axis cannot be told from the shapes")
         axis, depth = info
         if shape[axis] != depth:
-            raise LayoutError(f"{where} has no layer axis of size {depth} at position {axis} "
-                              f"like the rest of the stack {'/'.join(prefix)}")
+            raise StructureError(f"{where} has no layer axis of size {depth} at position {axis} "
+                                 f"like the rest of the stack {'/'.join(prefix)}")
         rest.remove(axis)
     if len(rest) == 2:
         return (rest[0],), (rest[1],)
     if any("expert" in c.lower() or c.lower() == "moe" for c in path):
-        raise LayoutError(f"{where} is an expert stack: which axis indexes the experts is not "
+        raise StructureError(f"{where} is an expert stack: which axis indexes the experts is not "
                           "told by the shapes")
     if width is None:
-        raise LayoutError(f"{where} has rank {len(rest)} and the model width is unknown (no "
+        raise StructureError(f"{where} has rank {len(rest)} and the model width is unknown (no "
                           "token embedding or head)")
     wide = [a for a in rest if shape[a] == width]
     if len(wide) != 1:
-        raise LayoutError(f"{where} has {len(wide)} axes of the model width d={width} "
+        raise StructureError(f"{where} has {len(wide)} axes of the model width d={width} "
                           "(need exactly one to tell the matrix's two sides apart)")
     others = tuple(a for a in rest if a != wide[0])
     if wide[0] == rest[-1]:
@@ -184,9 +184,33 @@ def muon_axes(path: Sequence[str], shape: Sequence[int], width: int | None, stac
     return (wide[0],), others
 
 
-def vocab_axis_of(shape: Sequence[int], vocab_size: int | None) -> int | None:
-    """The one axis of a rank-2 head of size ``V``; None if there is not exactly one."""
-    if vocab_size is None or len(shape) != 2:
-        return None
-    axes = [a for a in (0, 1) if shape[a] == vocab_size]
-    return axes[0] if len(axes) == 1 else None
+def model_structure(leaves) -> ModelStructure:
+    """V, d and the layer stacks of labelled leaves: ``(path, shape, label, ...)`` tuples."""
+    rank2 = lambda lab: [(p, s) for p, s, lb, *_ in leaves if lb == lab and len(s) == 2]
+    vocab, width, source = find_vocab(rank2("embedding"), rank2("head"))
+    labels = {p: lb for p, _, lb, *_ in leaves}
+    stacks = find_stacks([(p, s) for p, s, *_ in leaves], width,
+                         lambda p, s: labels[p] == "vector")
+    return ModelStructure(vocab, width, source, stacks)
+
+
+def head_vocab_axis(path: Sequence[str], shape: Sequence[int], vocab_size: int | None) -> int:
+    """The vocabulary axis of a head leaf: its one axis of size ``V``, else by its name.
+
+    A rank-2 leaf named ``kernel`` is a Flax ``(d, V)`` kernel (axis 1), ``embedding`` or
+    ``weight`` a ``(V, d)`` table (axis 0). Anything else raises `StructureError` naming it.
+    """
+    shape = tuple(shape)
+    if vocab_size is not None and len(shape) == 2:
+        axes = [a for a in (0, 1) if shape[a] == vocab_size]
+        if len(axes) == 1:
+            return axes[0]
+    name = path[-1].lower() if path else ""
+    if name in VOCAB_AXIS_BY_LEAF_NAME and len(shape) == 2:
+        return VOCAB_AXIS_BY_LEAF_NAME[name]
+    raise StructureError(
+        f"cannot infer the vocabulary axis of head parameter {'/'.join(path) or '<root>'!r} "
+        f"(shape {shape}): it has not exactly one axis of the vocabulary size "
+        f"(V={vocab_size}), and only rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' "
+        "or 'weight' ((V, d) -> 0) are recognised by name. Say it with "
+        "lm_optimizer(head=rowgeom.HeadOptions(vocab_axis=...))")

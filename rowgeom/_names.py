@@ -1,0 +1,123 @@
+"""Every name rowgeom recognises in a parameter path, in one place.
+
+Labels (`rowgeom.label_params`) and the model structure (`rowgeom._structure`) read whole,
+case-insensitive path components against these sets; the public ones are the defaults a user
+can replace or extend (``make_labeler(extra_hidden_names=...)``). Nothing here is logic.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+LABELS = ("hidden", "head", "embedding", "vector")
+"""The four parameter labels, one per update geometry.
+
+``"hidden"`` (Muon), ``"head"`` (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW);
+the keys `lm_optimizer` partitions by and `label_params` assigns.
+
+Examples:
+    >>> import rowgeom
+    >>> rowgeom.LABELS
+    ('hidden', 'head', 'embedding', 'vector')
+"""
+
+TIED_POLICIES = (None, "embedding", "head")
+"""How a head tied to the embedding table is trained: not tied, as the embedding, as the head."""
+
+HEAD_OPTIMIZERS = ("rownorm", "adamw", "muon")
+"""The head optimizers `lm_optimizer` builds."""
+
+DEFAULT_HEAD_NAMES = frozenset({
+    "lm_head", "head", "output", "output_layer", "unembed", "unembedding", "unembedder",
+    "logits", "logits_dense", "logitdense", "to_logits",
+})
+"""Path components that name the output (unembedding) matrix: label ``"head"``.
+
+Examples:
+    >>> import rowgeom
+    >>> "lm_head" in rowgeom.DEFAULT_HEAD_NAMES and "logits_dense" in rowgeom.DEFAULT_HEAD_NAMES
+    True
+"""
+
+TOKEN_EMBEDDING_NAMES = frozenset({
+    "wte", "tok_embeddings", "tok_embedding", "tok_embed", "token_embedder", "token_embedding",
+    "token_embeddings", "embed_tokens", "word_embeddings", "word_embedding", "input_embedding",
+    "shared_embedding",
+})
+"""Path components that name the token embedding table (the one a tied head reuses).
+
+Its ``(V, d)`` shape gives `label_params` the vocabulary size and the model width.
+
+Examples:
+    >>> import rowgeom
+    >>> "wte" in rowgeom.TOKEN_EMBEDDING_NAMES and "wpe" not in rowgeom.TOKEN_EMBEDDING_NAMES
+    True
+"""
+
+POSITION_EMBEDDING_NAMES = frozenset({
+    "wpe", "pos_embed", "pos_embedding", "position_embedding", "position_embeddings",
+    "embed_positions", "posembed_input", "posembed_output",
+})
+"""Path components that name a position table: an embedding, never the source of ``V``."""
+
+DEFAULT_EMBEDDING_NAMES = TOKEN_EMBEDDING_NAMES | frozenset({
+    "embed", "embedding", "embeddings", "embedder", "wpe", "pos_embed", "pos_embedding",
+    "position_embedding", "position_embeddings", "embed_positions",
+})
+"""Path components that name lookup tables (token and position embeddings): ``"embedding"``.
+
+Examples:
+    >>> import rowgeom
+    >>> rowgeom.TOKEN_EMBEDDING_NAMES <= rowgeom.DEFAULT_EMBEDDING_NAMES
+    True
+"""
+
+BLOCK_CONTAINER_NAMES = frozenset({
+    "layers", "layer", "blocks", "block", "h", "transformer_blocks", "decoder_layers",
+    "encoder_layers", "decoder_blocks", "encoder_blocks", "resblocks",
+})
+"""Path components that hold the repeated transformer blocks (numbered children or a stack)."""
+
+DEFAULT_HIDDEN_NAMES = frozenset({
+    # block containers (a subset of BLOCK_CONTAINER_NAMES: the others are told by structure)
+    "layers", "layer", "blocks", "block", "h", "transformer_blocks",
+    # attention
+    "attn", "attention", "self_attn", "self_attention", "cross_attn", "cross_attention",
+    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "qkv", "qkv_proj", "kv_proj",
+    "query", "key", "value", "out", "wq", "wk", "wv", "wo", "c_attn",
+    # MLP
+    "mlp", "ffn", "feed_forward", "feedforward", "gate", "up", "down", "gate_proj", "up_proj",
+    "down_proj", "wi", "wi_0", "wi_1", "w1", "w2", "w3", "c_fc", "c_proj", "fc1", "fc2",
+    "experts",
+})
+"""Path components that name blocks, attention and MLP projections: label ``"hidden"``.
+
+Examples:
+    >>> import rowgeom
+    >>> {"layers", "q_proj", "mlp"} <= rowgeom.DEFAULT_HIDDEN_NAMES
+    True
+"""
+
+DEFAULT_VECTOR_NAMES = frozenset({"scale", "bias", "biases", "gain", "beta", "gamma", "offset"})
+"""Leaf names that make a parameter a ``"vector"`` whatever its rank.
+
+A norm scale stacked over scanned layers ``(L, d)`` or a per-head bias ``(H, Dh)`` has rank 2
+but no matrix structure. A leaf whose own module is a norm (a component containing ``norm``,
+or ``ln_f``, ``ln_1``, ...) is a vector too, e.g. Hugging Face's ``input_layernorm/weight``.
+
+Examples:
+    >>> import rowgeom
+    >>> sorted(rowgeom.DEFAULT_VECTOR_NAMES)[:3]
+    ['beta', 'bias', 'biases']
+"""
+
+NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
+"""A path component naming a normalisation module (``final_norm``, ``ln_f``, ``ln_1``)."""
+
+MATRIX_LEAF_NAMES = frozenset({"kernel", "embedding"})
+"""Leaf names that stay matrices even inside a norm module."""
+
+VOCAB_AXIS_BY_LEAF_NAME = types.MappingProxyType({"kernel": 1, "embedding": 0, "weight": 0})
+"""A rank-2 head's vocabulary axis from its leaf name when the shapes cannot tell: Flax's
+``kernel`` is ``(d, V)``, an ``embedding`` table and PyTorch-style ``weight`` are ``(V, d)``."""
