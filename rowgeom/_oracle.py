@@ -151,11 +151,8 @@ def common_ball_oracle(g: ArrayLike, r: float) -> tuple[np.ndarray, float]:
       r: ball radius, positive (``D(S) <= 2r``).
 
     Returns:
-      ``(s, value)``: the optimal ``(V, d)`` float64 update and ``<-G, s>``.
-
-    Raises:
-      ImportError: without the ``oracle`` extra.
-      RuntimeError: if the solver does not report an optimal solution.
+      ``(s, value)`` as `diameter_oracle` returns them, with the same errors (no ``oracle``
+      extra, or a solver that reports no optimal solution).
 
     Examples:
       The value matches Theorem 2's closed form ``r sum_i ||(PG)_i||``:
