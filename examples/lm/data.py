@@ -119,7 +119,14 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
         except Exception as e:  # any damage (missing file, bad JSON, bad shard): rebuild it
             log.warning("token cache %s is unusable (%s); rebuilding it", cache, e)
             shutil.rmtree(cache, ignore_errors=True)
+    _build_cache(cache, fingerprint, files, name=name, strict=strict, pretrained=pretrained,
+                 vocab_size=vocab_size, val_fraction=val_fraction)
+    return _load_cache(cache, fingerprint, vocab_size)
 
+
+def _build_cache(cache: Path, fingerprint: dict, files, *, name, strict, pretrained, vocab_size,
+                 val_fraction) -> None:
+    """Split and tokenize `files` (training the BPE unless `pretrained`) into `cache`."""
     train_texts, val_texts = corpus.split_documents(files, val_fraction=val_fraction,
                                                     strict=strict)
     t0 = time.perf_counter()
@@ -151,4 +158,3 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
         os.replace(tmp, cache)
     except OSError:  # another process finished first; its cache is identical
         shutil.rmtree(tmp, ignore_errors=True)
-    return _load_cache(cache, fingerprint, vocab_size)
