@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _lm_fixtures import deterministic_records
 
 from examples.lm import checkpointing, configs, data, metrics, resume
 
@@ -147,9 +148,8 @@ def test_killed_and_resumed_run_is_bit_identical(root, final_checkpoint):
     assert final.stdout.strip().splitlines()[-1] == clean.stdout.strip().splitlines()[-1]
 
     # Bit-identical metrics (full-precision floats; wall-clock throughput aside) and train state.
-    got, expected = metrics.read_metrics(workdir), metrics.read_metrics(root / "baseline")
-    assert [metrics.deterministic_part(r) for r in got] == \
-        [metrics.deterministic_part(r) for r in expected]
+    assert deterministic_records(workdir) == deterministic_records(root / "baseline")
+    got = metrics.read_metrics(workdir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all("tokens_per_sec" in r for r in got)
     (got, _), (expected, _) = (final_checkpoint(workdir, STEPS),

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _lm_fixtures import config_on, deterministic_records
 
 import rowgeom
-from examples.lm import configs, metrics, train
+from examples.lm import train
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -25,14 +26,11 @@ def root(tmp_path_factory, small_corpus):
     return small_corpus(tmp_path_factory.mktemp("determinism"), tokenize=True)
 
 
-def _run(root, name, **overrides):
-    cfg = configs.override(configs.get_config("test"), {
-        "data.source": str(root / "corpus"), "data.dir": str(root / "tokens"), "steps": 4,
-        "eval.every": 2, **overrides})
+def _run(root, name, **changes):
+    cfg = config_on(root, steps=4, eval__every=2, **changes)
     train.train(cfg, root / name, progress=False, print_fn=lambda *a: None)
     # Everything but the wall-clock throughput, as the bytes json writes.
-    return "".join(json.dumps(metrics.deterministic_part(r)) + "\n"
-                   for r in metrics.read_metrics(root / name)).encode()
+    return "".join(json.dumps(r) + "\n" for r in deterministic_records(root / name)).encode()
 
 
 @pytest.mark.slow

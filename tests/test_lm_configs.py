@@ -1,5 +1,5 @@
-"""The example's nested config: every named config keeps the values it had as a flat dataclass,
-and a checkpoint's config (nested, or flat as written before) reads back as the same Config."""
+"""The example's nested config: dotted paths, flags, validation naming the flag, the mesh rule,
+and a checkpoint's config (`dataclasses.asdict`) reading back as the same Config."""
 
 import dataclasses
 import subprocess
@@ -8,136 +8,74 @@ from pathlib import Path
 
 import pytest
 
-from examples.lm import configs, resume
-
-# Every named config's fields before the config was nested (flat names), as they were then.
-FLAT_BEFORE = {
-    "190m": {
-        "batch_size": 256, "checkpoint_dir": None, "compute_dtype": "bfloat16", "d_model": 768,
-        "data_dir": None, "data_source": None, "decay_fraction": 0.2,
-        "embedding_learning_rate": None, "eval_batches": 32, "eval_every": 500,
-        "eval_tokens": None, "exact_diameter_max_elements": 16777216, "grad_accum_steps": 1,
-        "grad_clip": 1.0, "head": "rownorm", "head_learning_rate": None,
-        "head_weight_decay": None, "hilbert_sequences": 2, "keep_checkpoints": 3,
-        "learning_rate": 0.003, "log_every": 50, "mesh_data": -1, "mesh_fsdp": 1,
-        "mesh_tensor": 1, "min_lr_ratio": 0.1, "mlp_dim": 2560, "norm_eps": 1e-06,
-        "num_heads": 12, "num_layers": 14, "param_dtype": "float32", "probe_last_steps": 0,
-        "rope_theta": 10000.0, "save_every": 1000, "schedule": "wsd", "seed": 0, "seq_len": 1024,
-        "steps": 20000, "tied_embeddings": False, "tokenizer": None, "valid_vocab_size": None,
-        "vector_learning_rate": None, "vocab_size": 50304, "warmup_steps": 500,
-        "weight_decay": 0.1,
-    },
-    "380m": {
-        "batch_size": 256, "checkpoint_dir": None, "compute_dtype": "bfloat16", "d_model": 1024,
-        "data_dir": None, "data_source": None, "decay_fraction": 0.2,
-        "embedding_learning_rate": None, "eval_batches": 32, "eval_every": 500,
-        "eval_tokens": None, "exact_diameter_max_elements": 16777216, "grad_accum_steps": 1,
-        "grad_clip": 1.0, "head": "rownorm", "head_learning_rate": None,
-        "head_weight_decay": None, "hilbert_sequences": 2, "keep_checkpoints": 3,
-        "learning_rate": 0.003, "log_every": 50, "mesh_data": -1, "mesh_fsdp": 1,
-        "mesh_tensor": 1, "min_lr_ratio": 0.1, "mlp_dim": 2816, "norm_eps": 1e-06,
-        "num_heads": 16, "num_layers": 22, "param_dtype": "float32", "probe_last_steps": 0,
-        "rope_theta": 10000.0, "save_every": 1000, "schedule": "wsd", "seed": 0, "seq_len": 1024,
-        "steps": 20000, "tied_embeddings": False, "tokenizer": None, "valid_vocab_size": None,
-        "vector_learning_rate": None, "vocab_size": 50304, "warmup_steps": 500,
-        "weight_decay": 0.1,
-    },
-    "640m": {
-        "batch_size": 256, "checkpoint_dir": None, "compute_dtype": "bfloat16", "d_model": 1280,
-        "data_dir": None, "data_source": None, "decay_fraction": 0.2,
-        "embedding_learning_rate": None, "eval_batches": 32, "eval_every": 500,
-        "eval_tokens": None, "exact_diameter_max_elements": 16777216, "grad_accum_steps": 1,
-        "grad_clip": 1.0, "head": "rownorm", "head_learning_rate": None,
-        "head_weight_decay": None, "hilbert_sequences": 2, "keep_checkpoints": 3,
-        "learning_rate": 0.003, "log_every": 50, "mesh_data": -1, "mesh_fsdp": 1,
-        "mesh_tensor": 1, "min_lr_ratio": 0.1, "mlp_dim": 3456, "norm_eps": 1e-06,
-        "num_heads": 20, "num_layers": 26, "param_dtype": "float32", "probe_last_steps": 0,
-        "rope_theta": 10000.0, "save_every": 1000, "schedule": "wsd", "seed": 0, "seq_len": 1024,
-        "steps": 20000, "tied_embeddings": False, "tokenizer": None, "valid_vocab_size": None,
-        "vector_learning_rate": None, "vocab_size": 50304, "warmup_steps": 500,
-        "weight_decay": 0.1,
-    },
-    "cpu-small": {
-        "batch_size": 16, "checkpoint_dir": None, "compute_dtype": "float32", "d_model": 256,
-        "data_dir": None, "data_source": None, "decay_fraction": 0.2,
-        "embedding_learning_rate": None, "eval_batches": 32, "eval_every": 250,
-        "eval_tokens": None, "exact_diameter_max_elements": 16777216, "grad_accum_steps": 1,
-        "grad_clip": 1.0, "head": "rownorm", "head_learning_rate": None,
-        "head_weight_decay": None, "hilbert_sequences": 4, "keep_checkpoints": 3,
-        "learning_rate": 0.006, "log_every": 10, "mesh_data": -1, "mesh_fsdp": 1,
-        "mesh_tensor": 1, "min_lr_ratio": 0.1, "mlp_dim": 768, "norm_eps": 1e-06, "num_heads": 4,
-        "num_layers": 4, "param_dtype": "float32", "probe_last_steps": 0, "rope_theta": 10000.0,
-        "save_every": 500, "schedule": "cosine", "seed": 0, "seq_len": 256, "steps": 2000,
-        "tied_embeddings": False, "tokenizer": None, "valid_vocab_size": None,
-        "vector_learning_rate": None, "vocab_size": 8192, "warmup_steps": 100,
-        "weight_decay": 0.1,
-    },
-    "cpu-tiny": {
-        "batch_size": 16, "checkpoint_dir": None, "compute_dtype": "float32", "d_model": 128,
-        "data_dir": None, "data_source": None, "decay_fraction": 0.2,
-        "embedding_learning_rate": None, "eval_batches": 32, "eval_every": 100,
-        "eval_tokens": None, "exact_diameter_max_elements": 16777216, "grad_accum_steps": 1,
-        "grad_clip": 1.0, "head": "rownorm", "head_learning_rate": None,
-        "head_weight_decay": None, "hilbert_sequences": 4, "keep_checkpoints": 3,
-        "learning_rate": 0.006, "log_every": 10, "mesh_data": -1, "mesh_fsdp": 1,
-        "mesh_tensor": 1, "min_lr_ratio": 0.1, "mlp_dim": 384, "norm_eps": 1e-06, "num_heads": 4,
-        "num_layers": 2, "param_dtype": "float32", "probe_last_steps": 0, "rope_theta": 10000.0,
-        "save_every": 200, "schedule": "cosine", "seed": 0, "seq_len": 128, "steps": 600,
-        "tied_embeddings": False, "tokenizer": None, "valid_vocab_size": None,
-        "vector_learning_rate": None, "vocab_size": 4096, "warmup_steps": 30, "weight_decay": 0.1,
-    },
-    "test": {
-        "batch_size": 8, "checkpoint_dir": None, "compute_dtype": "float32", "d_model": 32,
-        "data_dir": None, "data_source": None, "decay_fraction": 0.2,
-        "embedding_learning_rate": None, "eval_batches": 1, "eval_every": 4, "eval_tokens": None,
-        "exact_diameter_max_elements": 16777216, "grad_accum_steps": 1, "grad_clip": 1.0,
-        "head": "rownorm", "head_learning_rate": None, "head_weight_decay": None,
-        "hilbert_sequences": 2, "keep_checkpoints": 3, "learning_rate": 0.05, "log_every": 1,
-        "mesh_data": -1, "mesh_fsdp": 1, "mesh_tensor": 1, "min_lr_ratio": 0.1, "mlp_dim": 64,
-        "norm_eps": 1e-06, "num_heads": 2, "num_layers": 2, "param_dtype": "float32",
-        "probe_last_steps": 0, "rope_theta": 10000.0, "save_every": 4, "schedule": "cosine",
-        "seed": 0, "seq_len": 32, "steps": 8, "tied_embeddings": False, "tokenizer": None,
-        "valid_vocab_size": None, "vector_learning_rate": None, "vocab_size": 512,
-        "warmup_steps": 2, "weight_decay": 0.1,
-    },
-}
+from examples.lm import configs, flags, resume
 
 
-def _flat_names(cfg):
-    old = {new: old for old, new in configs.LEGACY_NAMES.items()}
-    return {old.get(path, path): value for path, value in configs.flatten(cfg).items()}
+@pytest.mark.parametrize("name", sorted(configs.CONFIGS))
+def test_named_configs_round_trip_through_every_form(name):
+    """asdict -> from_dict, flatten -> override, and the flags of every field give back the
+    named config; every field has exactly one dotted path."""
+    cfg = configs.get_config(name)
+    assert configs.from_dict(dataclasses.asdict(cfg)) == cfg
+    flat = configs.flatten(cfg)
+    assert set(flat) == set(configs.field_types())
+    assert configs.override(configs.Config(), flat) == cfg
+    argv = [f"--{path}={'none' if value is None else value}" for path, value in flat.items()]
+    assert flags.parse_config(argv) == cfg
 
 
-@pytest.mark.parametrize("name", sorted(FLAT_BEFORE))
-def test_named_configs_keep_their_values(name):
-    assert set(configs.CONFIGS) == set(FLAT_BEFORE)
-    assert _flat_names(configs.get_config(name)) == FLAT_BEFORE[name]
-
-
-def test_saved_configs_read_back_nested_and_flat():
+def test_saved_configs_read_back_and_resume_follows_them():
     cfg = configs.override(configs.get_config("test"), {"model.d_model": 48, "steps": 5})
     assert configs.from_dict(dataclasses.asdict(cfg)) == cfg
-    assert configs.from_dict(_flat_names(cfg)) == cfg  # a checkpoint written before nesting
-    meta = {"step": 3, "config": _flat_names(cfg)}
+    meta = {"step": 3, "config": dataclasses.asdict(cfg)}
     assert resume.resolve_config(configs.get_config("test"), meta, explicit=())[0] == cfg
+    with pytest.raises(ValueError, match=r"cannot resume: .*--model.d_model saved 48, now 32"):
+        resume.resolve_config(configs.get_config("test"), meta, explicit={"model.d_model"})
+    with pytest.raises(ValueError, match=r"unknown config field --d_model"):
+        configs.from_dict({"d_model": 48})
 
 
-def test_every_field_is_one_flag_and_validation_names_the_path():
-    flags = {a.option_strings[0] for a in _parser()._actions if a.help != "==SUPPRESS=="}
-    assert {f"--{p}" for p in configs.flatten(configs.Config())} <= flags
-    for changes, match in (({"optim.decay_fraction": 2.0}, "optim.decay_fraction must be in"),
-                           ({"data.batch_size": 0}, "data.batch_size must be >= 1"),
-                           ({"model.num_heads": 3}, "divisible by num_heads")):
+def test_every_field_is_one_flag_and_errors_name_the_flag():
+    parser = _parser()
+    field_flags = {a.option_strings[0] for a in parser._actions if a.dest.startswith("field__")}
+    assert field_flags == {f"--{p}" for p in configs.flatten(configs.Config())}
+    test = configs.get_config("test")
+    for changes, match in (({"optim.decay_fraction": 2.0}, "^--optim.decay_fraction must be in"),
+                           ({"data.batch_size": 0}, "^--data.batch_size must be >= 1"),
+                           ({"head": "sgd"}, "^--head must be one of"),
+                           ({"model.num_heads": 3},
+                            "^--model.d_model .* must be divisible by --model.num_heads"),
+                           ({"model.valid_vocab_size": 10**6}, "^--model.valid_vocab_size"),
+                           ({"mesh.tensor": 0}, "--mesh.data/--mesh.fsdp/--mesh.tensor must be"),
+                           ({"nope": 1}, "^unknown config field --nope$")):
         with pytest.raises(ValueError, match=match):
-            configs.override(configs.get_config("test"), changes)
+            configs.override(test, changes)
+    with pytest.raises(ValueError, match="^--model.d_model expects int, got 'abc'$"):
+        configs.parse_value("model.d_model", "abc")
 
 
 def _parser():
     import argparse
 
     parser = argparse.ArgumentParser()
-    configs.add_config_arguments(parser)
+    flags.add_config_arguments(parser)
     return parser
+
+
+def test_a_mesh_axis_set_to_minus_one_takes_every_device():
+    """Setting one axis to -1 sets the others that are -1 to 1 (the GPU configs' mesh.data is
+    -1); axes set explicitly are kept, and two explicit -1 are refused naming the flags."""
+    gpu = configs.get_config("380m")
+    assert (gpu.mesh.data, gpu.mesh.fsdp, gpu.mesh.tensor) == (-1, 1, 1)
+    for argv, want in ((["--mesh.fsdp", "-1"], (1, -1, 1)),
+                       (["--mesh.tensor", "-1", "--mesh.fsdp", "2"], (1, 2, -1)),
+                       (["--mesh.fsdp", "-1", "--mesh.data", "2"], (2, -1, 1)),
+                       (["--mesh.fsdp", "4"], (-1, 4, 1))):
+        mesh = flags.parse_config(["--config", "380m", *argv]).mesh
+        assert (mesh.data, mesh.fsdp, mesh.tensor) == want, argv
+    assert configs.override(gpu, {"mesh.fsdp": -1}).mesh == configs.MeshConfig(1, -1, 1)
+    with pytest.raises(ValueError, match=r"^at most one of --mesh.data/--mesh.fsdp/--mesh.tensor"):
+        flags.parse_config(["--mesh.data", "-1", "--mesh.fsdp", "-1"])
 
 
 def test_the_script_form_names_the_module_form():

@@ -1,42 +1,36 @@
-"""The example LM's data (examples/lm/data.py): corpus listing and split, the cached BPE, token
-shards and their validation, and the batch sampler."""
+"""The example LM's data: corpus listing and split (corpus.py), the cached BPE (data.py,
+tokenization.py), token shards and their validation (formats.py), and the batch sampler
+(batches.py)."""
 
-import json as json_module
 import os
-import shutil
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _lm_fixtures import JSON_PACKAGE, copy_json_package
 
-from examples.lm import data, formats
+from examples.lm import batches, data, formats, tokenization
+from examples.lm import corpus as corpus_lib
 
-# A small real corpus: the standard library's `json` package (5 files, ~50 KB) tokenizes in well
-# under a second, where the whole standard library would take several.
-JSON_PACKAGE = Path(json_module.__file__).parent
 VOCAB = 320
 
 
 @pytest.fixture
 def corpus(tmp_path) -> Path:
-    root = tmp_path / "corpus"
-    root.mkdir()
-    for f in sorted(JSON_PACKAGE.glob("*.py")):
-        shutil.copy(f, root / f.name)
-    return root
+    return copy_json_package(tmp_path / "corpus")
 
 
 @pytest.fixture
 def counted_training(monkeypatch) -> list:
-    """Record each call of data.train_tokenizer (what prepare_tokens does on a cache miss)."""
-    calls, train = [], data.train_tokenizer
+    """Record each BPE training (what prepare_tokens does on a cache miss)."""
+    calls, train = [], tokenization.train_bpe
 
     def counting(texts, vocab_size):
         calls.append(vocab_size)
         return train(texts, vocab_size)
 
-    monkeypatch.setattr(data, "train_tokenizer", counting)
+    monkeypatch.setattr(tokenization, "train_bpe", counting)
     return calls
 
 
@@ -50,7 +44,7 @@ def _decode_documents(tokens, cache: Path) -> list[str]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(cache / "tokenizer.json"))
-    eos = tokenizer.token_to_id(data.EOS)
+    eos = tokenizer.token_to_id(tokenization.EOS)
     ids = np.asarray(tokens)
     assert ids[-1] == eos
     ends = np.flatnonzero(ids == eos)
@@ -62,7 +56,7 @@ def _decode_documents(tokens, cache: Path) -> list[str]:
 
 
 def test_stdlib_source_files_are_sorted_library_sources_without_tests():
-    files = data.stdlib_source_files()
+    files = corpus_lib.stdlib_source_files()
     assert files == sorted(files) and len(set(files)) == len(files)
     assert all(f.suffix == ".py" and f.is_file() for f in files)
     assert JSON_PACKAGE / "decoder.py" in files
@@ -73,18 +67,18 @@ def test_stdlib_source_files_are_sorted_library_sources_without_tests():
 
 
 def test_split_files_is_deterministic_disjoint_and_complete(rng):
-    files = data.stdlib_source_files()
-    train, val = data.split_files(files, val_fraction=0.05)
+    files = corpus_lib.stdlib_source_files()
+    train, val = corpus_lib.split_files(files, val_fraction=0.05)
     shuffled = [files[i] for i in rng.permutation(len(files))]
-    assert data.split_files(shuffled, val_fraction=0.05) == (train, val)  # order-independent
+    assert corpus_lib.split_files(shuffled, val_fraction=0.05) == (train, val)  # order-independent
     assert not set(train) & set(val) and sorted(train + val) == files
     assert len(val) == round(0.05 * len(files))
     assert len({f.parent for f in val}) > 1  # spread over the library, not one package
-    assert data.split_files(files[:2], val_fraction=0.05) == ([files[0]], [files[1]])
+    assert corpus_lib.split_files(files[:2], val_fraction=0.05) == ([files[0]], [files[1]])
     with pytest.raises(ValueError, match="at least 2 files"):
-        data.split_files(files[:1])
+        corpus_lib.split_files(files[:1])
     with pytest.raises(ValueError, match="val_fraction"):
-        data.split_files(files, val_fraction=1.0)
+        corpus_lib.split_files(files, val_fraction=1.0)
 
 
 # --------------------------------------------------------------------------- tokenizer + cache
@@ -96,7 +90,7 @@ def test_text_directory_is_tokenized_losslessly_by_file(corpus, tmp_path):
     for tokens in (splits.train, splits.val):
         assert tokens.dtype == np.uint16 and tokens.ndim == 1
         assert 0 <= tokens.min() and tokens.max() < VOCAB
-    train_files, val_files = data.split_files(sorted(corpus.glob("*.py")))
+    train_files, val_files = corpus_lib.split_files(sorted(corpus.glob("*.py")))
     cache = _cache_dir(tmp_path / "work", VOCAB)
     assert _decode_documents(splits.train, cache) == [f.read_text() for f in train_files]
     assert _decode_documents(splits.val, cache) == [f.read_text() for f in val_files]
@@ -151,7 +145,7 @@ def test_text_source_errors_name_the_file(corpus, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         data.prepare_tokens(source=tmp_path / "missing", workdir=tmp_path / "w", vocab_size=VOCAB)
     with pytest.raises(ValueError, match="at least 257"):
-        data.train_tokenizer(["abc"], 100)
+        tokenization.train_bpe(["abc"], 100)
 
 
 def test_work_directory_inside_the_source_is_not_corpus(corpus, counted_training):
@@ -250,7 +244,7 @@ def test_shard_directory_is_memory_mapped_and_validated(tmp_path, rng):
 
 def test_batch_sampler_is_a_pure_function_of_seed_and_step():
     tokens = np.arange(10_000, dtype=np.uint16)
-    sampler = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
+    sampler = batches.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
     inputs, targets = sampler.get(5)
     assert inputs.shape == targets.shape == (8, 16)
     assert inputs.dtype == targets.dtype == np.int32
@@ -258,17 +252,17 @@ def test_batch_sampler_is_a_pure_function_of_seed_and_step():
     np.testing.assert_array_equal(np.diff(inputs, axis=1), 1)
     np.testing.assert_array_equal(targets, inputs + 1)
     assert inputs.min() >= 0 and targets.max() <= 9_999
-    fresh = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
+    fresh = batches.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
     np.testing.assert_array_equal(fresh.get(5)[0], inputs)  # resuming replays the same batch
     assert not np.array_equal(sampler.get(6)[0], inputs)
-    assert not np.array_equal(data.BatchSampler(tokens, batch_size=8, seq_len=16,
+    assert not np.array_equal(batches.BatchSampler(tokens, batch_size=8, seq_len=16,
                                                 seed=4).get(5)[0], inputs)
 
 
 def test_process_shares_partition_the_global_batch(rng):
     tokens = rng.integers(0, 500, size=5_000).astype(np.uint16)
-    full = data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0).get(2)
-    shares = [data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0, process_index=i,
+    full = batches.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0).get(2)
+    shares = [batches.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0, process_index=i,
                                 process_count=3).get(2) for i in range(3)]
     assert all(s[0].shape == (4, 8) for s in shares)
     for k in (0, 1):
@@ -279,8 +273,8 @@ def test_batch_sampler_reads_sharded_tokens_like_the_concatenation(tmp_path, rng
     parts = [rng.integers(0, 500, size=n) for n in (30, 5, 40)]
     shards = [formats.read_shard(formats.write_shard(tmp_path / f"t{i}.bin", p))
               for i, p in enumerate(parts)]
-    a = data.BatchSampler(formats.ShardedTokens(shards), batch_size=16, seq_len=9, seed=1).get(0)
-    b = data.BatchSampler(np.concatenate(parts), batch_size=16, seq_len=9, seed=1).get(0)
+    a = batches.BatchSampler(formats.ShardedTokens(shards), batch_size=16, seq_len=9, seed=1).get(0)
+    b = batches.BatchSampler(np.concatenate(parts), batch_size=16, seq_len=9, seed=1).get(0)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
 
@@ -288,26 +282,26 @@ def test_batch_sampler_reads_sharded_tokens_like_the_concatenation(tmp_path, rng
 def test_batch_sampler_validation():
     tokens = np.arange(100)
     with pytest.raises(ValueError, match="not divisible by process_count"):
-        data.BatchSampler(tokens, batch_size=6, seq_len=4, seed=0, process_count=4)
+        batches.BatchSampler(tokens, batch_size=6, seq_len=4, seed=0, process_count=4)
     with pytest.raises(ValueError, match="process_index 2 is not in"):
-        data.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, process_index=2,
+        batches.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, process_index=2,
                           process_count=2)
     with pytest.raises(ValueError, match="fewer than seq_len"):
-        data.BatchSampler(tokens, batch_size=4, seq_len=100, seed=0)
+        batches.BatchSampler(tokens, batch_size=4, seq_len=100, seed=0)
     with pytest.raises(ValueError, match="process_count must be >= 1"):
-        data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, process_count=0)
-    sampler = data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, vocab_size=50)
-    with pytest.raises(ValueError, match="vocab_size 50"):
+        batches.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, process_count=0)
+    sampler = batches.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, vocab_size=50)
+    with pytest.raises(ValueError, match="vocabulary size 50"):
         [sampler.get(step) for step in range(5)]  # ids reach 99
 
 
 def test_default_source_is_the_standard_library(tmp_path, monkeypatch):
     # The full library takes seconds to tokenize; the code path is the same for a part of it.
-    files = [f for f in data.stdlib_source_files() if f.parent == JSON_PACKAGE]
-    monkeypatch.setattr(data, "stdlib_source_files", lambda: files)
+    files = [f for f in corpus_lib.stdlib_source_files() if f.parent == JSON_PACKAGE]
+    monkeypatch.setattr(corpus_lib, "stdlib_source_files", lambda: files)
     splits = data.prepare_tokens(workdir=tmp_path, vocab_size=VOCAB)
     cache = _cache_dir(tmp_path, VOCAB)
     assert cache.name.startswith("stdlib-")
-    train, val = data.split_files(files)
+    train, val = corpus_lib.split_files(files)
     assert _decode_documents(splits.val, cache) == [f.read_text() for f in val]
     assert len(_decode_documents(splits.train, cache)) == len(train)

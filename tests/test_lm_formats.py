@@ -1,60 +1,22 @@
-"""Token data in the layouts people already have, written here the way their projects write them.
-
-- llm.c / modded-nanogpt shards: `dev/data/data_common.py:write_datafile` in karpathy/llm.c
-  (256 int32 header: magic 20240520, version 1, token count; then uint16 tokens).
-- nanoGPT: `data/openwebtext/prepare.py` in karpathy/nanoGPT (`np.memmap(..., dtype=np.uint16,
-  mode="w+")` into `train.bin` / `val.bin`, no header).
-- A Hugging Face `tokenizer.json` made with `tokenizers`, jsonl documents, and the `prepare`
-  command's shards read back through the trainer's loader.
-None of these files is written with the example's own writer.
+"""Token data in the layouts people already have (written by tests/_lm_fixtures.py the way their
+projects write them): llm.c / modded-nanogpt shards, nanoGPT `train.bin` / `val.bin`, a Hugging
+Face `tokenizer.json`, jsonl documents, and the `prepare` command's shards read back through the
+trainer's loader. None of these files is written with the example's own writer.
 """
 
 import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
+from _lm_fixtures import (
+    JSON_PACKAGE,
+    copy_json_package,
+    make_tokenizer,
+    write_llmc_shard,
+    write_nanogpt_split,
+)
 
-from examples.lm import data, formats, prepare
-
-JSON_PACKAGE = Path(json.__file__).parent
-
-
-def write_llmc_shard(path, tokens):
-    """llm.c's write_datafile(filename, toks, model_desc="gpt-2")."""
-    header = np.zeros(256, dtype=np.int32)
-    header[0] = 20240520
-    header[1] = 1
-    header[2] = len(tokens)
-    toks_np = np.array(tokens, dtype=np.uint16)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(toks_np.tobytes())
-
-
-def write_nanogpt_split(path, tokens):
-    """nanoGPT's prepare.py: a raw uint16 memmap, no header."""
-    arr = np.memmap(path, dtype=np.uint16, mode="w+", shape=(len(tokens),))
-    arr[:] = tokens
-    arr.flush()
-    del arr
-
-
-def make_tokenizer(path, texts, vocab_size=300):
-    """A byte-level BPE with an end-of-text token, saved as tokenizer.json by `tokenizers`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(str(path))
-    return tok
-
+from examples.lm import batches, data, formats, prepare
 
 # --------------------------------------------------------------------------- llm.c
 
@@ -115,9 +77,9 @@ def test_out_of_vocabulary_ids_name_the_file(tmp_path):
     write_llmc_shard(tmp_path / "d_train_1.bin", tokens)
     write_llmc_shard(tmp_path / "d_val_0.bin", np.arange(100))
     splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
-    sampler = data.BatchSampler(splits.train, batch_size=64, seq_len=16, seed=0, vocab_size=512)
+    sampler = batches.BatchSampler(splits.train, batch_size=64, seq_len=16, seed=0, vocab_size=512)
     with pytest.raises(ValueError, match=r"token id 700 at .*d_train_1\.bin, token 150 is not "
-                                         r"below the model's vocab_size 512"):
+                                         r"below the model's vocabulary size 512"):
         for step in range(50):
             sampler.get(step)
 
@@ -143,19 +105,19 @@ def test_nanogpt_train_and_val_bin(tmp_path, rng):
 
 def test_validation_set_is_the_start_of_the_split_whatever_the_seed():
     tokens = np.arange(1000, dtype=np.uint16)
-    val = data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100)
+    val = batches.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100)
     assert (val.num_batches, val.num_tokens) == (2, 80)  # whole batches of 40 tokens
     inputs = np.concatenate([val.get(i)[0] for i in range(val.num_batches)])
     targets = np.concatenate([val.get(i)[1] for i in range(val.num_batches)])
     np.testing.assert_array_equal(inputs.ravel(), np.arange(80))  # consecutive, no overlap
     np.testing.assert_array_equal(targets, inputs + 1)
-    halves = [data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100,
+    halves = [batches.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100,
                                  process_index=i, process_count=2).get(1) for i in range(2)]
     np.testing.assert_array_equal(np.concatenate([h[0] for h in halves]), val.get(1)[0])
-    assert data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=10**9).num_batches \
+    assert batches.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=10**9).num_batches \
         == 24  # capped by the split: (1000 - 1) // 40
     with pytest.raises(ValueError, match="fewer than one batch of batch_size x seq_len"):
-        data.ValidationSet(tokens[:40], batch_size=4, seq_len=10, eval_tokens=100)
+        batches.ValidationSet(tokens[:40], batch_size=4, seq_len=10, eval_tokens=100)
 
 
 # --------------------------------------------------------------------------- text, jsonl, tokenizer
@@ -182,16 +144,13 @@ def test_pretrained_tokenizer_encodes_text_and_jsonl(tmp_path):
     with pytest.raises(ValueError, match=r'bad\.jsonl:2: .*string "text" field'):
         data.prepare_tokens(source=tmp_path / "bad.jsonl", workdir=tmp_path / "w",
                             vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
-    with pytest.raises(ValueError, match=r"--tokenizer .*missing\.json does not exist"):
+    with pytest.raises(ValueError, match=r"tokenizer .*missing\.json does not exist"):
         data.prepare_tokens(source=tmp_path / "docs.jsonl", workdir=tmp_path / "w",
                             vocab_size=4096, tokenizer=tmp_path / "missing.json")
 
 
 def test_prepare_command_writes_shards_the_trainer_reads(tmp_path, capsys):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for f in sorted(JSON_PACKAGE.glob("*.py")):
-        shutil.copy(f, corpus / f.name)
+    corpus = copy_json_package(tmp_path / "corpus")
     texts = [f.read_text() for f in sorted(corpus.iterdir())]
     make_tokenizer(tmp_path / "tokenizer.json", texts)
     summary = prepare.main([str(corpus), "--out", str(tmp_path / "shards"), "--tokenizer",

@@ -203,16 +203,18 @@ def test_bf16_compute_keeps_f32_params_and_tracks_f32_logits(rng):
 
 
 def test_config_and_input_validation(rng):
-    with pytest.raises(ValueError, match="divisible by num_heads"):
+    """Each error names the field by its trainer flag (`--model.<field>`)."""
+    with pytest.raises(ValueError, match=r"^--model.d_model \(32\) must be divisible by "
+                                         r"--model.num_heads \(5\)$"):
         dataclasses.replace(CFG, num_heads=5)
-    with pytest.raises(ValueError, match="even"):
-        dataclasses.replace(CFG, d_model=36, num_heads=4)  # head_dim 9
-    with pytest.raises(ValueError, match="compute_dtype"):
+    with pytest.raises(ValueError, match="--model.d_model / --model.num_heads = 9 must be even"):
+        dataclasses.replace(CFG, d_model=36, num_heads=4)
+    with pytest.raises(ValueError, match="^--model.compute_dtype must be a floating dtype"):
         dataclasses.replace(CFG, compute_dtype="int32")
-    with pytest.raises(ValueError, match="num_layers"):
+    with pytest.raises(ValueError, match="^--model.num_layers must be a positive int"):
         dataclasses.replace(CFG, num_layers=0)
     model = model_lib.Transformer(CFG, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="exceeds --model.max_seq_len"):
         model(_tokens(rng, t=CFG.max_seq_len + 1))
 
 

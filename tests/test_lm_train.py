@@ -19,8 +19,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _lm_fixtures import (
+    config_on,
+    deterministic_records,
+    make_tokenizer,
+    restore_on_one_device,
+    write_llmc_shard,
+)
 
-from examples.lm import checkpointing, configs, metrics, optimizer, train
+from examples.lm import checkpointing, configs, flags, metrics, optimizer, train
 from examples.lm import mesh as mesh_lib
 
 STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, and the final one
@@ -35,20 +42,13 @@ def corpus(tmp_path_factory, small_corpus):
     return small_corpus(tmp_path_factory.mktemp("lm"))
 
 
-def _cfg(corpus, **overrides):
-    """The test config on the corpus; overrides by dotted path with `__` for `.`."""
-    return configs.override(configs.get_config("test"), {
-        "data.source": str(corpus / "corpus"), "data.dir": str(corpus / "tokens"),
-        "checkpoint.every": 3, **{k.replace("__", "."): v for k, v in overrides.items()}})
+def _cfg(corpus, **changes):
+    """The test config on the corpus, saving every 3 steps."""
+    return config_on(corpus, checkpoint__every=3, **changes)
 
 
 def _lines(workdir):
     return (Path(workdir) / metrics.METRICS_FILE).read_text().splitlines()
-
-
-def _records(workdir):
-    """metrics.jsonl without the wall-clock keys: what a resumed run must reproduce exactly."""
-    return [metrics.deterministic_part(r) for r in metrics.read_metrics(workdir)]
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +66,15 @@ def baseline(corpus):
 
 @pytest.fixture(scope="module")
 def interrupted(corpus):
-    """--resume on an empty workdir starts fresh; the run is 'killed' after step 5."""
+    """A run on an empty workdir starts fresh; it is 'killed' after step 5."""
     workdir = corpus / "interrupted"
     out = []
-    train.train(_cfg(corpus), workdir, resume=True, stop_after=5, progress=False,
-                print_fn=out.append)
+    train.train(_cfg(corpus), workdir, stop_after=5, progress=False, print_fn=out.append)
     return workdir, out
 
 
 def test_cli_overrides_parse():
-    cfg = configs.parse_config(["--config", "test", "--model.d_model", "48",
+    cfg = flags.parse_config(["--config", "test", "--model.d_model", "48",
                                 "--model.num_layers=3", "--optim.grad_clip", "none",
                                 "--model.tied_embeddings", "true", "--head", "adamw",
                                 "--checkpoint.every", "7"])
@@ -83,28 +82,22 @@ def test_cli_overrides_parse():
     assert (m.d_model, m.num_layers, cfg.optim.grad_clip, m.tied_embeddings) == (48, 3, None, True)
     assert (cfg.head, cfg.checkpoint.every) == ("adamw", 7)
     assert m.vocab_size == configs.get_config("test").model.vocab_size  # untouched fields kept
-    assert configs.parse_config([]) == configs.get_config(configs.DEFAULT_CONFIG)
-    for argv, match in ((["--model.d_model", "abc"], "model.d_model expects int"),
-                        (["--model.nope", "1"], "unrecognized arguments: --model.nope"),
-                        (["--head", "sgd"], "head must be one of"),
+    assert flags.parse_config([]) == configs.get_config(configs.DEFAULT_CONFIG)
+    for argv, match in ((["--model.d_model", "abc"], "^--model.d_model expects int"),
+                        (["--model.nope", "1"], "^unrecognized arguments: --model.nope 1$"),
+                        (["--d_model", "48"], "^unrecognized arguments: --d_model 48$"),
+                        (["--head", "sgd"], "^--head must be one of"),
                         (["--model.d_model", "30", "--model.num_heads", "4"],
-                         "divisible by num_heads"),
-                        # the old spellings name the new one
-                        (["--d_model", "48"], "^--d_model is now --model.d_model$"),
-                        (["--d-model", "48"], "^--d-model is now --model.d_model$"),
-                        (["--save-every", "7"], "^--save-every is now --checkpoint.every$"),
-                        (["--set", "d_model=48"], "^--set is gone: write --model.d_model=48$"),
-                        (["--model.d-model", "48"], "^--model.d-model is now --model.d_model$")):
+                         "divisible by --model.num_heads")):
         with pytest.raises(ValueError, match=match):
-            configs.parse_config(argv)
-    with pytest.raises(ValueError, match="unknown config field 'd_model'; it is now"):
-        configs.override(configs.get_config("test"), {"d_model": 48})
+            flags.parse_config(argv)
 
 
 def test_mesh_helpers():
     assert mesh_lib.mesh_shape(-1, 2, 2, 8) == (2, 2, 2)
     assert mesh_lib.mesh_shape(1, -1, 1, 8) == (1, 8, 1)
-    for sizes, match in (((3, 2, 1), "needs 6 devices"), ((-1, -1, 1), "at most one"),
+    for sizes, match in (((3, 2, 1), r"--mesh.tensor = \(3, 2, 1\) need 6 devices"),
+                         ((-1, -1, 1), "at most one of --mesh.data/--mesh.fsdp/--mesh.tensor"),
                          ((-1, 3, 1), "not divisible by 3"), ((0, 8, 1), "positive or -1")):
         with pytest.raises(ValueError, match=match):
             mesh_lib.mesh_shape(*sizes, 8)
@@ -182,9 +175,9 @@ def test_resume_is_bit_identical(baseline, corpus, interrupted):
     resumed = corpus / "resumed"
     shutil.copytree(workdir, resumed)
     out = []
-    train.train(_cfg(corpus), resumed, resume=True, progress=False, print_fn=out.append)
+    train.train(_cfg(corpus), resumed, progress=False, print_fn=out.append)
     assert any("resumed from step 3" in line for line in out)
-    assert _records(resumed) == _records(baseline[0])
+    assert deterministic_records(resumed) == deterministic_records(baseline[0])
     assert all(r["tokens_per_sec"] > 0 and r["sec_per_step"] > 0
                for r in metrics.read_metrics(resumed))
 
@@ -197,7 +190,7 @@ def test_resume_follows_the_saved_schedule(baseline, corpus, interrupted):
     shutil.copytree(interrupted[0], resumed)
     other = _cfg(corpus, steps=40, optim__learning_rate=1.0, optim__warmup_steps=7)
     train.train(other, resumed, explicit=frozenset(), progress=False, print_fn=lambda *a: None)
-    assert _records(resumed) == _records(baseline[0])
+    assert deterministic_records(resumed) == deterministic_records(baseline[0])
 
 
 @pytest.mark.slow
@@ -207,10 +200,10 @@ def test_changing_the_horizon_is_explicit(baseline, corpus, interrupted):
     out = []
     train.train(_cfg(corpus), baseline[0], progress=False, print_fn=out.append)
     assert out[-1] == train.summary_line(metrics.read_metrics(baseline[0])[-1])
-    with pytest.raises(ValueError, match=r"cannot resume.*'model.d_model': \(32, 64\)"):
+    with pytest.raises(ValueError, match=r"cannot resume.*--model.d_model saved 32, now 64"):
         train.train(_cfg(corpus, model__d_model=64), baseline[0], progress=False,
                     print_fn=quiet)
-    with pytest.raises(ValueError, match=r"'steps': \(8, 12\).*--change_horizon"):
+    with pytest.raises(ValueError, match=r"--steps saved 8, now 12.*--change_horizon"):
         train.train(_cfg(corpus, steps=12), interrupted[0], progress=False, print_fn=quiet)
     longer = corpus / "longer"
     shutil.copytree(interrupted[0], longer)
@@ -235,8 +228,6 @@ def test_overwrite_starts_fresh(corpus, interrupted):
     assert any("starting fresh" in line for line in out), out
     assert [r["step"] for r in metrics.read_metrics(fresh)] == [1]
     assert checkpointing.Checkpointer(fresh / "checkpoints").all_steps() == []
-    args = train._parser().parse_args(["--resume", "--overwrite", "--change_horizon"])
-    assert args.resume and args.overwrite and args.change_horizon  # all still accepted
 
 
 _EIGHT_DEVICES = textwrap.dedent("""
@@ -249,7 +240,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
         "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
     quiet = lambda *a: None
     train.train(cfg, sys.argv[3], progress=False, print_fn=quiet)
-    train.train(cfg, sys.argv[4], resume=True, progress=False, print_fn=print)
+    train.train(cfg, sys.argv[4], progress=False, print_fn=print)
     t = train.Trainer(cfg, mesh.make_mesh(2, 2, 2))
     specs = {k: list(t.shardings["params"][k][n].spec)
              for k, n in (("lm_head", "kernel"), ("embed", "embedding"))}
@@ -280,9 +271,9 @@ def test_eight_devices_match_one(baseline, corpus, interrupted):
     specs = json.loads(lines[-1])
     assert specs.pop("opt_like_head") >= 1
     assert specs == {"lm_head": ["fsdp", "tensor"], "embed": ["tensor", "fsdp"]}
-    expected = _records(baseline[0])
+    expected = deterministic_records(baseline[0])
     for workdir in (fresh, moved):
-        got = _records(workdir)
+        got = deterministic_records(workdir)
         assert [r.keys() for r in got] == [r.keys() for r in expected]
         for g, e in zip(got, expected, strict=True):
             for key in e:
@@ -329,8 +320,6 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     """llm.c shards encoded with a tokenizer.json, trained with --tokenizer into gs://bucket/run:
     the vocabulary is the tokenizer's padded to 128, the padding rows stay exactly zero and are
     never predicted, and metrics land in the bucket (epath's mock backend)."""
-    from tests.test_lm_formats import make_tokenizer, write_llmc_shard
-
     texts = [f.read_text() for f in sorted((corpus / "corpus").iterdir())]
     tok = make_tokenizer(tmp_path / "tokenizer.json", texts, vocab_size=300)
     eos = tok.token_to_id("<|endoftext|>")
@@ -352,7 +341,7 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     records = metrics.read_metrics(bucket / "bucket" / "run")
     assert [r["step"] for r in records] == [1, 2] and math.isfinite(record["val_loss"])
     assert record["val_tokens"] == 256  # the test config's one batch of 8 x 32
-    state, meta = _restore(tmp_path / "ckpt", 2)
+    state, meta = restore_on_one_device(tmp_path / "ckpt", 2)
     saved = meta["config"]["model"]
     assert (saved["vocab_size"], saved["valid_vocab_size"]) == (384, 300)
     head = state["params"]["lm_head"]["kernel"]
@@ -369,29 +358,19 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     assert np.all(np.asarray(probs)[..., 300:] == 0)
 
 
-def _restore(ckdir, step):
-    ckpt = checkpointing.Checkpointer(ckdir)
-    try:
-        meta = ckpt.restore_meta(step)
-        cfg = configs.from_dict(meta["config"])
-        trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-        state, _ = ckpt.restore(step, trainer.abstract_state)
-    finally:
-        ckpt.close()
-    return jax.device_get(state), meta
-
-
 def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
     small = tmp_path / "small.txt"
     small.write_text("".join(f"line {i}\n" for i in range(40)))
     for argv, message in (
-            (["--head", "sgd"], "head must be one of"),
+            (["--head", "sgd"], "--head must be one of"),
             (["--nope", "1"], "unrecognized arguments: --nope 1"),
+            (["--d_model", "48"], "unrecognized arguments: --d_model 48"),
             (["--data.source", str(tmp_path / "missing")], "missing does not exist"),
             (["--config", "test", "--data.source", str(small)],
              "fewer than one batch of batch_size x seq_len + 1 = 257"),
             (["--config", "test", "--data.tokenizer", str(small)], "is not a Hugging Face"),
-            (["--d_model", "48"], "--d_model is now --model.d_model")):
+            (["--config", "test", "--mesh.data", "3"],
+             "--mesh.data/--mesh.fsdp/--mesh.tensor = (3, 1, 1) need 3 devices")):
         with pytest.raises(SystemExit) as exit_info:
             train.main([*argv, "--workdir", str(tmp_path / "w"), "--no-progress",
                         f"--data.dir={tmp_path / 'data'}"])

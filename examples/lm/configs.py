@@ -1,12 +1,13 @@
-"""Training configurations of the example language model, and the command-line overrides.
+"""Training configurations of the example language model.
 
-One nested `Config`: the model (`model.ModelConfig` itself), the data, the optimizer, evaluation,
-checkpoints and the mesh, plus a few run-level fields (`steps`, `head`, `seed`, `log_every`).
-Every field is a command-line flag named by its dotted path, generated from the dataclasses and
-parsed by the field's type: `--model.d_model 256` (or `--model.d_model=256`), `--optim.grad_clip
-none`, and, for the run-level fields, `--steps 100 --head adamw --seed 1`.
+One nested, frozen `Config`: the model (`model.ModelConfig` itself), the data, the optimizer,
+evaluation, checkpoints and the mesh, plus the run-level fields `steps`, `head`, `seed` and
+`log_every`. A field has one name, its dotted path (`model.d_model`, `optim.grad_clip`, `steps`),
+which is also its command-line flag (`--model.d_model`, see flags.py) and its spelling in every
+error message. `override(cfg, {path: value})` changes fields; `flatten` and `from_dict` go to and
+from the flat and nested dict forms (a checkpoint stores `dataclasses.asdict(cfg)`).
 
-Named configs:
+Named configs (`get_config`):
 
 - `test`: a few thousand parameters, for unit tests (seconds to compile and run).
 - `cpu-tiny` (default): ~1.5M parameters; the default run takes about 5 minutes on 2 CPU cores.
@@ -17,13 +18,13 @@ Named configs:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
+from examples.lm import mesh as mesh_lib
 from examples.lm.model import ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
@@ -96,11 +97,17 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh over (data, fsdp, tensor); -1 takes the remaining devices."""
+    """Mesh over (data, fsdp, tensor). At most one axis is -1: it takes the remaining devices.
+    Setting an axis to -1 (`override`, the command line) sets the others that are -1 to 1."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+
+
+def _cpu_tiny_model() -> ModelConfig:
+    return ModelConfig(vocab_size=4096, d_model=128, num_layers=2, num_heads=4, mlp_dim=384,
+                       max_seq_len=128)
 
 
 def _cpu_tiny_model() -> ModelConfig:
@@ -133,27 +140,28 @@ class Config:
         return self.model.max_seq_len
 
     def validate(self) -> Config:
-        """Raise ValueError naming the field when a value is out of range; return self."""
+        """Raise ValueError naming the field's flag when a value is out of range; return self."""
         flat = flatten(self)
         for name, allowed in CHOICES.items():
             if flat[name] not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {flat[name]!r}")
+                raise ValueError(f"--{name} must be one of {allowed}, got {flat[name]!r}")
         for name in ("data.batch_size", "optim.grad_accum_steps", "steps", "eval.every",
                      "eval.batches", "eval.hilbert_sequences", "log_every", "checkpoint.every",
                      "checkpoint.keep"):
             if flat[name] < 1:
-                raise ValueError(f"{name} must be >= 1, got {flat[name]}")
+                raise ValueError(f"--{name} must be >= 1, got {flat[name]}")
         for name, low, high in (("eval.probe_last_steps", 0, self.steps),
                                 ("optim.decay_fraction", 0.0, 1.0),
                                 ("optim.min_lr_ratio", 0.0, 1.0)):
             if not low <= flat[name] <= high:
-                raise ValueError(f"{name} must be in [{low}, {high}], got {flat[name]}")
+                raise ValueError(f"--{name} must be in [{low}, {high}], got {flat[name]}")
         if self.optim.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.optim.warmup_steps}")
+            raise ValueError(f"--optim.warmup_steps must be >= 0, got {self.optim.warmup_steps}")
         if self.optim.grad_clip is not None and self.optim.grad_clip <= 0:
-            raise ValueError(f"optim.grad_clip must be > 0 or None, got {self.optim.grad_clip}")
+            raise ValueError(f"--optim.grad_clip must be > 0 or none, got {self.optim.grad_clip}")
         if self.eval.tokens is not None and self.eval.tokens < 1:
-            raise ValueError(f"eval.tokens must be >= 1 or None, got {self.eval.tokens}")
+            raise ValueError(f"--eval.tokens must be >= 1 or none, got {self.eval.tokens}")
+        mesh_lib.check_sizes(self.mesh.data, self.mesh.fsdp, self.mesh.tensor)
         return self
 
     def effective_warmup(self) -> int:
@@ -177,23 +185,35 @@ def _is_group(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
-def flatten(cfg: Config) -> dict[str, Any]:
-    """{"model.d_model": 128, ..., "steps": 600}: every leaf field by its dotted path."""
+def flatten(tree) -> dict[str, Any]:
+    """{"model.d_model": 128, ..., "steps": 600}: every leaf field of a Config, or of its
+    `dataclasses.asdict` form, by its dotted path."""
+    items = (tree.items() if isinstance(tree, Mapping)
+             else ((f.name, getattr(tree, f.name)) for f in dataclasses.fields(tree)))
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if _is_group(value):
-            out |= {f"{f.name}.{k}": v for k, v in flatten(value).items()}
+    for name, value in items:
+        if isinstance(value, Mapping) or _is_group(value):
+            out |= {f"{name}.{k}": v for k, v in flatten(value).items()}
         else:
-            out[f.name] = value
+            out[name] = value
     return out
 
 
 def override(cfg: Config, changes: Mapping[str, Any]) -> Config:
-    """`cfg` with `{dotted path: value}` applied (validated); an unknown path raises ValueError."""
-    unknown = sorted(set(changes) - set(_field_types()))
+    """`cfg` with `{dotted path: value}` applied and validated; an unknown path raises ValueError.
+
+    A mesh axis set to -1 takes the devices the other axes leave, so the axes that `changes`
+    does not set and that are -1 in `cfg` become 1: `{"mesh.fsdp": -1}` on a config whose
+    `mesh.data` is -1 means FSDP over every device.
+    """
+    unknown = sorted(set(changes) - set(field_types()))
     if unknown:
-        raise ValueError(f"unknown config field {unknown[0]!r}{_renamed_hint(unknown[0])}")
+        raise ValueError(f"unknown config field --{unknown[0]}")
+    changes = dict(changes)
+    if any(changes.get(f"mesh.{axis}") == -1 for axis in mesh_lib.AXES):
+        for axis in mesh_lib.AXES:
+            if f"mesh.{axis}" not in changes and getattr(cfg.mesh, axis) == -1:
+                changes[f"mesh.{axis}"] = 1
     groups: dict[str, dict[str, Any]] = {}
     top: dict[str, Any] = {}
     for path, value in changes.items():
@@ -205,24 +225,12 @@ def override(cfg: Config, changes: Mapping[str, Any]) -> Config:
 
 
 def from_dict(saved: Mapping[str, Any]) -> Config:
-    """A Config from `dataclasses.asdict(cfg)` (a checkpoint's metadata) or from the flat dict
-    written before the config was nested; fields it lacks keep `Config()`'s values."""
-    return override(Config(), saved_paths(saved))
+    """A Config from `dataclasses.asdict(cfg)` (a checkpoint's metadata); fields it lacks keep
+    `Config()`'s values."""
+    return override(Config(), flatten(saved))
 
 
-def saved_paths(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """{dotted path: value} of `dataclasses.asdict(cfg)`, or of the flat dict written before the
-    config was nested (`{"d_model": ..., "seq_len": ...}`, see `LEGACY_NAMES`)."""
-    flat: dict[str, Any] = {}
-    for key, value in saved.items():
-        if isinstance(value, Mapping):
-            flat |= {f"{key}.{k}": v for k, v in value.items()}
-        else:
-            flat[LEGACY_NAMES.get(key, key)] = value
-    return flat
-
-
-def _field_types() -> dict[str, tuple[type, bool]]:
+def field_types() -> dict[str, tuple[type, bool]]:
     """{dotted path: (type, optional)} of every leaf field, from the dataclasses' annotations."""
     out = {}
 
@@ -243,9 +251,9 @@ def _field_types() -> dict[str, tuple[type, bool]]:
 
 def parse_value(name: str, text: str):
     """Parse `text` as the type of config field `name` ("none" -> None for optional fields)."""
-    types_ = _field_types()
+    types_ = field_types()
     if name not in types_:
-        raise ValueError(f"unknown config field {name!r}{_renamed_hint(name)}")
+        raise ValueError(f"unknown config field --{name}")
     typ, optional = types_[name]
     if optional and text.strip().lower() in ("none", "null"):
         return None
@@ -255,37 +263,11 @@ def parse_value(name: str, text: str):
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{name} expects a boolean (true/false), got {text!r}")
+        raise ValueError(f"--{name} expects a boolean (true/false), got {text!r}")
     try:
         return typ(text)
     except ValueError:
-        raise ValueError(f"{name} expects {typ.__name__}, got {text!r}") from None
-
-
-# The flat field names of the config before it was nested -> today's dotted paths (old
-# checkpoints resume, and an old flag names its new spelling).
-LEGACY_NAMES = {
-    **{n: f"model.{n}" for n in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim",
-                                 "tied_embeddings", "rope_theta", "norm_eps", "compute_dtype",
-                                 "param_dtype", "valid_vocab_size")},
-    "seq_len": "model.max_seq_len", "data_source": "data.source", "data_dir": "data.dir",
-    "tokenizer": "data.tokenizer", "batch_size": "data.batch_size",
-    **{n: f"optim.{n}" for n in ("learning_rate", "head_learning_rate", "embedding_learning_rate",
-                                 "vector_learning_rate", "weight_decay", "head_weight_decay",
-                                 "schedule", "warmup_steps", "decay_fraction", "min_lr_ratio",
-                                 "grad_clip", "grad_accum_steps")},
-    "eval_every": "eval.every", "eval_tokens": "eval.tokens", "eval_batches": "eval.batches",
-    **{n: f"eval.{n}" for n in ("hilbert_sequences", "exact_diameter_max_elements",
-                                "probe_last_steps")},
-    "save_every": "checkpoint.every", "keep_checkpoints": "checkpoint.keep",
-    "checkpoint_dir": "checkpoint.dir",
-    "mesh_data": "mesh.data", "mesh_fsdp": "mesh.fsdp", "mesh_tensor": "mesh.tensor",
-}
-
-
-def _renamed_hint(name: str) -> str:
-    new = LEGACY_NAMES.get(name.replace("-", "_"))
-    return f"; it is now --{new}" if new else ""
+        raise ValueError(f"--{name} expects {typ.__name__}, got {text!r}") from None
 
 
 # ----------------------------------------------------------------------------- named configs
@@ -326,90 +308,8 @@ DEFAULT_CONFIG = "cpu-tiny"
 
 
 def get_config(name: str) -> Config:
+    """The named config `name` (one of `CONFIGS`)."""
     try:
         return CONFIGS[name]
     except KeyError:
         raise ValueError(f"--config must be one of {sorted(CONFIGS)}, got {name!r}") from None
-
-
-# ----------------------------------------------------------------------------- command line
-
-
-def _type_name(name: str) -> str:
-    typ, optional = _field_types()[name]
-    text = "{" + ",".join(CHOICES[name]) + "}" if name in CHOICES else typ.__name__.upper()
-    return text + ("|none" if optional else "")
-
-
-class _Renamed(argparse.Action):
-    """An old spelling (`--d_model`, `--d-model`, `--set d_model=...`): fail naming the new one."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string == "--set":
-            name, _, value = str(values).partition("=")
-            new = LEGACY_NAMES.get(name.strip().replace("-", "_"), name.strip().replace("-", "_"))
-            parser.error(f"--set is gone: write --{new}={value or 'VALUE'}")
-        parser.error(f"{option_string} is now --{self.const}")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `--config` and one `--<dotted path>` option per Config field.
-
-    The field options default to None ("not given"), so `explicit_fields` can tell which ones the
-    command line set; --help shows each field's type, choices and value in the default config.
-    Old spellings (flat names, dashes, `--set NAME=VALUE`) fail with the new spelling named.
-    """
-    parser.add_argument("--config", default=None, choices=sorted(CONFIGS),
-                        help=f"named configuration (default: {DEFAULT_CONFIG})")
-    group = parser.add_argument_group("config fields (each overrides the named config)")
-    defaults = flatten(CONFIGS[DEFAULT_CONFIG])
-    paths = _field_types()
-    for path in paths:
-        group.add_argument(f"--{path}", dest=f"field__{path}", default=None,
-                           metavar=_type_name(path),
-                           help=f"(default: {defaults[path]!r} in {DEFAULT_CONFIG})")
-    old = {"set": "set"} | {n: new for n, new in LEGACY_NAMES.items() if n not in paths}
-    old |= {p.replace("_", "-"): p for p in paths if "_" in p}
-    old |= {n.replace("_", "-"): new for n, new in LEGACY_NAMES.items() if "_" in n}
-    add_renamed_flags(parser, old)
-
-
-def add_renamed_flags(parser: argparse.ArgumentParser, renamed: Mapping[str, str]) -> None:
-    """Hidden flags `--old` that fail with `--old is now --new` (exit 2 with a one-line parser)."""
-    for name, new in renamed.items():
-        parser.add_argument(f"--{name}", action=_Renamed, const=new, nargs="?",
-                            help=argparse.SUPPRESS)
-
-
-def _overrides(args: argparse.Namespace) -> dict:
-    overrides = {}
-    for path in _field_types():
-        text = getattr(args, f"field__{path}")
-        if text is not None:
-            overrides[path] = parse_value(path, text)
-    return overrides
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The named config with the command line's `--<dotted path>` overrides applied."""
-    return override(get_config(args.config or DEFAULT_CONFIG), _overrides(args))
-
-
-def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
-    """Config fields (dotted paths) the command line set: every field when `--config` is given,
-    else the overrides. A resumed run takes the others from its checkpoint."""
-    if args.config is not None:
-        return frozenset(_field_types())
-    return frozenset(_overrides(args))
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ValueError(message)
-
-
-def parse_config(argv: Sequence[str]) -> Config:
-    """Parse only config options (for tests and notebooks); errors raise ValueError."""
-    parser = _RaisingParser(allow_abbrev=False)
-    add_config_arguments(parser)
-    return config_from_args(parser.parse_args(list(argv)))

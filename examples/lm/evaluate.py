@@ -16,12 +16,16 @@ For each: the row diameter `D` (exact, `rowgeom.row_diameter`, when `V·d` is at
 empirical Hilbert perturbation `δ_n = range_v((ΔW·h_n)_v)` (`rowgeom.hilbert_perturbation`, exact by
 Lemma 1 of arXiv 2608.22253) over the final hidden states `h_n` of a fixed batch of validation
 sequences: RMS and max over n, and the tightness `max_n δ_n / (||h_n||·D)`, which is at most 1.
+
+`tracked_head_stats` reads the O(Vd) bracket of the full change that rowgeom's tracker
+(`track_row_diameter`, at the end of the head chain) recorded in the optimizer state.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -95,3 +99,24 @@ def make_head_probe(graphdef, head_matrix, *, exact: bool, out_sharding):
                                 vocab_axis=vocab_axis, exact=exact)
 
     return jax.jit(probe, out_shardings=out_sharding)
+
+
+def tracked_head_stats(opt_state) -> dict:
+    """rowgeom's O(Vd) RowDiameterStats of the last full head step (max over head leaves), as
+    `tracked_lower`, `tracked_upper` and `tracked_row_sum_residual` floats.
+
+    Empty when no parameter is in the head group (a tied table trained as the embedding), or
+    when the tracker did not measure the last step (see `optimizer.track_every_k_steps`).
+    """
+    stats = rowgeom.read_row_diameter(opt_state)
+    host = lambda x: float(np.asarray(jax.device_get(x)))
+    fresh = [host(m) == host(c) for m, c in zip(jax.tree.leaves(stats.measured_at),
+                                                jax.tree.leaves(stats.count), strict=True)]
+    if not all(fresh):  # measured on an earlier step (track_every_k_steps): not this step's
+        return {}
+    out = {}
+    for field in ("lower", "upper", "row_sum_residual"):
+        leaves = jax.tree.leaves(getattr(stats, field))
+        if leaves:
+            out[f"tracked_{field}"] = max(host(v) for v in leaves)
+    return out

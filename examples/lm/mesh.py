@@ -46,28 +46,39 @@ def maybe_initialize_distributed(mode: str = "auto") -> bool:
     Must run before any other JAX call touches the backend. Returns whether it initialized.
     """
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"distributed must be 'auto', 'on' or 'off', got {mode!r}")
+        raise ValueError(f"--distributed must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off" or (mode == "auto" and not _multi_process_environment()):
         return False
     jax.distributed.initialize()
     return True
 
 
+_FLAGS = "--mesh.data/--mesh.fsdp/--mesh.tensor"
+
+
+def check_sizes(data: int, fsdp: int, tensor: int) -> None:
+    """Raise ValueError unless every size is positive or -1, and at most one is -1."""
+    sizes = (data, fsdp, tensor)
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"{_FLAGS} must be positive or -1, got {sizes}")
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one of {_FLAGS} may be -1 (the axis that takes the remaining "
+                         f"devices), got {sizes}")
+
+
 def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
     """Resolve at most one -1 entry to the remaining devices and check the product."""
+    check_sizes(data, fsdp, tensor)
     sizes = [data, fsdp, tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"at most one of mesh_data/mesh_fsdp/mesh_tensor may be -1, got {sizes}")
-    if any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh sizes must be positive or -1, got {sizes}")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
-            raise ValueError(f"mesh {sizes}: {num_devices} devices are not divisible by {known}")
+            raise ValueError(f"{_FLAGS} = {tuple(sizes)}: {num_devices} devices are not "
+                             f"divisible by {known}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ValueError(f"mesh (data, fsdp, tensor) = {tuple(sizes)} needs {math.prod(sizes)} "
-                         f"devices, but {num_devices} are available")
+        raise ValueError(f"{_FLAGS} = {tuple(sizes)} need {math.prod(sizes)} devices, but "
+                         f"{num_devices} are available")
     return tuple(sizes)
 
 

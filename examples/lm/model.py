@@ -28,6 +28,9 @@ FSDP, TENSOR = "fsdp", "tensor"
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The transformer's shape, dtypes and vocabulary; validated on creation. Its fields are the
+    trainer's `--model.*` flags, and its errors name them so."""
+
     vocab_size: int
     d_model: int
     num_layers: int
@@ -48,23 +51,23 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"--model.{name} must be a positive int, got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(
-                f"ModelConfig.d_model ({self.d_model}) must be divisible by num_heads "
+                f"--model.d_model ({self.d_model}) must be divisible by --model.num_heads "
                 f"({self.num_heads})")
         if self.head_dim % 2:
             raise ValueError(
-                f"ModelConfig head_dim = d_model / num_heads = {self.head_dim} must be even "
-                "for RoPE")
+                f"the head width --model.d_model / --model.num_heads = {self.head_dim} must be "
+                "even for RoPE")
         valid = self.valid_vocab_size
         if valid is not None and (not isinstance(valid, int) or not 1 <= valid <= self.vocab_size):
-            raise ValueError(f"ModelConfig.valid_vocab_size must be an int in [1, vocab_size="
-                             f"{self.vocab_size}] or None, got {valid!r}")
+            raise ValueError(f"--model.valid_vocab_size must be an int in [1, --model.vocab_size"
+                             f" = {self.vocab_size}] or none, got {valid!r}")
         for name in ("compute_dtype", "param_dtype"):
             dtype = jnp.dtype(getattr(self, name))
             if not jnp.issubdtype(dtype, jnp.floating):
-                raise ValueError(f"ModelConfig.{name} must be a floating dtype, got {dtype}")
+                raise ValueError(f"--model.{name} must be a floating dtype, got {dtype}")
 
     @property
     def head_dim(self) -> int:
@@ -238,7 +241,7 @@ class Transformer(nnx.Module):
                 f"axis_types=(AxisType.Auto,) * n)), got axis_types={mesh.axis_types}")
         if tokens_BT.shape[1] > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length {tokens_BT.shape[1]} exceeds ModelConfig.max_seq_len "
+                f"sequence length {tokens_BT.shape[1]} exceeds --model.max_seq_len "
                 f"{self.cfg.max_seq_len}")
         x_BTD = self.embed(tokens_BT)
         for layer in self.layers:

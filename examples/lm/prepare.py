@@ -6,7 +6,7 @@
 
 Sources are text files, `.jsonl` files (one JSON object with a "text" field per line, each a
 document) and directories or globs of them. Several files are split into train and validation by
-file (`data.split_files`), a single file by its last lines / records. Documents are separated by
+file (`corpus.split_files`), a single file by its last lines / records. Documents are separated by
 the tokenizer's end-of-document token. With `--tokenizer` the given `tokenizer.json` encodes;
 without it a byte-level BPE of `--vocab_size` is trained on the train split. The tokenizer used is
 saved as OUT/tokenizer.json.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from examples.lm import data, formats
+from examples.lm import corpus, formats, tokenization
 
 _GROUP_CHARS = 8 << 20  # text encoded per encode_batch call (parallel inside)
 
@@ -41,7 +41,7 @@ def _source_files(sources) -> list[Path]:
     for source in sources:
         if formats.find_token_files(source) is not None:
             raise ValueError(f"{source} holds token files already; train.py reads them directly")
-        files.extend(data.text_files(source)[1])
+        files.extend(corpus.text_files(source)[1])
     if not files:
         raise ValueError("no input files")
     return sorted(set(files))
@@ -89,7 +89,7 @@ def _groups(documents):
 
 def _file_documents(files):
     for f in files:
-        yield from data.read_documents([f])
+        yield from corpus.read_documents([f])
 
 
 def prepare(sources, out, *, tokenizer=None, vocab_size: int = 4096, val_fraction: float = 0.05,
@@ -106,17 +106,18 @@ def prepare(sources, out, *, tokenizer=None, vocab_size: int = 4096, val_fractio
     if any(out.glob("*.bin")):
         raise ValueError(f"{out} already holds .bin files; use an empty directory")
     if len(files) > 1:
-        train_files, val_files = data.split_files(files, val_fraction=val_fraction)
+        train_files, val_files = corpus.split_files(files, val_fraction=val_fraction)
         splits = {"train": (train_files, None), "val": (val_files, None)}
     else:
-        train_docs, val_docs = data.split_documents(files, val_fraction=val_fraction)
+        train_docs, val_docs = corpus.split_documents(files, val_fraction=val_fraction)
         splits = {"train": (files, train_docs), "val": (files, val_docs)}
     if tokenizer is not None:
-        tok = data.load_tokenizer(tokenizer)
+        tok = tokenization.load_tokenizer(tokenizer)
     else:  # the BPE needs the whole train split at once
         train_files, train_docs = splits["train"]
-        tok = data.train_tokenizer(train_docs or data.read_documents(train_files), vocab_size)
-    vocab = data.tokenizer_vocab_size(tok)
+        tok = tokenization.train_bpe(train_docs or corpus.read_documents(train_files),
+                                     vocab_size)
+    vocab = tokenization.vocab_size(tok)
     dtype = formats.token_dtype(vocab)
     summary = {"tokenizer_vocab_size": vocab, "files": len(files)}
     for split, (split_files, docs) in splits.items():
@@ -125,7 +126,7 @@ def prepare(sources, out, *, tokenizer=None, vocab_size: int = 4096, val_fractio
         bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"{split} ({len(split_files)} "
                    "files)", disable=not progress)
         for group in _groups(_file_documents(split_files) if docs is None else docs):
-            writer.add(data.encode_documents(tok, group, dtype))
+            writer.add(tokenization.encode_documents(tok, group, dtype))
             bar.update(sum(len(d.encode()) for d in group))
         bar.close()
         paths = writer.close()

@@ -35,8 +35,7 @@ def resolve_config(cfg: configs.Config, meta: dict, *, explicit=None,
     explicit: fields (dotted paths) the command line set (None: all of them). Those that differ
     from the checkpoint raise a ValueError if they define the run, except `steps` with
     `change_horizon` (the schedule is then rebuilt for the new horizon). Fields not set
-    explicitly are taken from the checkpoint, so `--workdir DIR` alone resumes any run. A
-    checkpoint written before the config was nested (flat field names) resumes too.
+    explicitly are taken from the checkpoint, so `--workdir DIR` alone resumes any run.
     """
     saved = meta.get("config")
     if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
@@ -44,7 +43,7 @@ def resolve_config(cfg: configs.Config, meta: dict, *, explicit=None,
                          f"(not written by this trainer?): {str(meta)[:200]}")
     now_flat = configs.flatten(cfg)
     try:
-        saved_flat = configs.flatten(configs.override(cfg, configs.saved_paths(saved)))
+        saved_flat = configs.flatten(configs.override(cfg, configs.flatten(saved)))
     except ValueError as e:
         raise ValueError(f"cannot resume: the checkpoint's config does not fit this trainer: "
                          f"{e}") from None
@@ -62,11 +61,12 @@ def resolve_config(cfg: configs.Config, meta: dict, *, explicit=None,
         else:
             merged[name] = was
     if conflicts:
-        hint = " (or --change_horizon to change steps)" if "steps" in conflicts else ""
+        hint = " (or add --change_horizon to change --steps)" if "steps" in conflicts else ""
+        listed = "; ".join(f"--{name} saved {was!r}, now {now!r}"
+                           for name, (was, now) in sorted(conflicts.items()))
         raise ValueError(
-            f"cannot resume: these fields differ from the checkpoint's (saved, now): "
-            f"{dict(sorted(conflicts.items()))}; rerun with the saved values{hint}, or start "
-            "fresh with --overwrite or a new --workdir")
+            f"cannot resume: these fields differ from the checkpoint's: {listed}; rerun with the "
+            f"saved values{hint}, or start fresh with --overwrite or a new --workdir")
     return configs.override(cfg, merged), dict(sorted(changed.items()))
 
 
