@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 
@@ -289,6 +289,9 @@ Examples:
 """
 
 
+_Options = TypeVar("_Options", "HeadOptions", "MuonOptions", "AdamOptions")
+
+
 def _apply_flat(flat: dict, *, head: HeadOptions, muon: MuonOptions, adam: AdamOptions,
                 groups: dict) -> tuple[HeadOptions, MuonOptions, AdamOptions, dict]:
     # optax.inject_hyperparams binds the var-keyword arguments to their parameter's name and
@@ -307,9 +310,14 @@ def _apply_flat(flat: dict, *, head: HeadOptions, muon: MuonOptions, adam: AdamO
             groups[where[1]] = dataclasses.replace(old, **{where[2]: value})
         else:
             objects[where[0]][where[1]] = value
-    return (dataclasses.replace(head, **objects["head"]),
-            dataclasses.replace(muon, **objects["muon"]),
-            dataclasses.replace(adam, **objects["adam"]), groups)
+    def replaced(obj: _Options, name: str) -> _Options:
+        try:
+            return dataclasses.replace(obj, **objects[name])
+        except (TypeError, ValueError) as err:  # name the keywords the user wrote
+            given = [k for k in flat if FLAT_KEYWORDS[k][0] == name]
+            raise type(err)(f"{err} (set by {', '.join(f'{k}=' for k in given)})") from None
+
+    return replaced(head, "head"), replaced(muon, "muon"), replaced(adam, "adam"), groups
 
 
 def lm_optimizer_hparams(

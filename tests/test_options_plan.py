@@ -1,4 +1,4 @@
-"""The recipe's options objects and its explicit plan: one home per option, no state between calls."""
+"""The recipe's options objects and its explicit plan: one home per option, no hidden state."""
 
 import jax
 import jax.numpy as jnp
