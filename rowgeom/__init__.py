@@ -35,7 +35,7 @@ from rowgeom._recipe import (
     lm_optimizer,
     lm_optimizer_hparams,
 )
-from rowgeom._rownorm import project_rownorm, projected_rownorm
+from rowgeom._rownorm import project_rownorm, projected_rownorm, rownorm_direction
 
 __version__ = "0.1.0"
 
@@ -59,6 +59,7 @@ __all__ = (
     "read_row_diameter",
     "row_diameter",
     "row_diameter_bounds",
+    "rownorm_direction",
     "track_row_diameter",
     # Routing and composition (labels, layouts, resolved hyperparameters).
     "DEFAULT_EMBEDDING_NAMES",
