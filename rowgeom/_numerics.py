@@ -10,8 +10,10 @@ exponent). Why each guard exists is on the geometry page (docs/geometry.md, "Edg
     >>> from rowgeom._numerics import _rescale_rows, _times_pow2
     >>> x = jnp.array([[3e30, 0.0], [1e30, 2e30]])
     >>> y, e = _rescale_rows(x, 0)          # x - x̄ = y * 2**e exactly, max |y| in [0.5, 1)
-    >>> bool(jnp.all(_times_pow2(y, e) == x - x.mean(axis=0))), 0.5 <= float(jnp.abs(y).max()) < 1
-    (True, True)
+    >>> bool(jnp.all(_times_pow2(y, e) == x - x.mean(axis=0, keepdims=True)))
+    True
+    >>> 0.5 <= float(jnp.abs(y).max()) < 1
+    True
 """
 
 from __future__ import annotations
