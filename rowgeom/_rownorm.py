@@ -21,8 +21,9 @@ feature-sharded one ``V``-vectors. In a process with one CPU device the XLA:CPU 
     >>> s.tolist()                                  # x = ±(1, 0): unit rows, then centred
     [[1.0, 0.0], [-1.0, 0.0]]
 
-References: arXiv 2608.22253 (the geometry); the proofs, conventions and edge cases (eps,
-padding, huge inputs, bf16, tied heads): docs/geometry.md.
+References: arXiv 2608.22253 (the geometry); H. Jung, "Über die kleinste Kugel, die eine
+räumliche Figur einschließt", J. reine angew. Math. 123 (1901) (Theorem 3's factor); the proofs,
+conventions and edge cases (eps, padding, huge inputs, bf16, tied heads): docs/geometry.md.
 """
 
 from __future__ import annotations
