@@ -2,10 +2,17 @@
 
 Times, at a GPT-2 head shape in both layouts (a ``(V, d)`` table and a Flax ``(d, V)`` kernel),
 the jitted ``projected_rownorm`` update, ``clip_row_diameter`` (bound mode), the bracket
-``row_diameter_bounds`` and the ``track_row_diameter`` statistics, each next to the memory
-floor: a jitted ``x * 0.5`` with its input donated (one read and one write). Then the tracker's
-cost per step in a chain: ``projected_rownorm`` alone, chained with the tracker on every step,
-and with ``every_k_steps=100`` (its off-steps), as stateful donated steps.
+``row_diameter_bounds`` and the ``track_row_diameter`` statistics, each in both of rowgeom's
+formulations: ``[masked]``, the one that runs on every backend and under any mesh, and
+``[cpu]``, the XLA:CPU formulation (``rowgeom/_cpu.py``) that a process with one CPU device
+uses instead. Each is next to the memory floor: a jitted ``x * 0.5`` with its input donated
+(one read and one write). Then the tracker's cost per step in a chain, as a one-CPU process runs
+it: ``projected_rownorm`` alone, chained with the tracker on every step, and with
+``every_k_steps=100`` (its off-steps), as stateful donated steps.
+
+A formulation is chosen when a function is traced (``rowgeom._cpu.one_cpu_device``); here each
+candidate is traced with that choice fixed (`formulation`), so both run side by side in one
+process whatever its device count.
 
 Steady state, as in training: each donated function is applied to its own previous output
 (``y = f(y)``), so its buffer is reused and never page-faults; functions that return only
@@ -24,6 +31,7 @@ Machines with 2 shared cores vary 20-40 % between runs: compare ratios, not mill
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -33,7 +41,8 @@ import numpy as np
 import optax
 
 import rowgeom
-from rowgeom._rownorm import _project_f32
+from rowgeom import _cpu, _geometry
+from rowgeom._rownorm import rownorm_direction
 
 # The memory floor: one read and one write of the head, in place over the donated input.
 floor = jax.jit(lambda x: x * 0.5, donate_argnums=0)
@@ -46,16 +55,19 @@ def load_average() -> str:
 def steady_state(candidates: dict, x0, calls: int) -> dict:
     """Best-of-``calls`` seconds per candidate, interleaved with the donated floor.
 
-    ``candidates`` maps a name to ``(jitted fn, donated)`` or ``(jitted fn, donated, init)``; a
-    donated function is applied to its own previous output, any other one to the same input
-    every call; ``init`` makes the first argument from the input (e.g. ``(updates, state)`` for
-    a stateful step). The floor is added under the name ``"floor"``.
+    ``candidates`` maps a name to ``(jitted fn, donated)``, optionally followed by ``init`` and
+    the formulation to trace it with; a donated function is applied to its own previous output,
+    any other one to the same input every call; ``init`` (or None) makes the first argument from
+    the input (e.g. ``(updates, state)`` for a stateful step). The floor is added under the name
+    ``"floor"``.
     """
     candidates = {"floor": (floor, True), **candidates}
     carry = {}
-    for name, (fn, donated, *init) in candidates.items():  # compile, reach the steady state
-        x = init[0](jnp.array(x0)) if init else jnp.array(x0)
-        out = jax.block_until_ready(fn(x))
+    for name, (fn, donated, *rest) in candidates.items():  # compile, reach the steady state
+        init, traced_as = (list(rest) + [None, None])[:2]
+        x = init(jnp.array(x0)) if init else jnp.array(x0)
+        with formulation(traced_as) if traced_as else contextlib.nullcontext():
+            out = jax.block_until_ready(fn(x))
         carry[name] = out if donated else x
     best = dict.fromkeys(candidates, float("inf"))
     for _ in range(calls):
@@ -68,40 +80,67 @@ def steady_state(candidates: dict, x0, calls: int) -> dict:
     return best
 
 
+FORMULATIONS = ("cpu", "masked")
+_TRACED_JITS = (_geometry._bounds, _geometry._bounds_and_sum, _geometry._row_diameter)
+
+
+@contextlib.contextmanager
+def formulation(name: str):
+    """Traces rowgeom with one formulation: ``"cpu"`` as in a process with one CPU device,
+    ``"masked"`` as under a mesh or on an accelerator. The choice is made at trace time, so
+    compile (call) a function inside the block; the inner jitted functions' caches are cleared
+    on entry and exit so that no trace of the other formulation is reused."""
+    saved = _cpu.one_cpu_device
+    _cpu.one_cpu_device = lambda: name == "cpu"
+    for fn in _TRACED_JITS:
+        fn.clear_cache()
+    try:
+        yield
+    finally:
+        _cpu.one_cpu_device = saved
+        for fn in _TRACED_JITS:
+            fn.clear_cache()
+
+
 def head_operations(axis: int) -> dict:
-    """The jitted O(Vd) head operations for token rows along ``axis``: name -> (fn, donated)."""
+    """The jitted O(Vd) head operations for token rows along ``axis``, in both formulations:
+    ``"name[formulation]" -> (fn, donated, None, formulation)`` for `steady_state`."""
     def update(tx):
         return jax.jit(lambda u: tx.update(u, optax.EmptyState())[0], donate_argnums=0)
 
     tracker = rowgeom.track_row_diameter(vocab_axis=axis)
-    xla = jax.jit(lambda u: _project_f32(u, vocab_axis=axis, eps=1e-8, center_input=True,
-                                         center_output=True, num_valid=None, argname="u",
-                                         impl="blocked"), donate_argnums=0)
-    return {
-        "projected_rownorm": (update(rowgeom.projected_rownorm(vocab_axis=axis)), True),
-        # the XLA formulation the native kernel replaced on CPU (before / after, one run)
-        "projected_rownorm[xla]": (xla, True),
-        "clip_row_diameter": (update(rowgeom.clip_row_diameter(1.0, vocab_axis=axis)), True),
-        "row_diameter_bounds": (
-            jax.jit(lambda u: rowgeom.row_diameter_bounds(u, vocab_axis=axis)), False),
-        "track_row_diameter": (jax.jit(lambda u: tracker.update(u, tracker.init(u))[1]), False),
-    }
+    ops = {}
+    for name in FORMULATIONS:
+        ops |= {
+            f"projected_rownorm[{name}]": (
+                update(rowgeom.projected_rownorm(vocab_axis=axis)), True, None, name),
+            f"clip_row_diameter[{name}]": (
+                update(rowgeom.clip_row_diameter(1.0, vocab_axis=axis)), True, None, name),
+            f"row_diameter_bounds[{name}]": (
+                jax.jit(lambda u: rowgeom.row_diameter_bounds(u, vocab_axis=axis)), False, None,
+                name),
+            f"track_row_diameter[{name}]": (
+                jax.jit(lambda u: tracker.update(u, tracker.init(u))[1]), False, None, name),
+        }
+    return ops
 
 
 def tracker_steps(axis: int, k: int) -> dict:
     """``projected_rownorm`` alone and chained with ``track_row_diameter`` (every step, and
-    ``every_k_steps=k``): donated ``(updates, state) -> (updates, state)`` steps, so the
-    tracker's counter advances as in training. In a run of fewer than ``k`` timed calls every
+    ``every_k_steps=k``), traced as in a process with one CPU device: donated
+    ``(updates, state) -> (updates, state)`` steps, so the tracker's counter advances as in
+    training. In a run of fewer than ``k`` timed calls every
     timed call of the ``k`` chain is an off-step (only the warm-up call measures)."""
     def chained(tracker):
         tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=axis), tracker)
         return (jax.jit(lambda c: tx.update(*c), donate_argnums=0), True,
-                lambda u: (u, tx.init(u)))
+                lambda u: (u, tx.init(u)), "cpu")
 
     rownorm = rowgeom.projected_rownorm(vocab_axis=axis)
     return {
         "projected_rownorm": (
-            jax.jit(lambda u: rownorm.update(u, optax.EmptyState())[0], donate_argnums=0), True),
+            jax.jit(lambda u: rownorm.update(u, optax.EmptyState())[0], donate_argnums=0), True,
+            None, "cpu"),
         "chain(projected_rownorm, track(k=1))": chained(
             rowgeom.track_row_diameter(vocab_axis=axis)),
         f"chain(projected_rownorm, track(k={k}))": chained(
@@ -159,7 +198,7 @@ def measure(vocab: int, dim: int, *, calls: int, names=None, seed: int = 0) -> l
 
 def print_rows(rows):
     for row in rows:
-        print(f"  {row['name']:22s} {str(tuple(row['shape'])):14s} vocab_axis={row['vocab_axis']}"
+        print(f"  {row['name']:30s} {str(tuple(row['shape'])):14s} vocab_axis={row['vocab_axis']}"
               f"  {row['seconds'] * 1e3:8.2f} ms  floor {row['floor_seconds'] * 1e3:6.2f} ms"
               f"  ratio {row['ratio']:5.2f}"
               + (f"  off-step / rownorm {row['off_over_rownorm']:.3f}, amortized ratio "
@@ -197,8 +236,7 @@ def accuracy(rng, vocab, dim):
     want = np_reference(u)
     cands = {
         "rowgeom (pivot-shifted mean, direct norms)":
-            lambda x: _project_f32(x, vocab_axis=0, eps=1e-8, center_input=True,
-                                   center_output=True, num_valid=None, argname="u"),
+            lambda x: rownorm_direction(x, vocab_axis=0),
         "direct norms, plain f32 mean": _direct_no_pivot,
         "expanded norms ||x||^2 - 2x.m + ||m||^2": _expanded,
     }

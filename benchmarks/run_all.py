@@ -4,14 +4,18 @@ Each comparison times a rowgeom operation next to a reference measured interleav
 run, so both see the same machine load; the tables report ratios (absolute times only as
 context). Shared machines vary 20-40 % between runs: compare ratios, not milliseconds.
 
-1. ``projected_rownorm`` vs a donated plain scale ``x * 0.5`` of the same array (the memory
+1. ``projected_rownorm`` as a process with one CPU device runs it (the XLA:CPU formulation,
+   ``rowgeom/_cpu.py``) vs a donated plain scale ``x * 0.5`` of the same array (the memory
    floor), across head sizes up to (50304, 768), both layouts, with the fitted exponent of its
    time in ``V·d``; then every O(Vd) head operation (``projected_rownorm``,
    ``clip_row_diameter``, ``row_diameter_bounds``, ``track_row_diameter``) at the largest size
-   in both layouts. Steady state: each donated function applied to its own previous output,
-   interleaved with the floor, best of ``rownorm_calls`` each (``bench_rownorm.py``). Then the
-   in-chain tracker's cost per step: ``projected_rownorm`` alone vs chained with
-   ``track_row_diameter`` on every step vs with ``every_k_steps=100`` (its off-steps).
+   in both layouts and both formulations (``[cpu]`` and ``[masked]``, the one every other
+   backend and any mesh runs). Steady state: each donated function applied to its own previous
+   output, interleaved with the floor, best of ``rownorm_calls`` each (``bench_rownorm.py``,
+   which traces each candidate with its formulation fixed, so this 8-device process measures
+   both). Then the in-chain tracker's cost per step on one CPU device: ``projected_rownorm``
+   alone vs chained with ``track_row_diameter`` on every step vs with ``every_k_steps=100``
+   (its off-steps).
 2. ``muon_orthogonalize`` vs optax ``scale_by_muon`` on the hidden matrices of a small LM
    (``bench_muon.py``).
 3. Exact ``row_diameter`` vs a float32 matmul of the same useful FLOPs, and the ``O(Vd)``
@@ -111,7 +115,7 @@ def rownorm_section(cfg) -> dict:
     for vocab, dim in cfg["rownorm_sizes"]:
         for _ in range(cfg["rownorm_repeats"]):  # repeats of one interleaved measurement
             got = bench_rownorm.measure(vocab, dim, calls=cfg["rownorm_calls"],
-                                        names=["projected_rownorm"])
+                                        names=["projected_rownorm[cpu]"])
             for row in got:
                 match = [r for r in rows if r["shape"] == row["shape"]]
                 if match:
@@ -326,8 +330,9 @@ def markdown(results: dict) -> str:
 
     rn = results["rownorm"]
     lines += ["### projected_rownorm vs a donated `x * 0.5` of the same array", "",
-              "Steady state (each function applied to its own previous, donated output), "
-              "interleaved call by call; ratio = best time / best floor time.", "",
+              "The XLA:CPU formulation, which a process with one CPU device runs. Steady state "
+              "(each function applied to its own previous, donated output), interleaved call by "
+              "call; ratio = best time / best floor time.", "",
               "| head shape | vocab_axis | ratio (best repeat) | repeats | rownorm | floor |",
               "|---|---|---|---|---|---|"]
     for row in rn["rows"]:
@@ -340,7 +345,9 @@ def markdown(results: dict) -> str:
     shape = tuple(rn["head_ops"][0]["shape"])
     lines += [f"### Every O(Vd) head operation vs the donated floor, {shape} and its transpose",
               "", f"One interleaved run; load average {rn['head_ops_load'][0]} before / "
-              f"{rn['head_ops_load'][1]} after.", "",
+              f"{rn['head_ops_load'][1]} after. `[cpu]`: the XLA:CPU formulation (one CPU "
+              "device in the process); `[masked]`: the formulation of every other backend and "
+              "of any mesh, here on one CPU device.", "",
               "| operation | (V, d), vocab_axis=0 | (d, V), vocab_axis=1 |", "|---|---|---|"]
     for name in dict.fromkeys(row["name"] for row in rn["head_ops"]):
         cells = [next(f"**{r['ratio']:.2f}x** ({_ms(r['seconds'])}, floor "

@@ -38,7 +38,7 @@ from rowgeom._options import (
 from rowgeom._oracle import common_ball_oracle, diameter_oracle
 from rowgeom._plan import LeafPlan, OptimizerPlan, describe
 from rowgeom._recipe import STATIC_ARGS, lm_optimizer
-from rowgeom._rownorm import project_rownorm, projected_rownorm
+from rowgeom._rownorm import project_rownorm, projected_rownorm, rownorm_direction
 
 __version__ = "0.1.0"
 
@@ -62,6 +62,7 @@ __all__ = (
     "read_row_diameter",
     "row_diameter",
     "row_diameter_bounds",
+    "rownorm_direction",
     "track_row_diameter",
     # Routing and composition (labels, options, the plan, resolved hyperparameters).
     "AdamOptions",

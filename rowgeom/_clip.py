@@ -7,7 +7,17 @@ distribution at ``H * max_diameter`` while keeping the step's direction.
 
 ``D`` is either the ``O(V d)`` safe upper bound ``2 max_i ||s_i - sbar|| >= D(S)`` (default;
 the clipped step then satisfies ``D <= max_diameter`` through the bound, possibly shrinking it
-up to 2x more than needed) or the exact ``O(V^2 d)`` row diameter.
+up to 2x more than needed) or the exact ``O(V^2 d)`` row diameter. Both work under any mesh and
+placement (`rowgeom._geometry`): the bound moves only reduced vectors between devices, the exact
+diameter gathers the rows once.
+
+    >>> import jax.numpy as jnp, rowgeom
+    >>> tx = rowgeom.clip_row_diameter(2.0, vocab_axis=0)
+    >>> u = jnp.array([[0.0, 0.0], [3.0, 4.0]])                 # bound 2 max ||u_i - ū|| = 5
+    >>> tx.update(u, tx.init(u))[0].tolist()                    # scaled by 2 / 5
+    [[0.0, 0.0], [1.2000000476837158, 1.600000023841858]]
+
+References: arXiv 2608.22253 (Theorem 1).
 """
 
 from __future__ import annotations

@@ -14,6 +14,17 @@ Place it last in the chain so it sees the step the softmax sees: after the learn
 decoupled weight decay (``Delta W = -lr U - lr wd W``). With ``every_k_steps=k`` it measures
 the first update and every k-th (updates ``1, k, 2k, ...``, counted from ``init``) and skips the
 ``O(Vd)`` work on the others; ``measured_at`` and ``count`` say how fresh the stats are.
+The bracket is `rowgeom.row_diameter_bounds`'s, so it works under any mesh and placement and
+moves only reduced vectors between devices.
+
+    >>> import jax.numpy as jnp, rowgeom
+    >>> tx = rowgeom.track_row_diameter(vocab_axis=0)
+    >>> step = jnp.array([[0.0, 0.0], [3.0, 4.0]])                     # D = 5
+    >>> stats = tx.update(step, tx.init(step))[1]
+    >>> float(stats.lower), float(stats.upper), float(stats.row_sum_residual)
+    (5.0, 5.0, 5.0)
+
+References: arXiv 2608.22253 (Theorem 1); the bracket's proof: docs/geometry.md.
 """
 
 from __future__ import annotations
@@ -154,7 +165,7 @@ def track_row_diameter(
       >>> _, state = tx.update(g, tx.init(g))
       >>> stats = rowgeom.read_row_diameter(state)
       >>> float(stats.lower) <= float(rowgeom.row_diameter(
-      ...     rowgeom.project_rownorm(g, vocab_axis=0), vocab_axis=0)) <= float(stats.upper)
+      ...     rowgeom.rownorm_direction(g, vocab_axis=0), vocab_axis=0)) <= float(stats.upper)
       True
       >>> round(float(stats.row_sum_residual), 6)                   # projected: 1ᵀS = 0
       0.0

@@ -1,14 +1,29 @@
 """Row diameter and the softmax's Hilbert geometry: the maths, no tree or device plumbing.
 
+Math: a head ``W`` has one token row ``w_i`` per token; an update ``S`` has rows ``s_i`` and row
+diameter ``D(S) = max_{i<j} ||s_i - s_j||``. Hilbert's projective distance between positive
+vectors is ``d_H(p, q) = log max_i p_i/q_i - log min_i p_i/q_i``; for softmaxes it is the range of
+the logit change (Lemma 1), so ``sup_{||h|| <= H} d_H(softmax(W h), softmax((W + S) h)) =
+H * D(S)`` (Theorem 1).
+
 Contract: `row_diameter` is exact (``O(V^2 d)``), `row_diameter_bounds` an ``O(V d)`` bracket
 ``lower <= D(S) <= upper``, `hilbert_distance` and `hilbert_perturbation` measure the softmax's
 change in Hilbert's projective distance. Token rows are slices along ``vocab_axis``; every other
 axis is flattened into features, so a Flax ``(d, V)`` Dense kernel uses ``vocab_axis=1`` and a
 ``(V, d)`` embedding ``vocab_axis=0``. Results are float32 whatever the input dtype, and finite
-input never gives NaN (power-of-two rescaling, `rowgeom._numerics`).
+input never gives NaN (power-of-two rescaling, `rowgeom._numerics`). Each works under any
+mesh and placement: the bracket only reduces whole axes (in a process with one CPU device its
+distance pass is `rowgeom._cpu.sq_dists`), and the exact diameter gathers the rows once.
 
-Lemma 1, Theorem 1 and the bracket's proof: docs/geometry.md ("The row diameter is the worst
-case"); timings: docs/benchmarks.md.
+    >>> import jax.numpy as jnp, rowgeom
+    >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0]])
+    >>> float(rowgeom.row_diameter(s, vocab_axis=0)), float(rowgeom.hilbert_perturbation(
+    ...     s, jnp.array([0.6, 0.8]), vocab_axis=0))       # h* = (s_1 - s_0) / D attains H * D
+    (5.0, 5.0)
+
+References: arXiv 2608.22253 (Theorem 1); P. J. Bushell, "Hilbert's metric and positive
+contraction mappings in a Banach space", Arch. Rational Mech. Anal. 52 (1973). Proofs and the
+bracket's derivation: docs/geometry.md ("The row diameter is the worst case").
 """
 
 from __future__ import annotations
@@ -21,14 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from rowgeom import _native
+from rowgeom import _cpu
 from rowgeom._numerics import (
     _out_of_range,
     _pow2_exponent,
     _replicated,
     _rescale_rows,
     _times_pow2,
-    single_device_trace,
 )
 from rowgeom._validation import (
     canonical_axis,
@@ -41,8 +55,8 @@ from rowgeom._validation import (
 _HIGHEST = lax.Precision.HIGHEST  # accelerators default to reduced-precision matmuls
 
 
-def _token_rows(s: jax.Array, axis: int) -> jax.Array:
-    """(V, F) float32 view: token rows along `axis`, all other axes flattened."""
+def _rows_matrix(s: jax.Array, axis: int) -> jax.Array:
+    """(V, F) float32 matrix: token rows along `axis`, all other axes flattened."""
     x = jnp.moveaxis(s, axis, 0)
     return x.reshape(x.shape[0], math.prod(x.shape[1:])).astype(jnp.float32)
 
@@ -52,8 +66,8 @@ def _block_rows(num_rows: int, block_size: int) -> tuple[int, int]:
 
     The scan computes ``nb(nb+1)/2`` full ``B x B`` blocks for ``V(V+1)/2`` useful pairs; the
     excess is the diagonal blocks and the padding of the last block. Among multiples of 64 rows
-    in ``[block_size/2, block_size]`` take the one computing the least, since XLA:CPU's matmul
-    tiles lose ~20% on other sizes (1008 rows vs 1024 or 960). Tiny blocks are used as given.
+    in ``[block_size/2, block_size]`` take the one computing the least, since matmul kernels tile
+    multiples of 64 best. Tiny blocks are used as given.
     """
     if num_rows <= block_size:
         return num_rows, 1
@@ -70,7 +84,7 @@ def _block_rows(num_rows: int, block_size: int) -> tuple[int, int]:
 
 @functools.partial(jax.jit, static_argnames=("axis", "block_size"))
 def _row_diameter(s, *, axis: int, block_size: int):
-    x = _replicated(_token_rows(s, axis))
+    x = _rows_matrix(_replicated(s), axis)
     num_rows, num_features = x.shape
     if num_rows <= 1:
         return jnp.zeros((), jnp.float32)
@@ -143,34 +157,35 @@ def _three_axes(s, axis: int) -> jax.Array:
     return s.reshape(three).astype(jnp.float32)
 
 
-def _sq_dists(x3: jax.Array, point: jax.Array) -> jax.Array:
-    """``||x_v - point||^2`` per token ``v`` of an (A, V, B) view; ``point`` is (A, 1, B).
+def _sq_dists(x3: jax.Array, point) -> jax.Array:
+    """``||x_v - p||^2`` per token ``v`` of an (A, V, B) view; ``point`` is an (A, 1, B) array,
+    or an int32 scalar token index whose row is the point. In a process with one CPU device
+    `rowgeom._cpu.sq_dists`, else `_masked_sq_dists` (the same function)."""
+    if _cpu.one_cpu_device():  # lowered for another platform (jax.export), still the masked one
+        return lax.platform_dependent(x3, point, cpu=_cpu.sq_dists, default=_masked_sq_dists)
+    return _masked_sq_dists(x3, point)
 
-    XLA:CPU reduces a leading axis of a wide array ~50x slower than a trailing one (a Flax
-    ``(d, V)`` kernel), so on one device a leading feature axis is accumulated slab by slab in
-    a loop, each slab ``x3[a]`` a contiguous ``(V, B)`` block whose trailing axis reduces fast.
-    Under a multi-device mesh the slab slices would all-gather a feature-sharded head, so a
-    plain reduction is used there (one all-reduce of a ``V``-vector).
+
+def _masked_sq_dists(x3: jax.Array, point) -> jax.Array:
+    """`_sq_dists` as plain reductions over whole axes, for any device and mesh.
+
+    Under a mesh only a reduced vector crosses devices (a ``V``-vector for a feature-sharded
+    head). A token's row is a one-hot contraction, a local product plus an all-reduce of one row
+    on a vocabulary-sharded array, where a dynamic slice would gather the head (or fail on
+    Explicit sharding types).
     """
-    if not single_device_trace():
-        return jnp.sum(jnp.square(x3 - point), axis=(0, 2))
-    if x3.shape[0] == 1:
-        return jnp.sum(jnp.square(x3[0] - point[0]), axis=1)
-
-    def accumulate(a, total):
-        return total + jnp.sum(jnp.square(x3[a] - point[a]), axis=1)
-
-    # zeros_like keeps an Explicit sharding of the token axis, so the loop carry's type is stable.
-    zeros = jnp.zeros_like(x3[0, :, 0])
-    return lax.fori_loop(0, x3.shape[0], accumulate, zeros, unroll=max(1, min(8, x3.shape[0])))
+    if jnp.ndim(point) == 0:
+        onehot = (jnp.arange(x3.shape[1]) == point).astype(x3.dtype)
+        point = jnp.einsum("v,avb->ab", onehot, x3, precision=_HIGHEST)[:, None, :]
+    return jnp.sum(jnp.square(x3 - point), axis=(0, 2))
 
 
 def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(max(n2), argmax(n2), sum(n2))`` of a per-token vector, as one three-operand reduction.
 
     Plain ``jnp.max``/``jnp.sum`` of a vector that is itself a row reduction get fused by
-    XLA:CPU into one nested reduction over the whole ``(V, d)`` array that runs ~15x slower
-    than the two apart; a multi-operand reduction is never fused that way. NaN propagates to
+    XLA:CPU into one nested reduction over the whole ``(V, d)`` array, much slower than the two
+    apart; a multi-operand reduction is never fused that way. NaN propagates to
     the max (and the argmax is the first NaN), as with ``jnp.max`` / ``jnp.argmax``.
     """
     def combine(a, b):
@@ -184,32 +199,11 @@ def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return lax.reduce((n2, index, n2), init, combine, (0,))
 
 
-def _take_token(x3: jax.Array, index: jax.Array) -> jax.Array:
-    """Token ``index`` of an (A, V, B) view as (A, 1, B).
-
-    On one device a dynamic slice (free). Under a mesh, a one-hot contraction instead: on a
-    vocabulary-sharded array it is a local product plus an all-reduce of one row, and
-    Explicit sharding allows it.
-    """
-    if single_device_trace():
-        return lax.dynamic_slice_in_dim(x3, index, 1, axis=1)
-    onehot = (jnp.arange(x3.shape[1]) == index).astype(x3.dtype)
-    return jnp.einsum("v,avb->ab", onehot, x3, precision=_HIGHEST)[:, None, :]
-
-
 def _centroid_sq_dists(x3: jax.Array, total: jax.Array | None = None) -> jax.Array:
     """``||x_i - xbar||^2`` per token of an (A, V, B) view; ``total``: its sum over tokens."""
     if total is None:
         total = jnp.sum(x3, axis=1, keepdims=True)
     return _sq_dists(x3, total / x3.shape[1])
-
-
-def _on_cpu(x3: jax.Array, native, xla):
-    """``native(x3)`` on one CPU device where the kernels take the view (`rowgeom._native`:
-    tokens first or last), else ``xla(x3)``; the same numbers up to float32 rounding."""
-    if single_device_trace() and (x3.shape[0] == 1 or x3.shape[2] == 1) and _native.usable():
-        return lax.platform_dependent(x3, cpu=native, default=xla)
-    return xla(x3)
 
 
 def _upper_bound(s, axis: int) -> jax.Array:
@@ -220,7 +214,7 @@ def _upper_bound(s, axis: int) -> jax.Array:
     """
     x3 = _three_axes(s, axis)
     bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x))[0])
-    fast = _on_cpu(x3, lambda x: _native.bracket(x, sweeps=0)[1], bound)
+    fast = bound(x3)
 
     def rescaled(x):
         y, exponent = _rescale_rows(x, 1)
@@ -239,16 +233,8 @@ def _bounds_and_sum(s, *, axis: int, sweeps: int):
     """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
     row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
     x3 = _three_axes(s, axis)
-
-    def xla(x3):
-        total = jnp.sum(x3, axis=1, keepdims=True)
-        return _bounds3(x3, sweeps=sweeps, total=total), total
-
-    def native(x3):
-        lower, upper, total = _native.bracket(x3, sweeps=sweeps)
-        return (lower, upper), total
-
-    fast, total = _on_cpu(x3, native, xla)
+    total = jnp.sum(x3, axis=1, keepdims=True)
+    fast = _bounds3(x3, sweeps=sweeps, total=total)
     row_sum = total.reshape(s.shape[:axis] + s.shape[axis + 1:])
     if x3.shape[1] <= 1:
         return fast + (row_sum,)
@@ -280,7 +266,7 @@ def _bounds3(x3, *, sweeps: int, total=None):
     # rows' hull), so it already dominates the centroid's own lower bounds.
     lower = jnp.zeros((), jnp.float32)
     for _ in range(sweeps):
-        top, anchor, _ = _max_index_sum(_sq_dists(x3, _take_token(x3, anchor)))
+        top, anchor, _ = _max_index_sum(_sq_dists(x3, anchor))
         lower = jnp.maximum(lower, jnp.sqrt(top))
     # Equal in exact arithmetic when D = 2 r_c (e.g. V = 2); keep the order under rounding.
     return jnp.minimum(lower, upper), upper
@@ -292,9 +278,9 @@ def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Arr
     With centred rows ``x_i = s_i - xbar``, ``r_c = max_i ||x_i||``, ``rms_c^2 = mean ||x_i||^2``:
     ``upper = 2 r_c`` and ``lower = max(r_c, sqrt(2V/(V-1)) rms_c, farthest-point sweeps)``.
     Each sweep is one ``O(Vd)`` pass: from the current anchor (first, the row farthest from the
-    centroid) find the farthest row, record the distance and move the anchor there. Two sweeps
-    were exact in 99% of random tests and within 7% otherwise; the upper bound can overshoot by
-    up to 2x (typically 20-45% on LM-head steps). ``V = 1`` gives ``(0, 0)``.
+    centroid) find the farthest row, record the distance and move the anchor there. The upper
+    end is at most 2x the diameter (``r_c <= D``); how tight both ends are on head steps is
+    measured on the benchmarks page (docs/benchmarks.md). ``V = 1`` gives ``(0, 0)``.
 
     With ``sweeps >= 1`` the lower end is the length of an actual pair of rows, so it stays a
     lower bound when the float32 centroid is rounded (rows sharing a common offset much larger

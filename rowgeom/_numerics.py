@@ -1,11 +1,19 @@
-"""Float32 plumbing shared by the geometry and the transforms: exact power-of-two rescaling,
-and where a computation is being traced (one device or a mesh, sharded or not).
+"""Float32 plumbing shared by the geometry and the transforms: exact power-of-two rescaling
+and replicating rows for the exact diameter.
 
 Contract: every helper here is exact or a no-op on ordinary input. Rescaling by a power of two
 changes no mantissa, so a diameter, bound or range computed on rescaled rows and scaled back is
-the true value whenever it fits float32; the device checks only pick between two formulations
-that compute the same numbers. Why each guard exists is on the geometry page
-(docs/geometry.md, "Edge cases").
+the true value whenever it fits float32 (IEEE 754: multiplying by ``2**k`` only changes the
+exponent). Why each guard exists is on the geometry page (docs/geometry.md, "Edge cases").
+
+    >>> import jax.numpy as jnp
+    >>> from rowgeom._numerics import _rescale_rows, _times_pow2
+    >>> x = jnp.array([[3e30, 0.0], [1e30, 2e30]])
+    >>> y, e = _rescale_rows(x, 0)          # x - x̄ = y * 2**e exactly, max |y| in [0.5, 1)
+    >>> bool(jnp.all(_times_pow2(y, e) == x - x.mean(axis=0, keepdims=True)))
+    True
+    >>> 0.5 <= float(jnp.abs(y).max()) < 1
+    True
 """
 
 from __future__ import annotations
@@ -13,10 +21,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 # A diameter (or bound) outside [2^-60, 2^60] may have lost D^2 to float32 overflow or underflow;
 # it is then recomputed on rows rescaled by a power of two (exact) so that max|x| is ~1.
 _SAFE_LOG2 = 60
+# RowNorm's smallest eps. A row at least this long has a squared norm >= 2**-80, and squares that
+# underflow (flushed to zero on XLA:CPU and TPU) lose less than d * 2**-126 of it: a relative
+# 2**-46 * d, float32 rounding for any d up to 2**22. A smaller eps would let a row whose
+# squared norm underflows be divided by eps instead of its norm, making it longer than 1.
+MIN_EPS = 2.0**-40
+# RowNorm's overflow guard: inputs with entries above 2**_HUGE_EXPONENT are scaled by a power
+# of two (exact; the result is invariant to it, with eps scaled alike) so that the largest entry
+# is about 2**20 and squared row norms (d < 2**26 terms) and the centring cannot overflow.
+_HUGE_EXPONENT = 50
 
 
 def _pow2(k):
@@ -50,28 +68,45 @@ def _rescale_rows(x, axis: int):
     return _times_pow2(y, -e2), e1 + e2
 
 
+def _row_vector(w, ndim: int, axis: int):
+    """Reshapes per-row values ``(V,)`` to broadcast along `axis` of a rank-`ndim` array."""
+    return w.reshape(tuple(-1 if i == axis else 1 for i in range(ndim)))
+
+
+def _rownorm_scale(amax, eps):
+    """``(scale, eps)`` for RowNorm on input whose largest entry is ``amax``: ``(1, eps)``
+    unless ``amax > 2**_HUGE_EXPONENT``, else a power of two bringing ``amax`` to about
+    ``2**20`` and eps scaled alike, but never below `MIN_EPS` (rows shorter than
+    ``2**-60 * amax`` then come out shorter than unit length, never longer)."""
+    huge = amax > 2.0**_HUGE_EXPONENT
+    scale = jnp.where(huge, jnp.exp2(20.0 - jnp.floor(jnp.log2(jnp.where(huge, amax, 1.0)))),
+                      1.0)
+    return scale, jnp.where(huge, jnp.maximum(eps * scale, MIN_EPS), eps)
+
+
 def _out_of_range(d):
     """True where ``d`` may have over/underflowed in float32 (or is NaN/inf)."""
     return ~((d < 2.0**_SAFE_LOG2) & (d > 2.0**-_SAFE_LOG2))
 
 
-def single_device_trace() -> bool:
-    """False while tracing under a multi-device mesh context (``jax.set_mesh``).
-
-    The CPU-tuned loops over slabs or row blocks slice an axis that may be sharded; under a
-    mesh, plain reductions let XLA's partitioner move only reduced vectors between devices.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size <= 1
-
-
 def _replicated(x: jax.Array) -> jax.Array:
-    """`x` with any Explicit-mode sharding removed (no-op for Auto axes or one device).
+    """``x`` replicated over the devices of its sharding (a no-op on one device).
 
-    The triangular scan reshapes the token axis into blocks, which Explicit sharding types
-    forbid when the axis is split across devices. The exact diameter is an O(V^2 d)
-    diagnostic, so gathering the O(V d) rows once costs little next to it.
+    The exact diameter's triangular scan reshapes the token axis into blocks and indexes them
+    in a loop: Explicit sharding types forbid that reshape for a split axis, and with Auto axes
+    the partitioner could gather blocks inside the loop. Gathering the ``O(V d)`` rows once is
+    small next to the ``O(V^2 d)`` scan. The mesh is read from ``x``'s type, so this also works
+    outside ``jax.set_mesh`` (arrays placed by ``jax.device_put`` or ``out_shardings``).
     """
-    if any(part is not None for part in jax.typeof(x).sharding.spec):
-        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+    sharding = jax.typeof(x).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or mesh.size <= 1:
+        return x
+    replicated = NamedSharding(mesh, PartitionSpec())
+    if any(part is not None for part in sharding.spec):  # Explicit axes: change the type
+        x = jax.sharding.reshard(x, replicated)
+    if any(kind == AxisType.Auto for kind in mesh.axis_types):
+        # Auto axes: ask the partitioner for the gather. The barrier keeps the request from
+        # propagating back to `x`'s producer, so an update computed from it stays sharded.
+        x = lax.with_sharding_constraint(lax.optimization_barrier(x), replicated)
     return x

@@ -2,6 +2,14 @@
 
 Errors name the argument and say what was expected, so a user never gets a silent
 NaN or a silently wrong axis.
+
+    >>> from rowgeom._validation import canonical_axis, check_int
+    >>> canonical_axis(-1, 2), check_int(3, argname="every_k_steps", minimum=1)
+    (1, 3)
+    >>> check_int(0, argname="every_k_steps", minimum=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: every_k_steps must be >= 1, got 0
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def common_ball() -> None:
     rng = np.random.default_rng(3)
     g = rng.standard_normal((7, 2)) * np.array([1.5, 0.6])
     g[0] *= 0.15  # a rare token: tiny gradient, still a full-length row
-    s = -np.asarray(rowgeom.project_rownorm(g.astype(np.float32), vocab_axis=0), np.float64)
+    s = -np.asarray(rowgeom.rownorm_direction(g.astype(np.float32), vocab_axis=0), np.float64)
     pg = g - g.mean(0)
     centre = (pg / np.linalg.norm(pg, axis=1, keepdims=True)).mean(0)  # s_i = ū - u_i
     right.quiver(np.zeros(7), np.zeros(7), -pg[:, 0] * 0.5, -pg[:, 1] * 0.5, angles="xy",
@@ -112,7 +112,7 @@ def diameter_vs_vocab() -> None:
         u, _, vt = np.linalg.svd(g, full_matrices=False)
         steps = {"Muon (polar factor)": u @ vt, "sign / Adam-like": np.sign(g),
                  "projected RowNorm": np.asarray(
-                         rowgeom.project_rownorm(g.astype(np.float32), vocab_axis=0))}
+                         rowgeom.rownorm_direction(g.astype(np.float32), vocab_axis=0))}
         for name, step in steps.items():
             step = np.asarray(step, np.float32)
             rms = float(np.sqrt(np.mean(np.square(step, dtype=np.float64))))

@@ -68,7 +68,7 @@ def main(workdir: Path) -> None:
         _, axis = model_lib.head_matrix(nnx.merge(graphdef, params, rest))
         g = np.asarray(grads["lm_head"]["kernel"], np.float64)
         g = g if axis == 0 else g.T                                     # (V, d) token rows
-        s = np.asarray(rowgeom.project_rownorm(jnp.asarray(g, jnp.float32), vocab_axis=0),
+        s = np.asarray(rowgeom.rownorm_direction(jnp.asarray(g, jnp.float32), vocab_axis=0),
                        np.float64)
         x = g - g.mean(axis=0)
         ubar = (x / np.linalg.norm(x, axis=1, keepdims=True)).mean(axis=0)

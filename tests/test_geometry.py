@@ -1,4 +1,10 @@
-"""Row diameter, bracket and Hilbert geometry against float64 numpy brute force; both layouts."""
+"""Row diameter, bracket and Hilbert geometry against float64 numpy brute force; both layouts.
+
+The bracket's distance pass has two formulations, each checked directly against float64 numpy:
+the XLA:CPU one (`rowgeom._cpu.sq_dists`, what this one-CPU-device process dispatches to) and the
+masked one (`_masked_sq_dists`, every other backend and any mesh); the whole bracket is also run
+traced with each (`_formulations.traced_as`).
+"""
 
 import functools
 
@@ -8,16 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _formulations import FORMULATIONS, traced_as
 from hypothesis import given
 from hypothesis import strategies as st
 
+import rowgeom
 from rowgeom import (
+    _cpu,
     hilbert_distance,
     hilbert_perturbation,
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._geometry import _block_rows
+from rowgeom._geometry import _block_rows, _masked_sq_dists, _three_axes
 
 
 def np_rows(s, axis):
@@ -175,6 +184,78 @@ def test_bracket_holds_for_rows_with_a_large_common_offset():
         exact = np_diameter(s, 0)
         lower, upper = (float(v) for v in _bounds_jit(s))
         assert lower <= exact * (1 + 1e-6) and exact <= upper * (1 + 1e-6), (trial, lower, exact)
+
+
+# Shapes for the layouts' edges: one feature, one token, a middle vocabulary axis, more
+# feature rows than the CPU formulation's unrolled slab loop takes at once.
+BRACKET_SHAPES = [((300, 17), 0), ((17, 300), 1), ((3, 4, 130), -1), ((130, 3, 4), 0),
+                  ((3, 40, 5), 1), ((2, 1), 0), ((1, 5), 0), ((1, 7), 1), ((20, 9), 1)]
+
+
+@pytest.mark.parametrize("fn", [_cpu.sq_dists, _masked_sq_dists], ids=FORMULATIONS)
+def test_distance_pass_matches_float64(rng, fn):
+    """||x_v - p||^2 to a given point and to a token's row, in both formulations."""
+    for shape, axis in BRACKET_SHAPES:
+        s = rng.normal(size=shape) * 2.0 + 1.5
+        x3 = _three_axes(jnp.asarray(s, jnp.float32), axis % len(shape))
+        rows = np_rows(np.asarray(x3, np.float64), 1)  # (V, A*B): the token rows
+        point = rng.normal(size=(x3.shape[0], 1, x3.shape[2]))
+        want = ((rows - np_rows(point, 1)) ** 2).sum(axis=1)
+        got = jax.jit(fn)(x3, jnp.asarray(point, jnp.float32))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(shape))
+        token = x3.shape[1] // 2
+        got = jax.jit(fn)(x3, jnp.int32(token))
+        np.testing.assert_allclose(got, ((rows - rows[token]) ** 2).sum(axis=1), rtol=1e-5,
+                                   atol=1e-5, err_msg=str(shape))
+        assert float(got[token]) == 0.0
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+@pytest.mark.parametrize("sweeps", [0, 2])
+def test_bracket_in_each_formulation_holds_and_matches_float64(rng, formulation, sweeps):
+    for shape, axis in BRACKET_SHAPES:
+        s = rng.normal(size=shape) * 2.0 + 1.5
+        x = jnp.asarray(s, jnp.float32)
+        with traced_as(formulation):
+            lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(
+                    x, vocab_axis=a, sweeps=sweeps))(x)
+        rows = np_rows(np.asarray(x, np.float64), axis % len(shape))
+        n = np.linalg.norm(rows - rows.mean(axis=0), axis=1)
+        np.testing.assert_allclose(float(upper), 2 * n.max(), rtol=1e-5, err_msg=str(shape))
+        exact = np_diameter(np.asarray(x), axis % len(shape))
+        assert float(lower) <= exact * (1 + 1e-5) + 1e-6 and exact <= float(upper) * (1 + 1e-5)
+        if sweeps:
+            assert float(lower) >= n.max() * (1 - 1e-5) - 1e-6
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_bracket_non_finite_and_huge_rows(rng, formulation):
+    """NaN anywhere gives NaN bounds (never a finite wrong answer); entries ~1e30 overflow the
+    squares, and the power-of-two rescaling keeps the bounds exact; in both formulations."""
+    for axis in (0, 1):
+        x = rng.normal(size=(40, 9))
+        x = x if axis == 0 else x.T
+        bad = x.copy()
+        bad[(3, 4) if axis == 0 else (4, 3)] = np.nan
+        with traced_as(formulation):
+            bounds = jax.jit(lambda x, a=axis: rowgeom.row_diameter_bounds(x, vocab_axis=a))
+            lower, upper = bounds(jnp.asarray(bad, jnp.float32))
+            assert np.isnan(float(lower)) and np.isnan(float(upper))
+            small = bounds(jnp.asarray(x, jnp.float32))
+            big = bounds(jnp.asarray(x * 1e30, jnp.float32))
+        np.testing.assert_allclose(np.asarray(big, np.float64) / 1e30, small, rtol=1e-5)
+
+
+def test_bracket_formulation_follows_the_device_count():
+    """One CPU device: the (d, V) distance pass is the CPU formulation's slab loop; traced as
+    under a mesh, plain reductions with no slice of the token or feature axis."""
+    spec = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+    jaxpr = lambda: str(jax.make_jaxpr(lambda s: row_diameter_bounds(s, vocab_axis=1))(spec))
+    cpu = jaxpr()
+    assert "scan" in cpu and "platform_index" in cpu  # the slab loop, on CPU only
+    with traced_as("masked"):
+        masked = jaxpr()
+    assert not [op for op in ("scan", "while", "dynamic_slice", "platform_index") if op in masked]
 
 
 def test_sweeps_reach_exact_diameter_on_two_clusters(rng):

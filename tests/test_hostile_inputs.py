@@ -39,7 +39,7 @@ def _hidden_for(x, axis):
 HEAD_FUNCTIONS = {
     "row_diameter": (lambda x, ax: rowgeom.row_diameter(x, vocab_axis=ax), "s"),
     "row_diameter_bounds": (lambda x, ax: rowgeom.row_diameter_bounds(x, vocab_axis=ax), "s"),
-    "project_rownorm": (lambda x, ax: rowgeom.project_rownorm(x, vocab_axis=ax), "u"),
+    "rownorm_direction": (lambda x, ax: rowgeom.rownorm_direction(x, vocab_axis=ax), "u"),
     "projected_rownorm": (
         lambda x, ax: _apply(rowgeom.projected_rownorm(vocab_axis=ax), x)[0], "updates"),
     "projected_rownorm_exact": (
@@ -163,6 +163,7 @@ def test_transform_option_errors_name_the_option():
     for make, match in (
             (lambda: rowgeom.projected_rownorm(vocab_axis=0, eps=0.0), "eps must be"),
             (lambda: rowgeom.projected_rownorm(vocab_axis=0, eps=float("nan")), "eps must be"),
+            (lambda: rowgeom.projected_rownorm(vocab_axis=0, eps=1e-30), "eps must be"),
             (lambda: rowgeom.projected_rownorm(vocab_axis=0, num_valid=0), "num_valid"),
             (lambda: rowgeom.projected_rownorm(vocab_axis=0, rescale="max"), "rescale"),
             (lambda: rowgeom.clip_row_diameter(-1.0, vocab_axis=0), "max_diameter"),
@@ -173,7 +174,7 @@ def test_transform_option_errors_name_the_option():
             (lambda: rowgeom.lm_optimizer(1e-3, tied="both"), "tied must be")):
         with pytest.raises((ValueError, TypeError), match=match):
             make()
-    with pytest.raises(ValueError, match="num_valid must satisfy"):
+    with pytest.raises(ValueError, match=f"num_valid must be <= {V}"):
         _apply(rowgeom.projected_rownorm(vocab_axis=0, num_valid=V + 1), jnp.asarray(GOOD))
 
 
@@ -296,8 +297,8 @@ def test_padding_rows_may_hold_anything(bad):
     """num_valid: padded rows are never read into a sum; they come out zero."""
     x = GOOD.copy()
     x[-2:] = bad
-    got = rowgeom.project_rownorm(jnp.asarray(x), vocab_axis=0, num_valid=V - 2)
-    want = rowgeom.project_rownorm(jnp.asarray(GOOD[:-2]), vocab_axis=0)
+    got = rowgeom.rownorm_direction(jnp.asarray(x), vocab_axis=0, num_valid=V - 2)
+    want = rowgeom.rownorm_direction(jnp.asarray(GOOD[:-2]), vocab_axis=0)
     np.testing.assert_allclose(got[:-2], want, atol=1e-6)
     np.testing.assert_array_equal(got[-2:], 0.0)
 

@@ -1,7 +1,13 @@
-"""Projected RowNorm against a numpy fp64 reference and the exact oracles; invariances, edges."""
+"""Projected RowNorm against a numpy fp64 reference and the exact oracles; invariances, edges.
+
+Both formulations are checked directly against the float64 reference: the XLA:CPU one
+(`rowgeom._cpu.rownorm`, what this one-CPU-device process dispatches to) and the masked one
+(`rowgeom._rownorm._masked`, every other backend and any mesh; sharded in test_sharding.py).
+"""
 
 import functools
 import re
+import warnings
 
 import chex
 import jax
@@ -12,10 +18,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rowgeom import project_rownorm, projected_rownorm
-from rowgeom._rownorm import _blocked_path, _project_f32
+import rowgeom
+from rowgeom import _cpu, projected_rownorm, rownorm_direction
+from rowgeom._numerics import MIN_EPS
+from rowgeom._rownorm import _masked
 
-IMPLS = ("auto", "native", "blocked", "reference")
+FORMULATIONS = ("cpu", "masked")
+_FNS = {"cpu": _cpu.rownorm, "masked": _masked}
 
 
 # --- independent float64 references ---------------------------------------------------------------
@@ -48,10 +57,19 @@ def centred(g):
 
 @functools.cache
 def jitted(vocab_axis=0, eps=1e-8, center_input=True, center_output=True, num_valid=None,
-           impl="auto"):
-    return jax.jit(lambda u: _project_f32(
-        u, vocab_axis=vocab_axis, eps=eps, center_input=center_input,
-        center_output=center_output, num_valid=num_valid, argname="u", impl=impl))
+           formulation=None):
+    """The public function (formulation None: as dispatched here) or one formulation, jitted."""
+    opts = dict(eps=eps, center_input=center_input, center_output=center_output)
+    if formulation is None:
+        return jax.jit(lambda u: rownorm_direction(u, vocab_axis=vocab_axis, num_valid=num_valid,
+                                                   **opts))
+
+    def fn(u):
+        axis = vocab_axis % u.ndim
+        return _FNS[formulation](u, axis, num_valid=u.shape[axis] if num_valid is None
+                                 else num_valid, **opts)
+
+    return jax.jit(fn)
 
 
 def project(u, **kw):
@@ -59,34 +77,37 @@ def project(u, **kw):
 
 
 def step(g, r, **kw):
-    """Theorem 2's step S = -r P rownorm(P G), (V, d) layout."""
-    return -r * project(g, eps=1e-30, **kw)
+    """Theorem 2's step S = -r P rownorm(P G), (V, d) layout (eps as small as allowed)."""
+    return -r * project(g, eps=MIN_EPS, **kw)
 
 
 # --- the reference, layouts, padding, dtypes ------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("formulation", [None, *FORMULATIONS])
 @pytest.mark.parametrize("flags", [(True, True), (True, False), (False, True), (False, False)])
-def test_matches_float64_reference(rng, impl, flags):
+def test_matches_float64_reference(rng, formulation, flags):
     ci, co = flags
-    cases = [((40, 6), 0), ((6, 40), 1), ((3, 40, 2), 1), ((3, 2, 40), -1)]
+    cases = [((40, 6), 0), ((6, 40), 1), ((3, 40, 2), 1), ((3, 2, 40), -1), ((40, 2, 3), 0)]
     for shape, axis in cases:
         u = rng.normal(size=shape) + 0.5
-        got = project(u, vocab_axis=axis, center_input=ci, center_output=co, impl=impl)
-        want = np_project(u, axis, center_input=ci, center_output=co)
-        np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"{shape} axis={axis}")
+        for num_valid in (None, 23):
+            got = project(u, vocab_axis=axis, center_input=ci, center_output=co,
+                          num_valid=num_valid, formulation=formulation)
+            want = np_project(u, axis, center_input=ci, center_output=co, num_valid=num_valid)
+            np.testing.assert_allclose(got, want, atol=2e-6,
+                                       err_msg=f"{shape} axis={axis} num_valid={num_valid}")
 
 
 @pytest.mark.parametrize("block_rows", [1, 4, 7, 64])
 @pytest.mark.parametrize("num_valid", [37, 29, 1])
-def test_blocked_path_any_block_size(rng, block_rows, num_valid):
+def test_cpu_formulation_any_block_size(rng, block_rows, num_valid):
     """Full blocks (of token rows, or of feature rows for a (d, V) kernel), a tail block, one
-    block, and padding: the same numbers as the reference, in both layouts."""
+    block, and padding: the float64 reference's numbers, in both layouts."""
     u = rng.normal(size=(5, 37)).astype(np.float32)
     for x, axis in ((u, 1), (u.T, 0)):
-        got = _blocked_path(jnp.asarray(x), axis, eps=1e-8, center_input=True,
-                            center_output=True, num_valid=num_valid, block_rows=block_rows)
+        got = _cpu.rownorm(jnp.asarray(x), axis, eps=1e-8, center_input=True,
+                           center_output=True, num_valid=num_valid, block_rows=block_rows)
         np.testing.assert_allclose(np.asarray(got), np_project(x, axis, num_valid=num_valid),
                                    atol=2e-6, err_msg=f"vocab_axis={axis}")
 
@@ -103,64 +124,158 @@ def test_dense_layout_is_the_transpose_and_the_wrong_axis_is_caught(rng):
     np.testing.assert_allclose(project(g.T, vocab_axis=-1), dense, atol=0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_padded_vocabulary(rng, impl):
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_padded_vocabulary(rng, formulation):
     """Padding rows are excluded from both means and get zero, whatever they contain."""
     valid = rng.normal(size=(6, 27))
     garbage = np.concatenate([np.full((6, 3), 1e30), np.full((6, 2), np.nan)], axis=1)
     u = np.concatenate([valid, garbage], axis=1)  # (d, V) with V = 32, 27 valid
-    got = project(u, vocab_axis=1, num_valid=27, impl=impl)
-    assert np.all(got[:, 27:] == 0)
-    np.testing.assert_allclose(got[:, :27], np_project(valid, 1), atol=2e-6)
+    for x, axis in ((u, 1), (u.T, 0)):
+        got = project(x, vocab_axis=axis, num_valid=27, formulation=formulation)
+        got = got if axis == 1 else got.T
+        assert np.all(got[:, 27:] == 0)
+        np.testing.assert_allclose(got[:, :27], np_project(valid, 1), atol=2e-6)
 
 
 def test_bfloat16_in_bfloat16_out_float32_inside(rng):
     u = jnp.asarray(rng.normal(size=(48, 8)) + 3.0, jnp.bfloat16)
-    out = jax.jit(lambda u: project_rownorm(u, vocab_axis=0))(u)
+    out = jax.jit(lambda u: rownorm_direction(u, vocab_axis=0))(u)
     assert out.dtype == jnp.bfloat16 and out.shape == u.shape
-    f32 = jax.jit(lambda u: project_rownorm(u, vocab_axis=0))(u.astype(jnp.float32))
+    f32 = jax.jit(lambda u: rownorm_direction(u, vocab_axis=0))(u.astype(jnp.float32))
     chex.assert_trees_all_equal(out, f32.astype(jnp.bfloat16))  # only the result is rounded
     want = np_project(np.asarray(u.astype(jnp.float32)), 0)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2**-7)
 
 
-def test_large_common_row_plus_tiny_spread(rng):
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_large_common_row_plus_tiny_spread(rng, formulation):
     """Rows = big common vector + tiny noise: centring must not lose the noise's direction."""
     common = 1e3 * rng.normal(size=(1, 16))
     u = (common + 1e-2 * rng.normal(size=(64, 16))).astype(np.float32)
-    want = np_project(u, 0)  # exact on the float32 input
-    for impl in IMPLS:
-        np.testing.assert_allclose(project(u, impl=impl), want, atol=1e-5, err_msg=impl)
+    for x, axis in ((u, 0), (u.T, 1)):
+        want = np_project(x, axis)  # exact on the float32 input
+        np.testing.assert_allclose(project(x, vocab_axis=axis, formulation=formulation), want,
+                                   atol=1e-5)
 
 
-def test_writes_in_place_over_a_donated_input():
-    """CPU path: no full-size temporary, so a donated step costs about one read-write pass."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("the memory layout claim is about the CPU path")
-    spec = jax.ShapeDtypeStruct((16384, 256), jnp.float32)
-    for axis, shape in [(0, spec.shape), (1, spec.shape[::-1])]:
-        fn = jax.jit(lambda u, axis=axis: project_rownorm(u, vocab_axis=axis), donate_argnums=0)
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+@pytest.mark.parametrize("scale", [1e30, 1e37, 1e-12])
+def test_huge_and_tiny_inputs_follow_the_float64_reference(rng, formulation, scale):
+    """Squared norms of entries ~1e30 overflow float32: the guard rescales by a power of two.
+    Rows below eps (1e-8) are divided by eps, as the reference does."""
+    u = rng.normal(size=(50, 12))
+    for x, axis in ((u, 0), (u.T, 1)):
+        got = project(x * scale, vocab_axis=axis, formulation=formulation)
+        assert np.all(np.isfinite(got))
+        want = np_project(np.float32(x * scale), axis)
+        np.testing.assert_allclose(got, want, atol=3e-6 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_eps_rule_unit_rows_at_least_eps_long_shorter_ones_over_eps(rng, formulation):
+    """Rows with ||x|| >= eps come out unit length and shorter ones x / eps, down to the
+    smallest eps allowed, with entries so small that squares near them underflow float32."""
+    d = 256
+    directions = rng.normal(size=(6, d))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    norms = MIN_EPS * np.array([4.0, 1.5, 1.0 + 1e-3, 0.5, 1e-3, 0.0])
+    x = (directions * norms[:, None]).astype(np.float32)
+    for u, axis in ((x, 0), (x.T, 1)):
+        got = project(u, vocab_axis=axis, eps=MIN_EPS, center_input=False, center_output=False,
+                      formulation=formulation)
+        got = got if axis == 0 else got.T
+        lengths = np.linalg.norm(got, axis=1)
+        np.testing.assert_allclose(lengths[:3], 1.0, rtol=1e-5)
+        np.testing.assert_allclose(got[3:], np.float64(x[3:]) / np.float64(np.float32(MIN_EPS)),
+                                   rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("eps", [1.2e-38, 1e-30, 1.1e-19, MIN_EPS / 2])
+def test_eps_below_the_float32_safe_minimum_is_rejected(eps):
+    """Below 2**-40, rows whose squared norm underflows were divided by eps and came out far
+    longer than 1 (entries ~1e-30 with eps 1.2e-38 gave rows of norm ~3e8): eps is refused."""
+    u = jnp.asarray(np.full((3, 4), 1e-30) * np.arange(1, 4)[:, None], jnp.float32)
+    with pytest.raises(ValueError, match="eps must be a finite float >= 9.09e-13"):
+        rownorm_direction(u, vocab_axis=0, eps=eps)
+    with pytest.raises(ValueError, match="eps must be a finite float >= 9.09e-13"):
+        projected_rownorm(vocab_axis=0, eps=eps)
+    y = np.asarray(rownorm_direction(u, vocab_axis=0, eps=MIN_EPS), np.float64)
+    assert np.linalg.norm(y, axis=1).max() <= 1.0  # rows far below eps: x / eps, tiny
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_huge_input_rows_far_below_the_largest_are_never_longer_than_one(rng, formulation):
+    """Above 2**50 the input is scaled down by a power of two; a row more than 2**60 times
+    shorter than the largest entry then comes out shorter than unit length, never longer."""
+    x = rng.normal(size=(6, 8)) * 100.0
+    x[0] *= 2.0**54  # largest entry ~2**61: rows shorter than ~2 may come out short
+    x[1] *= 1e-7
+    for u, axis in ((x, 0), (x.T, 1)):
+        got = project(u, vocab_axis=axis, center_input=False, center_output=False,
+                      formulation=formulation)
+        lengths = np.linalg.norm(got if axis == 0 else got.T, axis=1)
+        assert np.all(np.isfinite(lengths)) and lengths.max() <= 1 + 1e-6, lengths
+        np.testing.assert_allclose(lengths[[0, 2, 3, 4, 5]], 1.0, rtol=1e-5)
+        assert lengths[1] < 1e-3
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_non_finite_input_is_never_a_finite_wrong_answer(rng, formulation):
+    u = rng.normal(size=(20, 9))
+    for bad in (np.nan, np.inf, -np.inf):
+        x = u.copy()
+        x[3, 4] = bad
+        for v, axis in ((x, 0), (x.T, 1)):
+            assert not np.all(np.isfinite(project(v, vocab_axis=axis, formulation=formulation)))
+
+
+def test_writes_in_place_over_a_donated_input(rng):
+    """One CPU device: the XLA:CPU formulation makes no full-size temporary and overwrites a
+    donated input (one read-write pass of memory traffic per step)."""
+    assert _cpu.one_cpu_device()
+    for shape, axis in [((16384, 256), 0), ((256, 16384), 1)]:
+        fn = jax.jit(lambda u, a=axis: rownorm_direction(u, vocab_axis=a), donate_argnums=0)
         stats = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().memory_analysis()
-        assert stats.temp_size_in_bytes < 16384 * 256 * 4 // 2, stats
+        assert stats.temp_size_in_bytes < np.prod(shape) * 4 // 2, stats
+    for shape, axis in [((4096, 64), 0), ((64, 4096), 1)]:
+        fn = jax.jit(lambda u, a=axis: rownorm_direction(u, vocab_axis=a), donate_argnums=0)
+        x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+        want = np_project(np.asarray(x), axis)
+        pointer = x.unsafe_buffer_pointer()
+        y = fn(x)
+        assert y.unsafe_buffer_pointer() == pointer  # the same buffer, overwritten
+        np.testing.assert_allclose(np.asarray(y), want, atol=3e-6)
 
 
-def test_multi_device_mesh_uses_the_slice_free_path():
-    """The blocked CPU path slices the vocab axis; under a device mesh (vocabulary possibly
-    sharded) the masked formulation is used, which only all-reduces d-vectors (run in
-    tests/test_sharding.py)."""
+def test_vmap_and_grad_agree_between_formulations(rng):
+    u = jnp.asarray(rng.normal(size=(3, 30, 6)), jnp.float32)
+    got = jax.vmap(lambda x: rownorm_direction(x, vocab_axis=0))(u)
+    for i in range(3):
+        np.testing.assert_allclose(got[i], np_project(u[i], 0), atol=3e-6)
+
+    def loss(name):
+        fn = _FNS[name]
+        return lambda x: jnp.sum(jnp.sin(fn(x, 0, eps=1e-8, center_input=True,
+                                            center_output=True, num_valid=30)))
+
+    np.testing.assert_allclose(jax.grad(loss("cpu"))(u[0]), jax.grad(loss("masked"))(u[0]),
+                               atol=1e-5)
+
+
+def test_the_cpu_formulation_only_with_one_cpu_device(monkeypatch):
+    """The XLA:CPU formulation slices the vocabulary axis; with more than one device in the
+    process (an input may be sharded, even invisibly to tracing) the masked one is traced."""
     spec = jax.ShapeDtypeStruct((200_000, 16), jnp.float32)
-    fn = lambda u: project_rownorm(u, vocab_axis=0)
-    blocked = lambda u: _project_f32(u, vocab_axis=0, eps=1e-8, center_input=True,
-                                     center_output=True, num_valid=None, argname="u",
-                                     impl="blocked")
-    assert "rowgeom_rownorm_cpu" in str(jax.make_jaxpr(fn)(spec))  # the native kernel
-    assert "dynamic_slice" in str(jax.make_jaxpr(blocked)(spec))  # several blocks: a loop
-    mesh = jax.sharding.AbstractMesh((8,), ("vocab",),
-                                     axis_types=(jax.sharding.AxisType.Explicit,))
-    with jax.sharding.use_abstract_mesh(mesh):
-        jaxpr = str(jax.make_jaxpr(fn)(spec))
+    jaxpr = lambda: str(jax.make_jaxpr(lambda u: rownorm_direction(u, vocab_axis=0))(spec))
+    assert _cpu.one_cpu_device()
+    assert "dynamic_slice" in jaxpr()  # several blocks: a loop
+    monkeypatch.setattr(jax, "device_count", lambda *a: 8)
+    assert not _cpu.one_cpu_device()
+    jaxpr = jaxpr()
     assert "dynamic_slice" not in jaxpr and "platform_index" not in jaxpr
-    assert "rowgeom_rownorm_cpu" not in jaxpr
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not _cpu.one_cpu_device()
 
 
 def _entry_ops(compiled_text):
@@ -175,26 +290,34 @@ def test_accelerator_path_is_a_few_fusions_in_both_layouts(num_valid):
     """GPU/TPU run the masked formulation: a fixed handful of fused reductions and one
     elementwise write, the same for a (V, d) table and a (d, V) kernel and at any size, with
     no loop, slice or branch that depends on the layout."""
-    def fn(impl, axis):
-        return jax.jit(lambda u: _project_f32(
-                u, vocab_axis=axis, eps=1e-8, center_input=True, center_output=True,
-                num_valid=num_valid, argname="u", impl=impl))
-
     counts = {}
     for vocab, dim in ((256, 32), (1024, 96)):
         for axis, shape in ((0, (vocab, dim)), (1, (dim, vocab))):
             spec = jax.ShapeDtypeStruct(shape, jnp.float32)
-            # What an accelerator is handed: "auto" lowered for CUDA/TPU is the masked formulation.
+            public = jitted(vocab_axis=axis, num_valid=num_valid)
+            masked = jitted(vocab_axis=axis, num_valid=num_valid, formulation="masked")
+            # What an accelerator is handed, even when lowered from this CPU process.
             for platform in ("cuda", "tpu"):
-                text = fn("auto", axis).trace(spec).lower(lowering_platforms=(platform,)).as_text()
+                text = public.trace(spec).lower(lowering_platforms=(platform,)).as_text()
                 assert "stablehlo.while" not in text and "dynamic_slice" not in text, platform
-                assert text.count("stablehlo.reduce") == fn("reference", axis).trace(spec).lower(
+                assert text.count("stablehlo.reduce") == masked.trace(spec).lower(
                         lowering_platforms=(platform,)).as_text().count("stablehlo.reduce")
-            ops = _entry_ops(fn("reference", axis).lower(spec).compile().as_text())
+            ops = _entry_ops(masked.lower(spec).compile().as_text())
             assert not {"while", "conditional", "copy", "transpose"} & set(ops), ops
             counts[shape] = ops["fusion"]
     assert len(set(counts.values())) == 1, counts  # same count: both layouts, both sizes
     assert next(iter(counts.values())) <= 16, counts
+
+
+def test_project_rownorm_is_a_deprecated_alias(rng):
+    u = jnp.asarray(rng.normal(size=(9, 4)), jnp.float32)
+    with pytest.warns(DeprecationWarning, match="use rowgeom.rownorm_direction"):
+        old = rowgeom.project_rownorm(u, vocab_axis=0, num_valid=7, eps=1e-3)
+    chex.assert_trees_all_equal(old, rownorm_direction(u, vocab_axis=0, num_valid=7, eps=1e-3))
+    assert "rownorm_direction" in rowgeom.__all__ and "project_rownorm" in rowgeom.__all__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name never warns
+        rownorm_direction(u, vocab_axis=0)
 
 
 # --- Optimality against the exact oracles ---------------------------------------------------------
@@ -251,7 +374,7 @@ def test_t7_within_jungs_factor_of_the_exact_diameter_optimum(rng):
         if k == 1:
             np.testing.assert_allclose(decrease / opt, 1, rtol=1e-4)
         # Beyond the paper: S * rho / D(S) is still feasible and never worse.
-        tx = projected_rownorm(vocab_axis=0, eps=1e-30, rescale="exact")
+        tx = projected_rownorm(vocab_axis=0, eps=MIN_EPS, rescale="exact")
         s_big = -(rho / 2) * np.asarray(tx.update(jnp.asarray(g, jnp.float32), None)[0],
                                         np.float64)
         assert decrease * (1 - 1e-5) <= -(g * s_big).sum() <= opt * (1 + 1e-4)
@@ -302,22 +425,25 @@ def test_t5_shift_and_scale_invariance(seed, scale):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", IMPLS)
-def test_t8_degenerate_input(rng, impl):
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_t8_degenerate_input(rng, formulation):
+    project_ = functools.partial(project, formulation=formulation)
     c = rng.normal(size=(1, 5)) * 100
     rows = np.repeat(c, 9, axis=0)
-    assert np.all(project(rows, impl=impl) == 0)  # G = 1c^T: exactly zero
-    assert np.all(project(np.zeros((9, 5)), impl=impl) == 0)
-    assert np.all(project(c, impl=impl) == 0)  # V = 1
-    assert np.all(project(c.T, vocab_axis=1, impl=impl) == 0)
+    assert np.all(project_(rows) == 0)  # G = 1c^T: exactly zero
+    assert np.all(project_(rows.T, vocab_axis=1) == 0)
+    assert np.all(project_(np.zeros((9, 5))) == 0)
+    assert np.all(project_(np.zeros((5, 9)), vocab_axis=1) == 0)
+    assert np.all(project_(c) == 0)  # V = 1
+    assert np.all(project_(c.T, vocab_axis=1) == 0)
     g = rng.normal(size=(9, 5))
     g[[2, 5]] = 0.0
-    plain = project(g, center_input=False, center_output=False, impl=impl)
+    plain = project_(g, center_input=False, center_output=False)
     assert np.all(np.isfinite(plain)) and np.all(plain[[2, 5]] == 0)
-    for eps in [1e-30, 1e-8, 0.5, 10.0]:
+    for eps in [MIN_EPS, 1e-8, 0.5, 10.0]:
         tiny = g * 1e-3
         for x in (g, tiny):
-            y = project(x, eps=eps, center_output=False, impl=impl)
+            y = project_(x, eps=eps, center_output=False)
             assert np.all(np.isfinite(y))
             assert np.linalg.norm(y, axis=1).max() <= 1 + 1e-6
 
@@ -444,23 +570,27 @@ def test_rescale(rng, mode):
 def test_bad_input_names_the_argument():
     u = jnp.ones((4, 3))
     with pytest.raises(TypeError, match="u must have a real floating"):
-        project_rownorm(jnp.ones((4, 3), jnp.int32), vocab_axis=0)
+        rownorm_direction(jnp.ones((4, 3), jnp.int32), vocab_axis=0)
     with pytest.raises(TypeError, match="u must have a real floating"):
-        project_rownorm(jnp.ones((4, 3), jnp.complex64), vocab_axis=0)
+        rownorm_direction(jnp.ones((4, 3), jnp.complex64), vocab_axis=0)
     with pytest.raises(ValueError, match="u must have rank >= 2"):
-        project_rownorm(jnp.ones((4,)), vocab_axis=0)
+        rownorm_direction(jnp.ones((4,)), vocab_axis=0)
     with pytest.raises(ValueError, match="vocab_axis=2 is out of range"):
-        project_rownorm(u, vocab_axis=2)
+        rownorm_direction(u, vocab_axis=2)
     with pytest.raises(TypeError, match="vocab_axis must be an int"):
-        project_rownorm(u, vocab_axis="rows")
-    for eps in [0.0, -1.0, float("nan"), 1e-45]:
+        rownorm_direction(u, vocab_axis="rows")
+    for eps in [0.0, -1.0, float("nan"), float("inf"), 1e-45]:
         with pytest.raises(ValueError, match="eps must be"):
-            project_rownorm(u, vocab_axis=0, eps=eps)
-    for num_valid in [0, 5]:
-        with pytest.raises(ValueError, match="num_valid must satisfy"):
-            project_rownorm(u, vocab_axis=0, num_valid=num_valid)
-    with pytest.raises(TypeError, match="num_valid must be an int"):
-        project_rownorm(u, vocab_axis=0, num_valid=2.5)
+            rownorm_direction(u, vocab_axis=0, eps=eps)
+    with pytest.raises(TypeError, match="eps must be a positive float"):
+        rownorm_direction(u, vocab_axis=0, eps="small")
+    with pytest.raises(ValueError, match="num_valid must be >= 1, got 0"):
+        rownorm_direction(u, vocab_axis=0, num_valid=0)
+    with pytest.raises(ValueError, match=r"num_valid must be <= 4 \(the vocabulary size"):
+        rownorm_direction(u, vocab_axis=0, num_valid=5)
+    for bad in (2.5, True):
+        with pytest.raises(TypeError, match="num_valid must be an int"):
+            rownorm_direction(u, vocab_axis=0, num_valid=bad)
     with pytest.raises(ValueError, match="rescale must be one of"):
         projected_rownorm(vocab_axis=0, rescale="full")
     with pytest.raises(ValueError, match="eps must be"):

@@ -147,7 +147,7 @@ def test_zero_sum_passes_on_projected_rownorm_and_trips_on_the_gradient(dtype):
     rng = np.random.default_rng(1)
     grad = jnp.asarray(rng.standard_normal((8, 12)) + 0.3, dtype)  # (d, V), not zero-sum
     tree = {"lm_head": {"kernel": grad}}
-    step = {"lm_head": {"kernel": rowgeom.project_rownorm(grad, vocab_axis=1)}}
+    step = {"lm_head": {"kernel": rowgeom.rownorm_direction(grad, vocab_axis=1)}}
     rt.assert_rows_zero_sum(step, vocab_axis=1)
     with pytest.raises(AssertionError) as err:
         rt.assert_rows_zero_sum(tree, vocab_axis=1)
@@ -166,7 +166,7 @@ def test_zero_sum_passes_on_projected_rownorm_and_trips_on_the_gradient(dtype):
 def test_zero_sum_padded_rows():
     rng = np.random.default_rng(2)
     grad = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)  # (V, d), 3 padded rows
-    step = rowgeom.project_rownorm(grad, vocab_axis=0, num_valid=9)
+    step = rowgeom.rownorm_direction(grad, vocab_axis=0, num_valid=9)
     rt.assert_rows_zero_sum(step, vocab_axis=0, num_valid=9)
     with pytest.raises(AssertionError, match=r"token rows do not sum to zero"):
         rt.assert_rows_zero_sum(step.at[3].add(0.1), vocab_axis=0, num_valid=9)

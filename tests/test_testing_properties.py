@@ -25,7 +25,7 @@ EXAMPLES = 6 if settings.default.max_examples <= 20 else settings.default.max_ex
 
 
 def _rownorm(u, *, vocab_axis, num_valid):
-    return rowgeom.project_rownorm(u, vocab_axis=vocab_axis, num_valid=num_valid)
+    return rowgeom.rownorm_direction(u, vocab_axis=vocab_axis, num_valid=num_valid)
 
 
 def _clip(u, *, vocab_axis, max_diameter):

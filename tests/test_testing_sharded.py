@@ -23,7 +23,7 @@ for axis_type in (AxisType.Auto, AxisType.Explicit):
     with jax.set_mesh(mesh):
         head = jax.device_put(kernel, NamedSharding(mesh, P(None, "vocab")))
         tree = {"lm_head": {"kernel": head}}
-        step = {"lm_head": {"kernel": rowgeom.project_rownorm(head, vocab_axis=1)}}
+        step = {"lm_head": {"kernel": rowgeom.rownorm_direction(head, vocab_axis=1)}}
         assert len(step["lm_head"]["kernel"].sharding.device_set) == 8
         rt.assert_row_diameter_at_most(step, 2.0, vocab_axis=1, method="exact")
         rt.assert_row_diameter_at_most(step, 4.001, vocab_axis=1, method="bounds")  # 2 r_c <= 4

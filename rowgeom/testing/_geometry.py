@@ -181,7 +181,7 @@ def assert_rows_zero_sum(updates, *, vocab_axis, num_valid: int | None = None,
     Examples:
       >>> import jax.numpy as jnp, rowgeom, rowgeom.testing
       >>> grad = jnp.array([[1.0, 2.0], [3.0, 5.0], [0.0, 1.0]])          # (V, d)
-      >>> step = rowgeom.project_rownorm(grad, vocab_axis=0)
+      >>> step = rowgeom.rownorm_direction(grad, vocab_axis=0)
       >>> rowgeom.testing.assert_rows_zero_sum(step, vocab_axis=0)
       >>> rowgeom.testing.assert_rows_zero_sum(grad, vocab_axis=0)
       Traceback (most recent call last):

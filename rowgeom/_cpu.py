@@ -1,0 +1,276 @@
+"""XLA:CPU formulations of projected RowNorm and of the row-diameter bracket's distance pass.
+
+Why they exist: XLA:CPU reduces quickly only along the contiguous axis of a materialised buffer;
+a reduction fused with an elementwise producer, or one over a leading axis, runs as a slow
+generic loop. The masked formulations that run everywhere else (`rowgeom._rownorm._masked`,
+`rowgeom._geometry._sq_dists`) are made of exactly such reductions. The ones here walk the array
+in cache-sized blocks or slabs so that every reduction is of the fast kind and no full-size
+temporary is made (docs/benchmarks.md compares the two on CPU).
+
+Contract: `rownorm` is the same function as `rowgeom._rownorm._masked` (same pivot, eps rule
+and overflow guard) and `sq_dists` the same as the masked distance pass, up to float32 rounding
+order. Both slice the vocabulary and feature axes, which would gather a sharded head or fail on
+Explicit sharding types, so callers use them only when `one_cpu_device()` holds: then no array
+of the process can be sharded, whatever mesh or placement the caller used.
+
+    >>> import jax.numpy as jnp
+    >>> from rowgeom import _cpu
+    >>> g = jnp.array([[3.0, 4.0], [1.0, 0.0], [-4.0, -4.0]])   # (V, d) token rows
+    >>> s = _cpu.rownorm(g, 0, eps=1e-8, center_input=True, center_output=True, num_valid=3)
+    >>> float(jnp.abs(s.sum(axis=0)).max()) < 1e-6                # centred: 1ᵀS = 0
+    True
+    >>> _cpu.sq_dists(g.reshape(1, 3, 2), jnp.int32(1)).tolist()  # ||g_v - g_1||² per token
+    [20.0, 0.0, 41.0]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rowgeom._numerics import _HUGE_EXPONENT, _row_vector, _rownorm_scale
+
+# Token rows contiguous: rows per block are chosen so that one block of float32 rows stays in
+# cache while the two per-block reductions (row norms, weighted column sum) read it.
+_BLOCK_BYTES = 4 * 2**20
+# Tokens contiguous: feature rows per slab, read once for their mean and the token norms and once
+# to be reduced and written. At most 4 MiB, and few enough rows that their squares accumulate in
+# one unrolled elementwise fusion.
+_SLAB_BYTES = 4 * 2**20
+_SLAB_ROWS = 16
+
+
+def one_cpu_device() -> bool:
+    """True when the process has exactly one device and it is a CPU.
+
+    Checked at trace time. It is the only condition under which the formulations here cannot be
+    wrong: with more than one device an input may be sharded even where tracing cannot see it
+    (an Auto-sharded array under ``jax.jit`` outside ``jax.set_mesh`` has no mesh in context).
+    """
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
+# --- projected RowNorm ----------------------------------------------------------------------------
+
+
+def rownorm(x, axis: int, *, eps: float, center_input: bool, center_output: bool,
+            num_valid: int, block_rows: int | None = None):
+    """``P · rownorm(P x)`` of a float32 ``x`` with token rows along ``axis`` (the math and the
+    contract: `rowgeom._rownorm.rownorm_direction`), written in place over a donated input.
+
+    The algorithm needs the column mean ``m`` (one read), the squared row norms
+    ``||x_i - m||²`` and the weighted column sum ``s = Σ_i (x_i - m) / n_i`` of the output
+    centring, and the write ``(x_i - m) / n_i - s / N``. Each layout walks the array its own
+    way: token rows contiguous (`_row_blocks`: three reads and a write) or tokens contiguous, a
+    Flax ``(d, V)`` kernel with the vocabulary axis last (`_feature_slabs`: two reads and a
+    write). ``block_rows`` overrides the rows per block or slab.
+
+    The norms use ``||x_i - m||`` directly: the expanded ``||x_i||² - 2 x_i·m + ||m||²`` would save
+    a pass but cancels catastrophically for rows near their mean. The overflow guard costs no
+    pass: squared norms above ``2**100`` (or inf/NaN) mean an entry may exceed ``2**50``, and only
+    then is everything recomputed on power-of-two scaled input.
+    """
+    opts = dict(eps=eps, center_input=center_input, center_output=center_output,
+                num_valid=num_valid)
+    if axis == x.ndim - 1 and x.ndim >= 2:
+        flat = x.reshape(-1, x.shape[-1])  # free: the tokens stay the contiguous axis
+        return _feature_slabs(flat, slab_rows=block_rows, **opts).reshape(x.shape)
+    return _row_blocks(x, axis, block_rows=block_rows, **opts)
+
+
+def _guarded(stats, x_valid, eps):
+    """``stats(scale, eps)`` at scale 1, redone at the overflow guard's scale when needed.
+
+    ``stats`` returns a tuple whose first entry is the valid rows' squared norms.
+    """
+    one = jnp.ones((), jnp.float32)
+    fast = stats(one, jnp.asarray(eps, jnp.float32))
+    suspect = ~(jnp.max(fast[0]) <= 2.0 ** (2 * _HUGE_EXPONENT))  # also NaN / inf
+
+    def rescaled():
+        scale, eps_scaled = _rownorm_scale(jnp.max(jnp.abs(x_valid())), eps)
+        return stats(scale, eps_scaled) + (scale, eps_scaled)
+
+    return lax.cond(suspect, rescaled, lambda: fast + (one, jnp.asarray(eps, jnp.float32)))
+
+
+def _in_cache(block):
+    """Materialises a cache-sized block before it is reduced: XLA:CPU runs a plain reduction of a
+    buffer through its fast kernel, but one fused with an elementwise producer as a generic loop."""
+    return lax.optimization_barrier(block)
+
+
+def _pivot(x, axis: int, num_valid: int, scale=1.0):
+    """The mean of the first two valid rows, a float32 point inside the row cloud (why a pivot:
+    `rowgeom._rownorm._masked`). Two rows rather than one because XLA turns a single-row slice
+    into a view of ``x``, which then blocks writing the result in place over a donated input."""
+    k = min(2, num_valid)
+    rows = lax.slice_in_dim(x, 0, k, axis=axis) * scale
+    return jnp.sum(rows, axis=axis, keepdims=True) * (1.0 / k)
+
+
+def _row_blocks(x, axis, *, eps, center_input, center_output, num_valid, block_rows):
+    """Token rows contiguous (vocabulary axis not last): cache-sized blocks of rows.
+
+    Pass 1 sums blocks of rows for ``m``; pass 2 takes the block norms and accumulates ``s`` (a
+    vector-matrix product on the block); pass 3 is elementwise.
+    """
+    ndim, vocab = x.ndim, x.shape[axis]
+    feat = tuple(i for i in range(ndim) if i != axis)
+    f32 = jnp.float32
+    if block_rows is None:
+        block_rows = max(8, _BLOCK_BYTES // (4 * max(1, x.size // vocab)))
+    num_blocks, tail = divmod(num_valid, block_rows)
+    col_shape = tuple(1 if i == axis else n for i, n in enumerate(x.shape))
+
+    def fold_rows(fn, acc):
+        """acc = fn(acc, rows, start) over the valid rows, one block at a time."""
+        def body(i, acc):
+            start = i * block_rows
+            return fn(acc, lax.dynamic_slice_in_dim(x, start, block_rows, axis=axis), start)
+
+        if num_blocks == 1:
+            acc = body(0, acc)
+        elif num_blocks > 1:
+            acc = lax.fori_loop(0, num_blocks, body, acc)
+        if tail:
+            start = num_blocks * block_rows
+            acc = fn(acc, lax.slice_in_dim(x, start, num_valid, axis=axis), start)
+        return acc
+
+    def stats(scale, eps):
+        if center_input:
+            pivot = _pivot(x, axis, num_valid, scale)
+            total = fold_rows(
+                    lambda acc, rows, _: acc + jnp.sum(_in_cache(rows * scale - pivot), axis=axis,
+                                                       keepdims=True),
+                    jnp.zeros(col_shape, f32))
+            shift = (pivot, total / num_valid)
+        else:
+            shift = (jnp.zeros(col_shape, f32), jnp.zeros(col_shape, f32))
+
+        def norms_and_sum(carry, rows, start):
+            acc, sq = carry
+            xc = _in_cache((rows * scale - shift[0]) - shift[1])
+            n2 = jnp.sum(xc * xc, axis=feat)
+            if center_output:
+                w = 1.0 / jnp.maximum(jnp.sqrt(n2), eps)
+                s = lax.dot_general(w, xc, (((0,), (axis,)), ((), ())))
+                acc = acc + s.reshape(col_shape)
+            return acc, lax.dynamic_update_slice_in_dim(sq, n2, start, axis=0)
+
+        acc, sq = fold_rows(norms_and_sum,
+                            (jnp.zeros(col_shape, f32), jnp.zeros((num_valid,), f32)))
+        return sq, shift, acc
+
+    sq, shift, acc, scale, eps = _guarded(
+            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=axis), eps)
+    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
+    if num_valid < vocab:
+        weights = jnp.pad(weights, (0, vocab - num_valid))
+    y = ((x * scale - shift[0]) - shift[1]) * _row_vector(weights, ndim, axis)
+    if center_output:
+        y = y - acc / num_valid
+    if num_valid < vocab:
+        valid = _row_vector(jnp.arange(vocab) < num_valid, ndim, axis)
+        y = jnp.where(valid, y, jnp.zeros((), f32))
+    return y
+
+
+def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows):
+    """Tokens contiguous: ``x`` is ``(F, V)``, one feature per row (a Flax ``(d, V)`` kernel).
+
+    A slab of feature rows holds every token's value of those features, so the column mean of
+    those features is known as soon as the slab is read: the mean and the token norms take one
+    walk over slabs (row sums, then squares accumulated into the token norms while the slab is in
+    cache), and the write takes each slab's weighted sum just before writing it. Row sums are
+    matrix-vector products on the slab, because XLA:CPU runs a row reduction fused with an
+    elementwise producer as a serial chain.
+    """
+    feats, vocab = x.shape
+    f32 = jnp.float32
+    if slab_rows is None:
+        slab_rows = min(_SLAB_ROWS, _SLAB_BYTES // (4 * vocab))
+    slab_rows = max(1, min(feats, slab_rows))
+    num_slabs, tail = divmod(feats, slab_rows)
+    ones = jnp.ones((num_valid,), f32)
+
+    def over_slabs(fn, carry):
+        """carry = fn(carry, start, size) over slabs of feature rows (a loop, then the tail)."""
+        if num_slabs == 1:
+            carry = fn(carry, 0, slab_rows)
+        elif num_slabs > 1:
+            carry = lax.fori_loop(0, num_slabs, lambda i, c: fn(c, i * slab_rows, slab_rows),
+                                  carry)
+        if tail:
+            carry = fn(carry, num_slabs * slab_rows, tail)
+        return carry
+
+    def rows_of(y, start, size):
+        return lax.dynamic_slice_in_dim(y, start, size, axis=0)
+
+    def stats(scale, eps):
+        k = min(2, num_valid)
+
+        def slab_stats(carry, start, size):
+            sq, shift_p, shift_m = carry
+            rows = rows_of(x, start, size)[:, :num_valid] * scale
+            if center_input:
+                p = jnp.sum(rows[:, :k], axis=1, keepdims=True) * (1.0 / k)
+                d = rows - p
+                m = (jnp.dot(d, ones) / num_valid)[:, None]
+                d = d - m
+                shift_p = lax.dynamic_update_slice_in_dim(shift_p, p[:, 0], start, axis=0)
+                shift_m = lax.dynamic_update_slice_in_dim(shift_m, m[:, 0], start, axis=0)
+            else:
+                d = rows
+            for a in range(size):  # unrolled: one fused elementwise loop, no row reduction
+                sq = sq + jnp.square(d[a])
+            return sq, shift_p, shift_m
+
+        zeros = jnp.zeros((feats,), f32)
+        return over_slabs(slab_stats, (jnp.zeros((num_valid,), f32), zeros, zeros))
+
+    sq, pivot, mean, scale, eps = _guarded(
+            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=1), eps)
+    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
+    if num_valid < vocab:
+        weights = jnp.pad(weights, (0, vocab - num_valid))
+        valid = jnp.arange(vocab) < num_valid
+
+    def write_slab(y, start, size):
+        p = lax.dynamic_slice_in_dim(pivot, start, size)[:, None]
+        m = lax.dynamic_slice_in_dim(mean, start, size)[:, None]
+        out = ((rows_of(y, start, size) * scale - p) - m) * weights[None, :]
+        if center_output:
+            s = jnp.dot(out[:, :num_valid], ones) / num_valid
+            out = out - s[:, None]
+        if num_valid < vocab:
+            out = jnp.where(valid[None, :], out, jnp.zeros((), f32))
+        return lax.dynamic_update_slice_in_dim(y, out, start, axis=0)
+
+    return over_slabs(write_slab, x)
+
+
+# --- the bracket's distance pass ------------------------------------------------------------------
+
+
+def sq_dists(x3, point):
+    """``||x_v - p||²`` per token ``v`` of an ``(A, V, B)`` float32 view (the same function as
+    `rowgeom._geometry._sq_dists`); ``point`` is an ``(A, 1, B)`` array, or an int32 scalar
+    token index whose row is the point (a dynamic slice, free on one device).
+
+    A leading feature axis (``A > 1``, a Flax ``(d, V)`` kernel) is accumulated slab by slab in a
+    loop, each slab ``x3[a]`` a contiguous ``(V, B)`` block whose trailing axis reduces fast.
+    """
+    if jnp.ndim(point) == 0:
+        point = lax.dynamic_slice_in_dim(x3, point, 1, axis=1)
+    if x3.shape[0] == 1:
+        return jnp.sum(jnp.square(x3[0] - point[0]), axis=1)
+
+    def accumulate(a, total):
+        return total + jnp.sum(jnp.square(x3[a] - point[a]), axis=1)
+
+    zeros = jnp.zeros((x3.shape[1],), jnp.float32)
+    return lax.fori_loop(0, x3.shape[0], accumulate, zeros, unroll=max(1, min(8, x3.shape[0])))
