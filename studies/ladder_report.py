@@ -107,11 +107,17 @@ def reductions(runs: list[dict]) -> dict:
 
 
 def _fit_or_reason(features, y):
+    """A log-log fit, or {"error": why not}. More distinct shapes than parameters are required
+    (not only more runs): repeated seeds of too few shapes measure seed noise, not the power law."""
+    cells = len({tuple(col) for col in zip(*features.values(), strict=True)})
+    if cells <= len(features) + 1:
+        return {"error": f"a fit with {len(features) + 1} parameters needs more than "
+                         f"{len(features) + 1} distinct shapes, got {cells}"}
     try:
         fit = ladder_fit.fit_loglog(features, y)
     except ValueError as e:
         return {"error": str(e)}
-    return fit | {"cells": len({tuple(col) for col in zip(*features.values(), strict=True)})}
+    return fit | {"cells": cells}
 
 
 def slope_fits(runs: list[dict], *, width_v: int, vocab_d: int) -> dict:
@@ -601,7 +607,9 @@ def write_report(runs: dict, *, rules, ladder, out: Path, config: dict,
            "Labels: **measured** = over finished runs, last-K means of the head step; "
            "**predicted** = a log-log least-squares fit evaluated at a shape no run had, with "
            "its 95% t-interval (of the fitted trend). Every fit uses one point per seed (never "
-           "a cell's mean), so seed noise is in its residual variance; n counts those points.",
+           "a cell's mean), so seed noise is in its residual variance; n counts those points. "
+           "A fit needs more distinct shapes than parameters: seeds of too few shapes do not "
+           "test a power law.",
            "", SPREAD_RULE.format(k=ladder_fit.SPREAD_SE), ""]
     for protocol, e in content["protocols"].items():
         md += [f"## {PROTOCOL_LABEL[protocol]}", "", "### Measured, per point", "",

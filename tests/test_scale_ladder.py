@@ -334,6 +334,10 @@ def test_fits_use_per_seed_points_and_recover_the_slope():
     assert not np.isclose(slope, np.polyfit(np.log(widths), np.log(means), 1)[0], rtol=1e-4)
     lo, hi = fit["slopes"]["d"]["ci"]
     assert lo < 0.5 < hi and hi - lo < 0.2
+    # seeds of two widths only: enough runs, too few shapes for a slope with an interval
+    two = [r for r in runs if r["point"]["d"] in (128, 256)]
+    fit2 = ladder_report.slope_fits(two, width_v=4096, vocab_d=256)["adamw"]["D_per_lr"]["vs_d"]
+    assert "distinct shapes, got 2" in fit2["error"]
 
 
 def test_joint_prediction_uses_every_seed_pair():
