@@ -1,11 +1,17 @@
-"""Log-log least-squares fits with t-intervals, for the scale ladder (`studies.scale_ladder`).
+"""Seed statistics and log-log least-squares fits with t-intervals, for the scale ladder
+(`studies.scale_ladder`).
+
+`seed_stats` summarises one cell's per-seed values (mean, sample standard deviation, n, standard
+error); `beyond_spread` applies the ladder's rule for "a difference larger than the seed
+spread" to per-seed paired differences.
 
 A power law `y = c · x1^b1 · x2^b2 ...` is a linear model in logs: `log y = a + Σ b_k log x_k`.
 `fit_loglog` solves it by ordinary least squares (numpy), with the classical covariance
 `s² (XᵀX)⁻¹`, `s² = SSR / (n - p)`, and two-sided Student-t intervals on `n - p` degrees of
 freedom; `predict` gives the fitted mean of `log y` at new shapes with its t-interval (the
-interval of the trend, not of a single new run), returned in linear units. Every run is one
-observation (seeds are not averaged first), so seed noise enters the residual variance.
+interval of the trend, not of a single new run), returned in linear units. Every seed is one
+observation (per-cell means are never fitted: a cell with more seeds weighs more, and seed noise
+enters the residual variance).
 """
 
 from __future__ import annotations
@@ -16,6 +22,57 @@ import numpy as np
 from scipy import stats
 
 LEVEL = 0.95
+SPREAD_SE = 2.0  # `beyond_spread`: |mean| must exceed this many standard errors
+
+
+def seed_stats(values) -> dict:
+    """Mean, sample standard deviation (ddof 1), n and standard error std/√n of per-seed values.
+
+    Returns {"values", "n", "mean", "std", "se"}; with one value std and se are None (no
+    spread is measured), with none every statistic is None. A non-finite value (a diverged
+    run) makes mean, std and se None: no finite summary of such a cell exists.
+
+    >>> seed_stats([1.0, 3.0])["std"] == 2 ** 0.5
+    True
+    """
+    xs = np.asarray(values, np.float64).reshape(-1)
+    out = {"values": xs.tolist(), "n": int(xs.size), "mean": None, "std": None, "se": None}
+    if xs.size == 0 or not np.all(np.isfinite(xs)):
+        return out
+    out["mean"] = float(xs.mean())
+    if xs.size > 1:
+        out["std"] = float(xs.std(ddof=1))
+        out["se"] = out["std"] / math.sqrt(xs.size)
+    return out
+
+
+def beyond_spread(diffs, *, k: float = SPREAD_SE) -> dict:
+    """Whether per-seed paired differences are larger than their seed spread.
+
+    The rule: with n >= 2 seeds, a difference is *larger than the seed spread* when every
+    per-seed difference is non-zero and has the sign of their mean, and |mean| > k·se
+    (se = std/√n, k = 2 by default); otherwise it is *within* the spread. With one seed no spread
+    is measured (verdict "one seed"); a non-finite difference gives "not finite". This is a
+    screen for 2-3 seeds, not a significance test (a two-sided 95 % t-test would need
+    |mean| > 12.7·se with 2 seeds, 4.3·se with 3).
+
+    Returns `seed_stats(diffs)` plus {"verdict": "larger" | "within" | "one seed" |
+    "not finite" | "no data", "same_sign": bool | None, "k": k}.
+
+    >>> beyond_spread([0.10, 0.12, 0.11])["verdict"], beyond_spread([0.1, -0.1])["verdict"]
+    ('larger', 'within')
+    """
+    out = seed_stats(diffs) | {"k": k, "same_sign": None}
+    xs = np.asarray(out["values"], np.float64)
+    if xs.size == 0:
+        return out | {"verdict": "no data"}
+    if out["mean"] is None:
+        return out | {"verdict": "not finite"}
+    if xs.size == 1:
+        return out | {"verdict": "one seed"}
+    same = bool(out["mean"] != 0 and np.all(np.sign(xs) == np.sign(out["mean"])))
+    larger = same and abs(out["mean"]) > k * out["se"]
+    return out | {"same_sign": same, "verdict": "larger" if larger else "within"}
 
 
 def fit_loglog(features: dict[str, np.ndarray], y, *, level: float = LEVEL) -> dict:

@@ -41,7 +41,13 @@ Every run leaves `WORKDIR/<point>/<role>-<head>-lr<lr>-s<seed>/result.json` (plu
 with the ladder's extra per-run numbers); a rerun skips finished runs and restarts an interrupted
 one from scratch, so a killed ladder resumes where it stopped. The report is
 `scale_ladder.{json,md}` and `scale_ladder_*.png` under `--out` (docs/results), rewritten after
-every run; it contains only what finished runs measured and fits to them.
+every run; it contains only what finished runs measured and fits to them: every cell as mean ±
+std over its seeds, reductions and loss differences per seed pair, fits on per-seed points, and
+whether each difference is larger than the seed spread (`studies.ladder_report`). `--baseline`
+(default `docs/results/scale_ladder_baseline.json`, the one-seed run committed with the first
+results) adds that run's seeds per cell, reductions and predictions next to the current ones:
+
+    python -m studies.scale_ladder --report-only --workdir WORKDIR --out docs/results
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ SWEEP_SEED = 100
 ROBUST_POINT = Point(128, 4096)
 ROBUST_MULTIPLIERS = (1 / 9, 1 / 3, 1.0, 3.0, 9.0, 27.0)
 ROBUST_SEEDS = (1, 2, 3)  # seed-major: seed 1 on every head and rate first
+ROOT = Path(__file__).resolve().parents[1]
+# The one-seed run committed with issue 12's results, the report's "before" (`--baseline`).
+BASELINE = ROOT / "docs" / "results" / "scale_ladder_baseline.json"
 # The paper's head shapes (190M / 380M / 640M): predictions are made here.
 PAPER_SHAPES = {"190M": (768, 50304), "380M": (1024, 50304), "640M": (1280, 50304)}
 
@@ -552,8 +561,20 @@ def time_shapes(ladder: Ladder, *, steps: int = 4, log=print) -> dict:
 # ----------------------------------------------------------------------------- entry point
 
 
+def load_baseline(path: Path | None) -> dict | None:
+    """A baseline for the report (`ladder_report.baseline_from_report`), or None without one.
+
+    The file is either such a baseline or a whole earlier `scale_ladder.json` (then cut)."""
+    if path is None:
+        return None
+    data = json.loads(Path(path).read_text())
+    if "source" not in data:
+        data = ladder_report.baseline_from_report(data, source=str(path))
+    return data
+
+
 def ladder_study(ladder: Ladder, *, workdir: Path, out: Path, data_source=None, steps=None,
-                 report_only=False, log=print) -> dict:
+                 report_only=False, baseline: dict | None = None, log=print) -> dict:
     """Run (or resume) the ladder and write the report; return the report's JSON content."""
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -567,7 +588,7 @@ def ladder_study(ladder: Ladder, *, workdir: Path, out: Path, data_source=None, 
             driver.runs, rules=driver.rules, ladder=ladder, out=out,
             config=dataclasses.asdict(point_config(ladder.points[0], quick=ladder.quick,
                                                    steps=steps)),
-            session_wall_s=time.perf_counter() - t0)
+            session_wall_s=time.perf_counter() - t0, baseline=baseline)
 
     driver.run(report)
     report()
@@ -598,6 +619,11 @@ def main(argv=None):
                              "the cheap points first, the costly ones later, into one workdir")
     parser.add_argument("--max-seeds", type=int, default=None,
                         help="at most this many seeds per point and for the robustness grid")
+    parser.add_argument("--baseline", default=None, metavar="JSON",
+                        help="an earlier run's records to compare against (seeds per cell, "
+                             "reductions, predictions); default for the full ladder: "
+                             f"{BASELINE.relative_to(ROOT)} when it exists; 'none' for no "
+                             "baseline")
     args = parser.parse_args(argv)
     make = quick_ladder if args.quick else full_ladder
     ladder = restrict(make(heads=tuple(args.heads), protocols=tuple(args.protocols)),
@@ -611,8 +637,13 @@ def main(argv=None):
     workdir = Path(args.workdir or ("runs/scale_ladder_quick" if args.quick
                                     else "runs/scale_ladder"))
     out = Path(args.out or (workdir / "report" if args.quick else "docs/results"))
+    if args.baseline is None:
+        baseline = BASELINE if not args.quick and BASELINE.exists() else None
+    else:
+        baseline = None if args.baseline == "none" else Path(args.baseline)
     return ladder_study(ladder, workdir=workdir, out=out, data_source=args.data_source,
-                        steps=args.steps, report_only=args.report_only)
+                        steps=args.steps, report_only=args.report_only,
+                        baseline=load_baseline(baseline))
 
 
 if __name__ == "__main__":

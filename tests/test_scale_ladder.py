@@ -1,5 +1,7 @@
-"""The scale-ladder study (studies/scale_ladder.py): its fits against independent references, and
-the whole pipeline end to end on a tiny ladder (train, protocols, resume, fit, report)."""
+"""The scale-ladder study (studies/scale_ladder.py): its fits and seed statistics against
+independent references (numpy), the report on hand-made run records (per-seed pairing, per-seed
+fits, the seed-spread rule, coverage against a baseline), and the whole pipeline end to end on a
+tiny ladder (train, protocols, resume, fit, report)."""
 
 import dataclasses
 import json
@@ -162,15 +164,17 @@ def test_quick_ladder_end_to_end(tmp_path, small_corpus):
     # the report's measured numbers are the run records'
     table = result["protocols"]["equal"]["measured"]["points"]
     rec = [r for r in runs["equal"] if r["head"] == "rownorm" and r["point"]["d"] == 64][0]
-    np.testing.assert_allclose(table["d64-V512-L2"]["rownorm"]["D_per_lr"][0], rec["D_per_lr"])
+    np.testing.assert_allclose(table["d64-V512-L2"]["rownorm"]["D_per_lr"]["mean"],
+                               rec["D_per_lr"])
     red = result["protocols"]["equal"]["measured"]["reductions"]["d32-V512-L2"]["muon-spectral"]
     pair = {r["head"]: r for r in runs["equal"] if r["point"]["d"] == 32}
-    np.testing.assert_allclose(red["D"], [pair["muon-spectral"]["D"] / pair["rownorm"]["D"]])
+    np.testing.assert_allclose(red["D"]["values"],
+                               [pair["muon-spectral"]["D"] / pair["rownorm"]["D"]])
     md = (root / "out" / "scale_ladder.md").read_text()
     assert "(a) equal head rate" in md and "(d) robustness grid" in md
     assert "not fitted" in md  # two widths, one seed: no interval is claimed
     assert (root / "out" / "scale_ladder_robust.png").stat().st_size > 0
-    assert "| equal | d32-V512-L2 | 2 | 2 |" in md  # coverage: finished / planned
+    assert "| equal | d32-V512-L2 |  | 1 / 1 | 1 / 1 |" in md  # seeds: finished / planned
     # resumption: a rerun trains nothing and rebuilds the same report
     again = scale_ladder.ladder_study(ladder, **kw, log=lambda *a: pytest.fail(f"trained {a}"))
     assert json.dumps(again["protocols"]) == json.dumps(result["protocols"])
@@ -235,3 +239,182 @@ def test_sweep_extends_past_an_edge_and_still_makes_a_rule(tmp_path, monkeypatch
     rule = driver.rules["adamw"]
     assert rule["best"] == {"d128-V4096-L2": 0.002, "d256-V4096-L2": 0.006}
     np.testing.assert_allclose(rule["alpha"], np.log(3) / np.log(2))
+
+
+# ----------------------------------------------------------------------------- seed statistics
+
+
+def _rec(d, V, head, seed, *, layers=2, lr=0.018, D=1.0, hilbert=1.0, loss=5.0, multiplier=None,
+         spikes=0, diverged=False):
+    """A hand-made run record with the fields the report reads."""
+    r = {"point": {"d": d, "V": V, "layers": layers}, "head": head, "lr": lr, "seed": seed,
+         "D": D, "hilbert_rms": hilbert, "D_per_lr": D / lr, "hilbert_rms_per_lr": hilbert / lr,
+         "final_val_loss": loss, "tightness": 0.5, "loss_spikes": spikes, "diverged": diverged,
+         "diameter_exact": True, "wall_s": 1.0, "steps": 100}
+    return r if multiplier is None else r | {"multiplier": multiplier}
+
+
+def test_seed_stats_against_numpy(rng):
+    for n in (2, 3, 7):
+        xs = rng.normal(3.0, 0.5, n)
+        st = ladder_fit.seed_stats(xs)
+        np.testing.assert_allclose([st["mean"], st["std"], st["se"]],
+                                   [np.mean(xs), np.std(xs, ddof=1),
+                                    np.std(xs, ddof=1) / np.sqrt(n)], rtol=1e-12)
+        assert st["n"] == n and st["values"] == xs.tolist()
+    one = ladder_fit.seed_stats([2.5])
+    assert (one["mean"], one["std"], one["se"], one["n"]) == (2.5, None, None, 1)
+    bad = ladder_fit.seed_stats([1.0, np.nan])
+    assert bad["n"] == 2 and bad["mean"] is None and bad["std"] is None
+    assert ladder_fit.seed_stats([])["mean"] is None
+
+
+def test_beyond_spread_rule_on_constructed_cases():
+    """Larger than the spread: >= 2 seeds, all of the mean's sign, |mean| > 2 se."""
+    v = ladder_fit.beyond_spread
+    assert v([-0.05, -0.06, -0.055])["verdict"] == "larger"
+    # mixed signs: within, although |mean| 0.082 > 2 se 0.037
+    mixed = v([0.1, 0.1, 0.1, 0.1, 0.1, -0.01])
+    assert mixed["mean"] > 2 * mixed["se"] and mixed["same_sign"] is False
+    assert mixed["verdict"] == "within"
+    # same sign but one seed far out: mean 0.177, se 0.16 -> |mean| < 2 se
+    r = v([0.01, 0.02, 0.5])
+    assert r["same_sign"] and r["verdict"] == "within"
+    np.testing.assert_allclose(r["se"], np.std([0.01, 0.02, 0.5], ddof=1) / np.sqrt(3))
+    # two seeds a, b of one sign: |mean| = (a+b)/2, se = |a-b|/2; the boundary a+b = 2|a-b|
+    assert v([1.0, 3.0])["verdict"] == "within" and v([1.01, 3.0])["verdict"] == "larger"
+    assert v([-1.01, -3.0])["verdict"] == "larger"
+    assert v([1.01, 3.0], k=3.0)["verdict"] == "within"
+    assert v([0.0, 0.0])["verdict"] == "within" and v([0.0, 0.1])["verdict"] == "within"
+    assert v([0.3])["verdict"] == "one seed" and v([0.3, np.inf])["verdict"] == "not finite"
+    assert v([])["verdict"] == "no data"
+
+
+def test_point_table_and_reductions_pair_by_seed():
+    """Cells are mean ± std over seeds; reductions are means of per-seed ratios (not the ratio of
+    means), loss deltas per seed pair; a seed without a RowNorm partner is left out."""
+    runs = [_rec(128, 4096, "adamw", 1, D=0.02, hilbert=0.08, loss=5.40),
+            _rec(128, 4096, "adamw", 2, D=0.06, hilbert=0.10, loss=5.46),
+            _rec(128, 4096, "adamw", 3, D=0.50, hilbert=0.90, loss=9.00),  # no RowNorm seed 3
+            _rec(128, 4096, "rownorm", 1, D=0.004, hilbert=0.04, loss=5.30),
+            _rec(128, 4096, "rownorm", 2, D=0.003, hilbert=0.05, loss=5.35)]
+    cell = ladder_report.point_table(runs)["d128-V4096-L2"]["adamw"]
+    assert cell["seeds"] == [1, 2, 3] and cell["D"]["n"] == 3
+    np.testing.assert_allclose([cell["D"]["mean"], cell["D"]["std"]],
+                               [np.mean([0.02, 0.06, 0.5]), np.std([0.02, 0.06, 0.5], ddof=1)])
+    red = ladder_report.reductions(runs)["d128-V4096-L2"]["adamw"]
+    ratios = [0.02 / 0.004, 0.06 / 0.003]
+    assert red["seeds"] == [1, 2] and red["D"]["values"] == pytest.approx(ratios)
+    np.testing.assert_allclose([red["D"]["mean"], red["D"]["std"]],
+                               [np.mean(ratios), np.std(ratios, ddof=1)])
+    assert not np.isclose(red["D"]["mean"], np.mean([0.02, 0.06]) / np.mean([0.004, 0.003]))
+    assert red["D"]["vs_1"] == "larger"  # 5× and 20×: above 1× beyond the spread
+    np.testing.assert_allclose(red["hilbert_rms"]["values"], [0.08 / 0.04, 0.10 / 0.05])
+    np.testing.assert_allclose(red["loss_delta"]["values"], [-0.10, -0.11])
+    assert red["loss_delta"]["verdict"] == "larger"
+
+
+def test_fits_use_per_seed_points_and_recover_the_slope():
+    """Unbalanced seeds (3 at two widths, 1 at the others): the fit is OLS on every per-seed
+    point (equal to numpy's polyfit on them, not on cell means) and recovers the known slope."""
+    rng = np.random.default_rng(3)
+    widths, seeds = (128, 256, 512, 768), {128: 3, 256: 3, 512: 1, 768: 1}
+    runs, xs, ys = [], [], []
+    for d in widths:
+        for s in range(seeds[d]):
+            y = 0.7 * d ** 0.5 * np.exp(rng.normal(0, 0.03))
+            runs.append(_rec(d, 4096, "adamw", s, lr=1.0, D=y))
+            xs.append(d)
+            ys.append(y)
+    fit = ladder_report.slope_fits(runs, width_v=4096, vocab_d=256)["adamw"]["D_per_lr"]["vs_d"]
+    assert fit["n"] == len(runs) == 8 and fit["cells"] == 4
+    slope = np.polyfit(np.log(xs), np.log(ys), 1)[0]
+    np.testing.assert_allclose(fit["slopes"]["d"]["value"], slope, rtol=1e-10)
+    means = [np.mean([y for x, y in zip(xs, ys, strict=True) if x == d]) for d in widths]
+    assert not np.isclose(slope, np.polyfit(np.log(widths), np.log(means), 1)[0], rtol=1e-4)
+    lo, hi = fit["slopes"]["d"]["ci"]
+    assert lo < 0.5 < hi and hi - lo < 0.2
+    # seeds of two widths only: enough runs, too few shapes for a slope with an interval
+    two = [r for r in runs if r["point"]["d"] in (128, 256)]
+    fit2 = ladder_report.slope_fits(two, width_v=4096, vocab_d=256)["adamw"]["D_per_lr"]["vs_d"]
+    assert "distinct shapes, got 2" in fit2["error"]
+
+
+def test_joint_prediction_uses_every_seed_pair():
+    """The (d, V) fit of reductions has one point per seed pair and recovers a known power law."""
+    rng = np.random.default_rng(4)
+    shapes = [(128, 4096), (256, 4096), (512, 4096), (256, 16384), (256, 50304)]
+    runs = []
+    for d, V in shapes:
+        for s in (1, 2):
+            red = 0.5 * d ** 0.4 * V ** 0.1 * np.exp(rng.normal(0, 0.02))
+            runs += [_rec(d, V, "rownorm", s, D=0.01, hilbert=0.01),
+                     _rec(d, V, "muon", s, D=0.01 * red, hilbert=0.02)]
+    pred = ladder_report.predictions(runs, {"x": (1024, 50304)})["muon"]
+    fit = pred["D"]["fit"]
+    assert fit["n"] == 10 and fit["cells"] == 5
+    assert fit["slopes"]["d"]["ci"][0] < 0.4 < fit["slopes"]["d"]["ci"][1]
+    assert fit["slopes"]["V"]["ci"][0] < 0.1 < fit["slopes"]["V"]["ci"][1]
+    truth = 0.5 * 1024 ** 0.4 * 50304 ** 0.1
+    assert pred["D"]["at"]["x"]["ci"][0] < truth < pred["D"]["at"]["x"]["ci"][1]
+    assert "error" in ladder_report.predictions(runs, {})["adamw"]["D"]["fit"]  # no AdamW runs
+
+
+def test_robustness_differences_against_the_spread():
+    """Per multiplier: the loss minus the head's own 1× run and RowNorm minus the head, paired
+    by seed, each judged by the spread rule; divergence counts per seed."""
+    runs = []
+    for s, eps in ((1, 0.0), (2, 0.01), (3, -0.01)):
+        runs += [_rec(128, 4096, "adamw", s, multiplier=1.0, loss=5.40 + eps),
+                 _rec(128, 4096, "adamw", s, multiplier=3.0, loss=5.60 + 2 * eps),
+                 _rec(128, 4096, "rownorm", s, multiplier=1.0, loss=5.42 - eps),
+                 _rec(128, 4096, "rownorm", s, multiplier=3.0, loss=9.0, diverged=True)]
+    rob = ladder_report.robustness(runs)
+    a3 = rob["heads"]["adamw"]["rows"]["3"]
+    np.testing.assert_allclose(a3["vs_tuned"]["values"], [0.20, 0.21, 0.19])
+    assert a3["vs_tuned"]["verdict"] == "larger" and rob["heads"]["adamw"]["rows"]["1"][
+        "vs_tuned"] is None
+    one = rob["rownorm_minus_head"]["1"]["adamw"]
+    np.testing.assert_allclose(one["values"], [0.02, 0.0, 0.04])  # one zero, |mean| < 2 se
+    assert one["verdict"] == "within"
+    assert rob["rownorm_minus_head"]["3"]["adamw"]["verdict"] == "larger"
+    assert rob["heads"]["rownorm"]["rows"]["3"]["diverged"] == [True] * 3
+    assert rob["heads"]["rownorm"]["stable_multipliers"] == [1.0]
+    assert rob["heads"]["adamw"]["near_best_multipliers"] == [1.0]
+
+
+def test_report_coverage_against_a_baseline(tmp_path):
+    """Seeds per cell before -> now / planned; the page states the rule, shows mean ± std and
+    the verdicts; `load_baseline` reads a whole earlier report as well as a cut one."""
+    p1, p2 = Point(32, 512), Point(64, 512)
+    ladder = dataclasses.replace(
+        scale_ladder.quick_ladder(heads=("adamw", "rownorm"), protocols=("equal",)),
+        points=(p1, p2), seeds_by_point={p1: (1, 2), p2: (1, 2)})
+
+    def equal(seeds):
+        return {"equal": [_rec(p.d, p.V, h, s, D=0.004 * (5 if h == "adamw" else 1) * (1 + s / 50),
+                               loss=5.0 + (0.1 if h == "adamw" else 0) + s / 100)
+                          for p in (p1, p2) for h in ("adamw", "rownorm") for s in seeds]}
+
+    old = ladder_report.write_report(equal([1]), rules={}, ladder=ladder, out=tmp_path / "old",
+                                     config={}, session_wall_s=0.0)
+    base = tmp_path / "old" / "scale_ladder.json"
+    assert scale_ladder.load_baseline(base)["runs"]["equal"][0]["seed"] == 1
+    cut = ladder_report.baseline_from_report(old, source="seed 1 only")
+    assert scale_ladder.load_baseline(None) is None
+    result = ladder_report.write_report(equal([1, 2]), rules={}, ladder=ladder,
+                                        out=tmp_path / "new", config={}, session_wall_s=0.0,
+                                        baseline=cut)
+    md = (tmp_path / "new" / "scale_ladder.md").read_text()
+    assert "| equal | d32-V512-L2 |  | 1 → 2 / 2 | 1 → 2 / 2 |" in md
+    assert "baseline run (seed 1 only)" in md and "|mean| > 2 standard errors" in md
+    cov = {(r["point"], r["head"]): r for r in result["coverage"]}
+    assert cov[("d64-V512-L2", "adamw")] == {
+        "protocol": "equal", "point": "d64-V512-L2", "multiplier": "", "head": "adamw",
+        "planned": 2, "now": [1, 2], "before": [1]}
+    red = result["protocols"]["equal"]["measured"]["reductions"]["d32-V512-L2"]["adamw"]
+    assert red["loss_delta"]["verdict"] == "larger" and red["D"]["n"] == 2
+    row = f"| d32-V512-L2 | AdamW | 2 (1, 2) | {red['D']['mean']:.3g} ± {red['D']['std']:.2g}× |"
+    assert row in md
+    assert result["baseline"]["protocols"]["equal"]["reductions"]["d32-V512-L2"]["adamw"][
+        "D"]["n"] == 1
