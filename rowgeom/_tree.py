@@ -215,7 +215,8 @@ def vocab_axes(vocab_axis, tree):
     axes = []
     for (path, _), (_, ax) in zip(leaves, per_leaf, strict=True):
         try:
-            axes.append(_check_axis_value(ax))
+            # A masked entry (a partition's callable sees MaskedNode leaves): not a head leaf.
+            axes.append(None if is_masked(ax) else _check_axis_value(ax))
         except (TypeError, ValueError) as err:
             raise type(err)(f"vocab_axis at {path_str(path) or '<root>'}: {err}") from None
     return jax.tree_util.tree_unflatten(treedef, axes)
