@@ -1,11 +1,14 @@
-"""XLA:CPU formulations of projected RowNorm and of the row-diameter bracket's distance pass.
+"""XLA:CPU formulations of projected RowNorm and of the row-diameter bracket's distance pass over
+a leading feature axis.
 
 Why they exist: XLA:CPU reduces quickly only along the contiguous axis of a materialised buffer;
 a reduction fused with an elementwise producer, or one over a leading axis, runs as a slow
 generic loop. The masked formulations that run everywhere else (`rowgeom._rownorm._masked`,
 `rowgeom._geometry._sq_dists`) are made of exactly such reductions. The ones here walk the array
 in cache-sized blocks or slabs so that every reduction is of the fast kind and no full-size
-temporary is made (docs/benchmarks.md compares the two on CPU).
+temporary is made (docs/benchmarks.md compares the two on CPU). The bracket needs one only for a
+leading feature axis (a Flax ``(d, V)`` kernel): with token rows first both formulations are the
+same reduction.
 
 Contract: `rownorm` is the same function as `rowgeom._rownorm._masked` (same pivot, eps rule
 and overflow guard) and `sq_dists` the same as the masked distance pass, up to float32 rounding
@@ -19,7 +22,8 @@ of the process can be sharded, whatever mesh or placement the caller used.
     >>> s = _cpu.rownorm(g, 0, eps=1e-8, center_input=True, center_output=True, num_valid=3)
     >>> float(jnp.abs(s.sum(axis=0)).max()) < 1e-6                # centred: 1ᵀS = 0
     True
-    >>> _cpu.sq_dists(g.reshape(1, 3, 2), jnp.int32(1)).tolist()  # ||g_v - g_1||² per token
+    >>> kernel = g.T                                              # the Flax (d, V) layout
+    >>> _cpu.sq_dists(kernel, kernel[:, 1:2]).tolist()            # ||g_v - g_1||² per token
     [20.0, 0.0, 41.0]
 """
 
@@ -256,21 +260,17 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
 # --- the bracket's distance pass ------------------------------------------------------------------
 
 
-def sq_dists(x3, point):
-    """``||x_v - p||²`` per token ``v`` of an ``(A, V, B)`` float32 view (the same function as
-    `rowgeom._geometry._sq_dists`); ``point`` is an ``(A, 1, B)`` array, or an int32 scalar
-    token index whose row is the point (a dynamic slice, free on one device).
+def sq_dists(x, point):
+    """``||x_v - p||²`` per token ``v`` of an ``(F, V)`` or ``(A, V, B)`` float32 view with a
+    leading feature axis (a Flax ``(d, V)`` kernel); ``point`` is shaped like ``x`` with a unit
+    token axis. The same function as `rowgeom._geometry._masked_sq_dists`.
 
-    A leading feature axis (``A > 1``, a Flax ``(d, V)`` kernel) is accumulated slab by slab in a
-    loop, each slab ``x3[a]`` a contiguous ``(V, B)`` block whose trailing axis reduces fast.
+    The leading axis is accumulated in a loop, each slice ``x[a]`` contiguous, so the only
+    reduction left (over ``B``, if any) is along the trailing axis, which reduces fast.
     """
-    if jnp.ndim(point) == 0:
-        point = lax.dynamic_slice_in_dim(x3, point, 1, axis=1)
-    if x3.shape[0] == 1:
-        return jnp.sum(jnp.square(x3[0] - point[0]), axis=1)
-
     def accumulate(a, total):
-        return total + jnp.sum(jnp.square(x3[a] - point[a]), axis=1)
+        d2 = jnp.square(x[a] - point[a])
+        return total + (d2 if d2.ndim == 1 else jnp.sum(d2, axis=1))
 
-    zeros = jnp.zeros((x3.shape[1],), jnp.float32)
-    return lax.fori_loop(0, x3.shape[0], accumulate, zeros, unroll=max(1, min(8, x3.shape[0])))
+    zeros = jnp.zeros((x.shape[1],), jnp.float32)
+    return lax.fori_loop(0, x.shape[0], accumulate, zeros, unroll=max(1, min(8, x.shape[0])))

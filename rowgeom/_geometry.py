@@ -13,7 +13,8 @@ axis is flattened into features, so a Flax ``(d, V)`` Dense kernel uses ``vocab_
 ``(V, d)`` embedding ``vocab_axis=0``. Results are float32 whatever the input dtype, and finite
 input never gives NaN (power-of-two rescaling, `rowgeom._numerics`). Each works under any
 mesh and placement: the bracket only reduces whole axes (in a process with one CPU device its
-distance pass is `rowgeom._cpu.sq_dists`), and the exact diameter gathers the rows once.
+distance pass over a leading feature axis is `rowgeom._cpu.sq_dists`), and the exact diameter
+gathers the rows once.
 
     >>> import jax.numpy as jnp, rowgeom
     >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0]])
@@ -150,34 +151,50 @@ def row_diameter(s, *, vocab_axis: int, block_size: int = 1024) -> jax.Array:
     return _row_diameter(s, axis=axis, block_size=block_size)
 
 
-def _three_axes(s, axis: int) -> jax.Array:
-    """Free (A, V, B) float32 view: A = axes before the token axis, B = axes after it."""
+def _token_view(s, axis: int) -> tuple[jax.Array, int]:
+    """A free float32 view of the token rows and its token axis ``t``: ``(V, F)`` (``t = 0``)
+    when the tokens come first, ``(F, V)`` (``t = 1``) when they come last, else ``(A, V, B)``
+    (``t = 1``). No unit axes: XLA copies a head just written in place over a donated buffer
+    when it is then reduced through a view with one."""
     shape = jnp.shape(s)
-    three = (math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:]))
-    return s.reshape(three).astype(jnp.float32)
+    if axis == 0:
+        view, t = s.reshape(shape[0], math.prod(shape[1:])), 0
+    elif axis == len(shape) - 1:
+        view, t = s.reshape(math.prod(shape[:-1]), shape[-1]), 1
+    else:
+        view, t = s.reshape(math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])), 1
+    return view.astype(jnp.float32), t
 
 
-def _sq_dists(x3: jax.Array, point) -> jax.Array:
-    """``||x_v - p||^2`` per token ``v`` of an (A, V, B) view; ``point`` is an (A, 1, B) array,
-    or an int32 scalar token index whose row is the point. In a process with one CPU device
-    `rowgeom._cpu.sq_dists`, else `_masked_sq_dists` (the same function)."""
-    if _cpu.one_cpu_device():  # lowered for another platform (jax.export), still the masked one
-        return lax.platform_dependent(x3, point, cpu=_cpu.sq_dists, default=_masked_sq_dists)
-    return _masked_sq_dists(x3, point)
+def _features(x: jax.Array, t: int) -> tuple[int, ...]:
+    return tuple(i for i in range(x.ndim) if i != t)
 
 
-def _masked_sq_dists(x3: jax.Array, point) -> jax.Array:
-    """`_sq_dists` as plain reductions over whole axes, for any device and mesh.
+def _sq_dists(x: jax.Array, t: int, point) -> jax.Array:
+    """``||x_v - p||^2`` per token ``v`` of a `_token_view` ``x``; ``point`` is one token row
+    (shaped like ``x`` with a unit token axis), or an int32 scalar token index whose row is the
+    point.
 
-    Under a mesh only a reduced vector crosses devices (a ``V``-vector for a feature-sharded
-    head). A token's row is a one-hot contraction, a local product plus an all-reduce of one row
-    on a vocabulary-sharded array, where a dynamic slice would gather the head (or fail on
-    Explicit sharding types).
+    Plain reductions over whole axes: under a mesh only a reduced vector crosses devices (a
+    ``V``-vector for a feature-sharded head). A token's row is a one-hot contraction, a local
+    product plus an all-reduce of one row on a vocabulary-sharded array, where a slice would
+    gather the head or fail on Explicit sharding types (and, on one device, make XLA copy a
+    donated head that was just written in place). In a process with one CPU device a leading
+    feature axis is reduced by `rowgeom._cpu.sq_dists` instead (the same function).
     """
     if jnp.ndim(point) == 0:
-        onehot = (jnp.arange(x3.shape[1]) == point).astype(x3.dtype)
-        point = jnp.einsum("v,avb->ab", onehot, x3, precision=_HIGHEST)[:, None, :]
-    return jnp.sum(jnp.square(x3 - point), axis=(0, 2))
+        onehot = (jnp.arange(x.shape[t]) == point).astype(x.dtype)
+        point = jnp.expand_dims(jnp.tensordot(onehot, x, axes=(0, t), precision=_HIGHEST), t)
+    if t == 1 and x.shape[0] > 1 and _cpu.one_cpu_device():
+        # Lowered for another platform (jax.export), still the plain reduction.
+        return lax.platform_dependent(x, point, cpu=_cpu.sq_dists,
+                                      default=lambda x, p: _masked_sq_dists(x, t, p))
+    return _masked_sq_dists(x, t, point)
+
+
+def _masked_sq_dists(x: jax.Array, t: int, point: jax.Array) -> jax.Array:
+    """`_sq_dists` to a given point as one reduction over whole axes (any device, any mesh)."""
+    return jnp.sum(jnp.square(x - point), axis=_features(x, t))
 
 
 def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -199,11 +216,11 @@ def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return lax.reduce((n2, index, n2), init, combine, (0,))
 
 
-def _centroid_sq_dists(x3: jax.Array, total: jax.Array | None = None) -> jax.Array:
-    """``||x_i - xbar||^2`` per token of an (A, V, B) view; ``total``: its sum over tokens."""
+def _centroid_sq_dists(x: jax.Array, t: int, total: jax.Array | None = None) -> jax.Array:
+    """``||x_i - xbar||^2`` per token of a `_token_view`; ``total``: its sum over tokens."""
     if total is None:
-        total = jnp.sum(x3, axis=1, keepdims=True)
-    return _sq_dists(x3, total / x3.shape[1])
+        total = jnp.sum(x, axis=t, keepdims=True)
+    return _sq_dists(x, t, total / x.shape[t])
 
 
 def _upper_bound(s, axis: int) -> jax.Array:
@@ -212,15 +229,15 @@ def _upper_bound(s, axis: int) -> jax.Array:
     Recomputed on power-of-two rescaled rows only when the result is outside
     ``[2^-60, 2^60]`` (squares may have over/underflowed), so the usual case costs one pass.
     """
-    x3 = _three_axes(s, axis)
-    bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x))[0])
-    fast = bound(x3)
+    x, t = _token_view(s, axis)
+    bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x, t))[0])
+    fast = bound(x)
 
     def rescaled(x):
-        y, exponent = _rescale_rows(x, 1)
+        y, exponent = _rescale_rows(x, t)
         return _times_pow2(bound(y), exponent)
 
-    return lax.cond(_out_of_range(fast), rescaled, lambda x: fast, x3)
+    return lax.cond(_out_of_range(fast), rescaled, lambda x: fast, x)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
@@ -232,28 +249,29 @@ def _bounds(s, *, axis: int, sweeps: int):
 def _bounds_and_sum(s, *, axis: int, sweeps: int):
     """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
     row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
-    x3 = _three_axes(s, axis)
-    total = jnp.sum(x3, axis=1, keepdims=True)
-    fast = _bounds3(x3, sweeps=sweeps, total=total)
+    x, t = _token_view(s, axis)
+    total = jnp.sum(x, axis=t, keepdims=True)
+    fast = _bounds_of_view(x, t, sweeps=sweeps, total=total)
     row_sum = total.reshape(s.shape[:axis] + s.shape[axis + 1:])
-    if x3.shape[1] <= 1:
+    if x.shape[t] <= 1:
         return fast + (row_sum,)
 
-    def rescaled(t):  # squares may have over/underflowed: redo on power-of-two scaled rows
-        y, exponent = _rescale_rows(_three_axes(t, axis), 1)
-        return tuple(_times_pow2(b, exponent) for b in _bounds3(y, sweeps=sweeps))
+    def rescaled(s):  # squares may have over/underflowed: redo on power-of-two scaled rows
+        y, exponent = _rescale_rows(_token_view(s, axis)[0], t)
+        return tuple(_times_pow2(b, exponent) for b in _bounds_of_view(y, t, sweeps=sweeps))
 
-    # The operand is `s` itself, not its (A, V, B) view: inside one program with the step that
-    # produced `s`, XLA materialised the view as a second full-size buffer for the conditional.
-    return lax.cond(_out_of_range(fast[1]), rescaled, lambda t: fast, s) + (row_sum,)
+    # The operand is `s` itself, not its view: inside one program with the step that produced
+    # `s`, XLA materialised the view as a second full-size buffer for the conditional.
+    return lax.cond(_out_of_range(fast[1]), rescaled, lambda s: fast, s) + (row_sum,)
 
 
-def _bounds3(x3, *, sweeps: int, total=None):
-    num_rows = x3.shape[1]
+def _bounds_of_view(x, t: int, *, sweeps: int, total=None):
+    """``(lower, upper)`` of a `_token_view` (see `row_diameter_bounds`)."""
+    num_rows = x.shape[t]
     if num_rows <= 1:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
-    top, anchor, sum_n2 = _max_index_sum(_centroid_sq_dists(x3, total))
+    top, anchor, sum_n2 = _max_index_sum(_centroid_sq_dists(x, t, total))
     r_c = jnp.sqrt(top)
     upper = 2.0 * r_c  # 2 max_i ||x_i - c|| >= D for *any* point c: the rounded centroid too
     if sweeps == 0:
@@ -266,7 +284,7 @@ def _bounds3(x3, *, sweeps: int, total=None):
     # rows' hull), so it already dominates the centroid's own lower bounds.
     lower = jnp.zeros((), jnp.float32)
     for _ in range(sweeps):
-        top, anchor, _ = _max_index_sum(_sq_dists(x3, anchor))
+        top, anchor, _ = _max_index_sum(_sq_dists(x, t, anchor))
         lower = jnp.maximum(lower, jnp.sqrt(top))
     # Equal in exact arithmetic when D = 2 r_c (e.g. V = 2); keep the order under rounding.
     return jnp.minimum(lower, upper), upper

@@ -265,6 +265,22 @@ def test_off_steps_run_no_reduction_in_the_compiled_step(rng):
     assert counts[4][0] == 0 and counts[4][1] > 0, counts  # k > 1: only in a branch
 
 
+@pytest.mark.parametrize("vocab_axis", [0, 1])
+def test_tracker_after_an_in_place_step_copies_nothing(vocab_axis):
+    """Chained after a head step written in place over its donated input, the tracker reads that
+    buffer as it is: the compiled step holds no copy of the head (a sliced or unit-axis view of
+    it made XLA copy the donated input every measured step)."""
+    shape = (4096, 256) if vocab_axis == 0 else (256, 4096)
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=vocab_axis), optax.scale(-1e-3),
+                     track_row_diameter(vocab_axis=vocab_axis))
+    step = jax.jit(tx.update, donate_argnums=(0, 1))
+    hlo = step.lower(spec, jax.eval_shape(tx.init, spec)).compile().as_text()
+    head = f"f32[{shape[0]},{shape[1]}]"
+    copies = [line for line in hlo.splitlines() if " copy(" in line and head in line]
+    assert not copies, copies
+
+
 def test_every_k_steps_counts_only_applied_inner_updates(rng):
     """Under MultiSteps the tracker counts optimizer steps; a step skipped by apply_if_finite
     is not counted (the whole inner state is kept)."""

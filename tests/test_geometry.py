@@ -1,9 +1,9 @@
 """Row diameter, bracket and Hilbert geometry against float64 numpy brute force; both layouts.
 
-The bracket's distance pass has two formulations, each checked directly against float64 numpy:
-the XLA:CPU one (`rowgeom._cpu.sq_dists`, what this one-CPU-device process dispatches to) and the
-masked one (`_masked_sq_dists`, every other backend and any mesh); the whole bracket is also run
-traced with each (`_formulations.traced_as`).
+The bracket's distance pass over a leading feature axis has two formulations, each checked
+directly against float64 numpy: the XLA:CPU one (`rowgeom._cpu.sq_dists`, what this
+one-CPU-device process dispatches to) and the masked one (`_masked_sq_dists`, every other backend
+and any mesh); the whole bracket is also run traced with each (`_formulations.traced_as`).
 """
 
 import functools
@@ -26,7 +26,7 @@ from rowgeom import (
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._geometry import _block_rows, _masked_sq_dists, _three_axes
+from rowgeom._geometry import _block_rows, _masked_sq_dists, _sq_dists, _token_view
 
 
 def np_rows(s, axis):
@@ -192,19 +192,23 @@ BRACKET_SHAPES = [((300, 17), 0), ((17, 300), 1), ((3, 4, 130), -1), ((130, 3, 4
                   ((3, 40, 5), 1), ((2, 1), 0), ((1, 5), 0), ((1, 7), 1), ((20, 9), 1)]
 
 
-@pytest.mark.parametrize("fn", [_cpu.sq_dists, _masked_sq_dists], ids=FORMULATIONS)
-def test_distance_pass_matches_float64(rng, fn):
-    """||x_v - p||^2 to a given point and to a token's row, in both formulations."""
+def test_distance_pass_matches_float64(rng):
+    """||x_v - p||^2 to a given point and to a token's row against float64, for every layout's
+    view; with a leading feature axis also the CPU formulation's loop (`rowgeom._cpu`)."""
     for shape, axis in BRACKET_SHAPES:
         s = rng.normal(size=shape) * 2.0 + 1.5
-        x3 = _three_axes(jnp.asarray(s, jnp.float32), axis % len(shape))
-        rows = np_rows(np.asarray(x3, np.float64), 1)  # (V, A*B): the token rows
-        point = rng.normal(size=(x3.shape[0], 1, x3.shape[2]))
-        want = ((rows - np_rows(point, 1)) ** 2).sum(axis=1)
-        got = jax.jit(fn)(x3, jnp.asarray(point, jnp.float32))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(shape))
-        token = x3.shape[1] // 2
-        got = jax.jit(fn)(x3, jnp.int32(token))
+        x, t = _token_view(jnp.asarray(s, jnp.float32), axis % len(shape))
+        rows = np.moveaxis(np.asarray(x, np.float64), t, 0).reshape(x.shape[t], -1)
+        point = np.expand_dims(rng.normal(size=x.shape[:t] + x.shape[t + 1:]), t)
+        want = ((rows - np.moveaxis(point, t, 0).reshape(1, -1)) ** 2).sum(axis=1)
+        fns = {"masked": lambda x, p, t=t: _masked_sq_dists(x, t, p)}
+        if t == 1 and x.shape[0] > 1:
+            fns["cpu"] = _cpu.sq_dists
+        for name, fn in fns.items():
+            got = jax.jit(fn)(x, jnp.asarray(point, jnp.float32))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{shape} {name}")
+        token = x.shape[t] // 2
+        got = jax.jit(lambda x, i, t=t: _sq_dists(x, t, i))(x, jnp.int32(token))
         np.testing.assert_allclose(got, ((rows - rows[token]) ** 2).sum(axis=1), rtol=1e-5,
                                    atol=1e-5, err_msg=str(shape))
         assert float(got[token]) == 0.0
