@@ -14,12 +14,14 @@ with each other. The references are written out below in numpy float64 from the 
 """
 
 import itertools
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _subprocess import ModuleSubprocess
 
 import rowgeom
 
@@ -340,3 +342,34 @@ def test_tracker_of_a_projected_rownorm_step(rng):
     check_bracket(stats.lower, stats.upper, np.asarray(step), 1, sweeps=2)
     assert brute_diameter(np.asarray(step), 1) <= 2 * lr * (1 + REL)
     assert float(stats.row_sum_residual) < 1e-6
+
+
+# --- the same references on 8 simulated devices (the mesh formulation) -------------------------
+
+MESH_SCRIPT = pathlib.Path(__file__).with_name("_reference_mesh_checks.py")
+# check-name suffix -> tolerance (absolute for RowNorm entries and norms, relative otherwise)
+MESH_TOLERANCES = {"rownorm": ATOL, "rownorm_uncentred_input": ATOL, "rownorm_padded": ATOL,
+                   "rownorm_eps": 1e-5, "rownorm_eps_norms": 1e-5, "diameter": REL,
+                   "upper": REL, "lower": REL, "order": REL, "residual": REL}
+
+
+@pytest.fixture(scope="module")
+def mesh_checks():
+    proc = ModuleSubprocess.script(MESH_SCRIPT)
+    yield proc
+    proc.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["auto_mesh", "explicit_mesh", "auto_sharded_input"])
+def test_vocab_sharded_heads_match_the_references(mesh_checks, context):
+    """Vocabulary-sharded (V, d) tables and (d, V) kernels on 8 devices, inside `jax.set_mesh`
+    (Auto and Explicit axes) and as sharded inputs outside it: projected RowNorm (eps near the
+    row norms, padding, flags), the bracket, the exact diameter and the tracker, each within
+    float32 rounding of its float64 reference (_reference_mesh_checks.py)."""
+    errors = mesh_checks.json()[context]
+    assert len(errors) == 2 * 16, sorted(errors)  # every check ran, for both layouts
+    for check, error in errors.items():
+        suffix = check.split("_", 1)[1]
+        tolerance = MESH_TOLERANCES.get(suffix) or MESH_TOLERANCES[suffix.rsplit("_", 1)[1]]
+        assert error <= tolerance, (check, error, tolerance)
