@@ -223,3 +223,87 @@ def test_invariances(seed, log_scale):
     np.testing.assert_allclose(scaled, base, atol=2e-5)
     np.testing.assert_allclose(np.asarray(_jitted_keller(-g)), -base, atol=1e-6)
     np.testing.assert_allclose(np.asarray(_jitted_keller(_Q @ g)), _Q @ base, atol=2e-5)
+
+
+# --- orientation: the Gram matrix on the smaller side, and the transpose identity --------------
+
+
+def _dot_output_shapes(jaxpr):
+    """Output shapes of every dot_general in a (closed) jaxpr, sub-jaxprs included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes.append(tuple(eqn.outvars[0].aval.shape))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    shapes += _dot_output_shapes(getattr(inner, "jaxpr", inner))
+    return shapes
+
+
+@pytest.mark.parametrize("shape", [(96, 16), (16, 96), (3, 40, 12)])
+def test_traced_program_forms_the_gram_matrix_on_the_smaller_side(shape):
+    """Every product in the traced program of `newton_schulz` is (n, n) or (n, m) with n the
+    smaller side: a tall (m, n) input is transposed, never multiplied as an (m, m) Gram."""
+    m, n = max(shape[-2:]), min(shape[-2:])
+    jaxpr = jax.make_jaxpr(lambda x: newton_schulz(x, steps=2))(jnp.zeros(shape, jnp.float32))
+    shapes = _dot_output_shapes(jaxpr.jaxpr)
+    batch = shape[:-2]
+    assert shapes, "no dot_general found in the traced program"
+    assert all(s[:len(batch)] == batch for s in shapes), shapes
+    mats = {s[len(batch):] for s in shapes}
+    assert (n, n) in mats, mats  # the Gram matrix A = X Xᵀ
+    assert all(m not in s or s == (n, m) for s in mats), mats  # never (m, m), nor (m, n)
+
+
+@pytest.mark.parametrize("coeffs", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (2, 40, 12)])
+def test_transpose_identity_is_exact(rng, shape, coeffs):
+    """``newton_schulz(x) == newton_schulz(xᵀ)ᵀ`` bit for bit: a tall input is computed as its
+    transpose (the same operations on the same numbers), not by another route that happens to
+    agree to rounding. Under jit XLA may fuse the transposes differently: equal to rounding."""
+    x = jnp.asarray(gaussian(rng, shape))
+    xt = jnp.swapaxes(x, -1, -2)
+    ns = lambda y: newton_schulz(y, coeffs=coeffs)
+    np.testing.assert_array_equal(ns(x), jnp.swapaxes(ns(xt), -1, -2))
+    jitted = jax.jit(ns)
+    np.testing.assert_allclose(jitted(x), jnp.swapaxes(jitted(xt), -1, -2), atol=1e-5)
+
+
+def _scalar_schedule(sigma, table, norm):
+    """The singular values after the iteration: each ``σ / norm`` through the odd polynomials."""
+    s = np.asarray(sigma, np.float64) / norm
+    for a, b, c in np.asarray(table, np.float64):
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+@pytest.mark.parametrize("preset", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
+def test_polar_factor_of_a_well_conditioned_matrix_against_svd(rng, preset, shape):
+    """For ``X = U Σ Vᵀ`` with Σ in [1, 2]: the result is ``U f(Σ) Vᵀ`` with f the preset's
+    polynomials applied to the normalised singular values (float64, from numpy's SVD), hence
+    within the preset's documented band of the polar factor ``U Vᵀ``; and applying the
+    coefficients in another order (rows reversed, or a triple permuted) gives a different f,
+    which this comparison rejects."""
+    m, n = shape
+    k = min(m, n)
+    u = np.linalg.qr(rng.standard_normal((m, k)))[0]
+    v = np.linalg.qr(rng.standard_normal((n, k)))[0]
+    sigma = np.linspace(1.0, 2.0, k)
+    x = (u * sigma) @ v.T
+    out = np.asarray(newton_schulz(jnp.asarray(x, jnp.float32), coeffs=preset), np.float64)
+    table = ns_coefficients(preset, 5)
+    norm = NORM_SCALE[preset] * np.linalg.norm(sigma) + 1e-7
+    f = _scalar_schedule(sigma, table, norm)
+    np.testing.assert_allclose(out, (u * f) @ v.T, atol=2e-5)
+    lo, hi = BANDS[preset]
+    assert lo <= f.min() and f.max() <= hi
+    assert np.linalg.norm(out - u @ v.T, 2) <= max(1 - lo, hi - 1)
+    for wrong in (table[::-1], table[:, [0, 2, 1]], table[:, [1, 0, 2]]):
+        if np.array_equal(wrong, table):  # "keller" repeats one row: reversing is a no-op
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):  # a wrong order may diverge
+            g = _scalar_schedule(sigma, wrong, norm)
+            assert not np.all(np.abs((u * g) @ v.T - out) <= 1e-2)

@@ -1,0 +1,385 @@
+"""Mutation testing of the fast test subset: does each small deliberate bug make a test fail?
+
+Each mutant below is one exact text replacement in one file of the library or the example: a
+small semantic bug (a wrong eps rule, a missing transpose, an off-by-one). For each, the working
+tree is copied to a temporary directory (without .git and caches), the mutant is applied to the
+copy, and the fast subset ``python -m pytest -q -x -m "not slow" -p no:cacheprovider`` runs there
+with a timeout. A mutant is *killed* when a test fails, *survives* when every test passes, and
+*timed out* when the run does not finish in time. The score is killed / (killed + survived);
+timed-out mutants are listed apart. Before the mutants, the same selection runs once on the
+unmutated copy (a failing baseline would make every kill meaningless).
+
+It takes minutes per mutant, so it is not part of CI (CONTRIBUTING.md, "Mutation testing").
+
+Usage, from the repository root:
+
+    python benchmarks/mutation_test.py --list                  # the mutants
+    python benchmarks/mutation_test.py                         # every mutant, the fast subset
+    python benchmarks/mutation_test.py --only head-lr-multiplier --only ns-no-transpose
+    python benchmarks/mutation_test.py --quick                 # each against its own test files
+    python benchmarks/mutation_test.py --tests tests/test_recipe.py    # one selection for all
+    python benchmarks/mutation_test.py --quick --exclude tests/test_recipe_defaults.py
+
+Maintenance: every mutant's ``old`` text is the code as it is when the mutant was written. When
+that code changes, a mutant whose ``old`` text is no longer found exactly once stops the script
+before anything runs, with a message naming the mutant, its file and how often the text was
+found: rewrite that entry against the new code (or drop it if the code it broke is gone). Each
+mutant's ``tests`` are the files that should kill it, used by ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IGNORED = (".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis",
+           "*.egg-info", "site", "runs", ".venv", "venv")
+PYTEST = ("-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    description: str
+    tests: tuple[str, ...]  # the test files that should kill it (--quick)
+
+
+RECIPE_TESTS = ("tests/test_recipe.py", "tests/test_recipe_defaults.py")
+ROWNORM_TESTS = ("tests/test_rownorm.py", "tests/test_reference_numerics.py")
+GEOMETRY_TESTS = ("tests/test_geometry.py", "tests/test_diagnostics.py",
+                  "tests/test_reference_numerics.py")
+NS_TESTS = ("tests/test_newton_schulz.py", "tests/test_muon.py")
+LABEL_TESTS = ("tests/test_labels.py", "tests/test_recipe.py", "tests/test_recipe_defaults.py")
+RESUME_TESTS = ("tests/test_lm_train.py", "tests/test_resume_fast.py")
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- the kinds the test-suite issue found missed ----------------------------------------
+    Mutant("rownorm-eps-native", "rowgeom/csrc/rownorm.cc",
+           "const float w = 1.0f / std::max(std::sqrt(n2), eps);",
+           "const float w = 1.0f / (std::sqrt(n2) + 10.0f * eps);",
+           "eps rule x / (||x|| + 10 eps) in the CPU kernel, (V, d) layout",
+           ROWNORM_TESTS),
+    Mutant("rownorm-eps-blocked", "rowgeom/_rownorm.py",
+           "    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)\n"
+           "    if num_valid < vocab:\n"
+           "        weights = jnp.pad(weights, (0, vocab - num_valid))\n"
+           "    y = ((x * scale",
+           "    weights = 1.0 / (jnp.sqrt(sq) + 10 * eps)\n"
+           "    if num_valid < vocab:\n"
+           "        weights = jnp.pad(weights, (0, vocab - num_valid))\n"
+           "    y = ((x * scale",
+           "eps rule x / (||x|| + 10 eps) in the blocked XLA path (vocabulary axis in the middle)",
+           ROWNORM_TESTS),
+    Mutant("rownorm-eps-reference", "rowgeom/_rownorm.py",
+           "w = 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(xc * xc, axis=feat, keepdims=True)), eps)",
+           "w = 1.0 / (jnp.sqrt(jnp.sum(xc * xc, axis=feat, keepdims=True)) + 10 * eps)",
+           "eps rule x / (||x|| + 10 eps) in the accelerator / mesh formulation",
+           ROWNORM_TESTS),
+    Mutant("ns-no-transpose", "rowgeom/_newton_schulz.py",
+           "transposed = x.shape[-2] > x.shape[-1]", "transposed = False",
+           "Newton–Schulz on a tall matrix without the transpose (an m x m Gram matrix)",
+           NS_TESTS),
+    Mutant("resume-one-step-late", "examples/lm/train.py",
+           "for step in range(start + 1, end + 1):", "for step in range(start + 2, end + 1):",
+           "a resumed run starts one step late (skips the step after the checkpoint)",
+           RESUME_TESTS),
+    Mutant("bracket-upper-xla", "rowgeom/_geometry.py",
+           "upper = 2.0 * r_c  # 2 max_i",
+           "upper = r_c + jnp.sqrt(sum_n2 / num_rows)  # 2 max_i",
+           "wrong upper end of the bracket (r_c + rms_c) in the XLA formulation",
+           GEOMETRY_TESTS),
+    Mutant("bracket-upper-native", "rowgeom/csrc/bracket.cc",
+           "upper = 2.0f * r_c;", "upper = r_c + std::sqrt(float(top.sum) / float(V));",
+           "wrong upper end of the bracket (r_c + rms_c) in the CPU kernel",
+           GEOMETRY_TESTS),
+    Mutant("head-lr-multiplier", "rowgeom/_recipe.py",
+           '{"rownorm": 5.0, "adamw": 3.0, "muon": 3.0}',
+           '{"rownorm": 4.0, "adamw": 3.0, "muon": 3.0}',
+           "the RowNorm head's learning-rate multiplier 5 -> 4", RECIPE_TESTS),
+    Mutant("ns-coefficient-order", "rowgeom/_newton_schulz.py",
+           "for a, b, cc in np.asarray(table, np.float64).tolist():",
+           "for a, cc, b in np.asarray(table, np.float64).tolist():",
+           "Newton–Schulz applies (a, c, b) instead of (a, b, c)", NS_TESTS),
+    Mutant("ns-step-order", "rowgeom/_newton_schulz.py",
+           "for a, b, cc in np.asarray(table, np.float64).tolist():",
+           "for a, b, cc in np.asarray(table, np.float64)[::-1].tolist():",
+           "Newton–Schulz applies the coefficient table's rows last to first", NS_TESTS),
+    Mutant("head-mislabelled", "rowgeom/_labels.py",
+           'if c in cfg.head_names:\n            return "head"',
+           'if c in cfg.head_names:\n            return "embedding"',
+           "a component named as the head labels its leaf 'embedding'", LABEL_TESTS),
+    # --- more of our own ------------------------------------------------------------------
+    Mutant("rownorm-center-input-ignored", "rowgeom/_rownorm.py",
+           "opts = dict(eps=eps, center_input=bool(center_input),",
+           "opts = dict(eps=eps, center_input=True,",
+           "projected RowNorm ignores center_input=False", ROWNORM_TESTS),
+    Mutant("rownorm-padding-in-mean", "rowgeom/_rownorm.py",
+           "        y = y - acc / num_valid", "        y = y - acc / vocab",
+           "blocked path: the output mean divides by V, padding rows included", ROWNORM_TESTS),
+    Mutant("rownorm-rescale-bound", "rowgeom/_rownorm.py",
+           "2.0 / jnp.where(ok, diameter, 1.0)", "1.0 / jnp.where(ok, diameter, 1.0)",
+           "rescale multiplies by 1/D instead of 2/D", ROWNORM_TESTS),
+    Mutant("vocab-axis-inference", "rowgeom/_layout.py",
+           "return axes[0] if len(axes) == 1 else None",
+           "return 1 - axes[0] if len(axes) == 1 else None",
+           "the head's vocabulary axis inferred as the other axis", RECIPE_TESTS),
+    Mutant("head-decay-twice", "rowgeom/_recipe.py",
+           "            optax.add_decayed_weights(g.weight_decay),\n",
+           "            optax.add_decayed_weights(g.weight_decay),\n"
+           "            optax.add_decayed_weights(g.weight_decay),\n",
+           "the RowNorm head's weight decay applied twice", RECIPE_TESTS),
+    Mutant("vector-decay-default", "rowgeom/_recipe.py",
+           "vector_weight_decay, adam_b1),", "weight_decay, adam_b1),",
+           "vectors get the matrices' weight decay (0.1) instead of 0", RECIPE_TESTS),
+    Mutant("nesterov-default-off", "rowgeom/_recipe.py",
+           "    nesterov: bool = True,", "    nesterov: bool = False,",
+           "lm_optimizer's hidden momentum without Nesterov by default", RECIPE_TESTS),
+    Mutant("adam-b2-default", "rowgeom/_recipe.py",
+           "    adam_b2: float = 0.95,", "    adam_b2: float = 0.999,",
+           "AdamW b2 0.999 instead of 0.95", RECIPE_TESTS),
+    Mutant("ns-steps-default", "rowgeom/_recipe.py",
+           "DEFAULT_NS_STEPS = 5", "DEFAULT_NS_STEPS = 4",
+           "four Newton–Schulz steps by default instead of five", RECIPE_TESTS),
+    Mutant("muon-rms-factor", "rowgeom/_muon.py",
+           "factor = rms_scale * math.sqrt(max(m, n))",
+           "factor = rms_scale * math.sqrt(min(m, n))",
+           "Muon's RMS scale uses the smaller side", ("tests/test_muon.py",) + RECIPE_TESTS),
+    Mutant("muon-rms-scale-default", "rowgeom/_muon.py",
+           "rms_scale: float = 0.2,", "rms_scale: float = 0.25,",
+           "Muon's target update RMS 0.25 instead of 0.2", ("tests/test_muon.py",) + RECIPE_TESTS),
+    Mutant("tracker-cadence-off-by-one", "rowgeom/_diagnostics.py",
+           "now = (new == 1) | (new % k == 0)", "now = (new == 1) | (new % k == 1)",
+           "the tracker measures updates 1, k+1, 2k+1 instead of 1, k, 2k",
+           ("tests/test_diagnostics.py",) + RECIPE_TESTS),
+    Mutant("tracker-cadence-default", "rowgeom/_recipe.py",
+           "DEFAULT_TRACK_EVERY_K_STEPS = 10", "DEFAULT_TRACK_EVERY_K_STEPS = 5",
+           "lm_optimizer's head tracker every 5th update instead of every 10th", RECIPE_TESTS),
+    Mutant("tracker-sweeps", "rowgeom/_diagnostics.py",
+           "_bounds_and_sum(u, axis=axis, sweeps=2)", "_bounds_and_sum(u, axis=axis, sweeps=0)",
+           "the tracker records the centroid lower bound instead of two sweeps",
+           ("tests/test_diagnostics.py", "tests/test_reference_numerics.py")),
+    Mutant("bracket-sweeps0-lower", "rowgeom/_geometry.py",
+           "math.sqrt(2 / (num_rows - 1))", "math.sqrt(2 / num_rows)",
+           "the centroid lower bound uses sqrt(2) rms_c instead of sqrt(2V/(V-1)) rms_c",
+           GEOMETRY_TESTS),
+    Mutant("diameter-no-diagonal-blocks", "rowgeom/_geometry.py",
+           "rows, cols = np.triu_indices(num_blocks)",
+           "rows, cols = np.triu_indices(num_blocks, 1)",
+           "the exact diameter skips pairs within one row block", GEOMETRY_TESTS),
+    Mutant("hilbert-distance-sign", "rowgeom/_geometry.py",
+           "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top - bottom)",
+           "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top + bottom)",
+           "Hilbert distance of probabilities: max + min of the log-ratio instead of max - min",
+           ("tests/test_geometry.py",)),
+    Mutant("label-rule-anchored", "rowgeom/_labels.py",
+           "if pattern.search(joined):", "if pattern.match(joined):",
+           "label rules matched at the start of the path only (re.match, not re.search)",
+           ("tests/test_labels.py",)),
+    Mutant("tied-head-centred", "rowgeom/_recipe.py",
+           'center = tied != "head"', "center = True",
+           "a tied head (an input embedding) is centred", RECIPE_TESTS),
+    Mutant("resume-metrics-kept", "examples/lm/train.py",
+           "writer.truncate_after(start)", "writer.truncate_after(start + 1)",
+           "a resumed run keeps the killed run's metrics line of the step after the checkpoint",
+           RESUME_TESTS),
+)
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+class MutantError(SystemExit):
+    """A mutant that cannot be applied (its `old` text is not found exactly once)."""
+
+
+def check_mutants(mutants, exclude=()) -> None:
+    problems = []
+    names = [m.name for m in MUTANTS]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        problems.append(f"duplicate mutant names {duplicates}")
+    for m in mutants:
+        path = ROOT / m.path
+        if not path.is_file():
+            problems.append(f"{m.name}: file {m.path} does not exist")
+            continue
+        count = path.read_text().count(m.old)
+        if count != 1:
+            problems.append(f"{m.name}: its old text occurs {count} times in {m.path} "
+                            f"(expected exactly once; update the mutant): {m.old!r}")
+        for test in m.tests:
+            if test not in exclude and not (ROOT / test).is_file():
+                problems.append(f"{m.name}: test file {test} does not exist")
+    if problems:
+        raise MutantError("mutation_test.py: cannot apply these mutants:\n  "
+                          + "\n  ".join(problems))
+
+
+def copy_tree(dest: Path) -> Path:
+    shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(*IGNORED))
+    return dest
+
+
+def apply(mutant: Mutant, tree: Path) -> None:
+    path = tree / mutant.path
+    text = path.read_text()
+    assert text.count(mutant.old) == 1, mutant.name  # checked up front, on the source tree
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def environment(tree: Path, scratch: Path, mutant: Mutant | None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.pop("PYTEST_ADDOPTS", None)
+    if mutant is not None and "/csrc/" in "/" + mutant.path:
+        # A mutated native kernel gets a build cache of its own (never the user's).
+        env["ROWGEOM_CACHE_DIR"] = str(scratch / "native-cache")
+    return env
+
+
+def check_imports(tree: Path, env: dict) -> None:
+    """The copy, not an installed rowgeom, must be what the tests import."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import rowgeom, examples; print(rowgeom.__file__); "
+                               "print(examples.__file__)"],
+        cwd=tree, env=env, capture_output=True, text=True, check=True).stdout.split()
+    if not all(Path(p).resolve().is_relative_to(tree.resolve()) for p in out):
+        raise SystemExit(f"mutation_test.py: the copy imports {out}, not its own files under "
+                         f"{tree}; is PYTHONPATH overridden?")
+
+
+def run_pytest(tree: Path, env: dict, tests, exclude, timeout: float) -> dict:
+    argv = [sys.executable, *PYTEST, *tests, *(f"--ignore={p}" for p in exclude)]
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything it started
+        out, _ = proc.communicate()
+        return {"status": "timed out", "rc": None, "seconds": time.perf_counter() - start,
+                "detail": f"no result after {timeout:.0f} s", "output": out}
+    seconds = time.perf_counter() - start
+    failed = [line for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    if proc.returncode == 0:
+        status = "survived"
+    elif proc.returncode in (1, 2, 3):  # failures, interrupted (collection errors), internal
+        status = "killed"
+    else:  # 4: usage error, 5: no tests collected: the selection is wrong, not the mutant
+        status = "error"
+    return {"status": status, "rc": proc.returncode, "seconds": seconds,
+            "detail": failed[0] if failed else summary, "output": out}
+
+
+def run_one(mutant: Mutant | None, tests, exclude, timeout, keep: bool) -> dict:
+    scratch = Path(tempfile.mkdtemp(prefix=f"rowgeom-mutant-{mutant.name if mutant else 'base'}-"))
+    try:
+        tree = copy_tree(scratch / "tree")
+        if mutant is not None:
+            apply(mutant, tree)
+        env = environment(tree, scratch, mutant)
+        if mutant is None:
+            check_imports(tree, env)
+        return run_pytest(tree, env, tests, exclude, timeout)
+    finally:
+        if keep:
+            print(f"  kept {scratch}", flush=True)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this mutant (repeatable)")
+    parser.add_argument("--tests", nargs="+", default=[], metavar="PATH",
+                        help="test files or node ids for every mutant (default: tests/)")
+    parser.add_argument("--quick", action="store_true",
+                        help="run each mutant against its own test files instead")
+    parser.add_argument("--exclude", nargs="+", default=[], metavar="PATH",
+                        help="test files left out of every run (pytest --ignore)")
+    parser.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                        help="seconds per run (default 900)")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the run on the unmutated tree")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary trees")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.quick and args.tests:
+        parser.error("--quick and --tests exclude each other")
+
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.only if n not in known]
+    if unknown:
+        parser.error(f"unknown mutant(s) {unknown}; see --list")
+    mutants = [known[n] for n in args.only] if args.only else list(MUTANTS)
+    check_mutants(mutants, args.exclude)
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:30s} {m.path:28s} {m.description}")
+        return 0
+
+    def selection(m: Mutant | None) -> list[str]:
+        if not args.quick:
+            return args.tests
+        files = m.tests if m is not None else sorted({t for mu in mutants for t in mu.tests})
+        return [t for t in files if t not in args.exclude]
+
+    if not args.no_baseline:
+        print(f"baseline (unmutated copy): {' '.join(selection(None)) or 'tests/'}", flush=True)
+        base = run_one(None, selection(None), args.exclude, args.timeout, args.keep)
+        print(f"  {base['status']} in {base['seconds']:.0f} s: {base['detail']}", flush=True)
+        if base["status"] != "survived":
+            print(base["output"][-4000:])
+            print("mutation_test.py: the unmutated tree fails its tests; fix that first")
+            return 1
+
+    results = {}
+
+    def job(m: Mutant) -> tuple[str, dict]:
+        return m.name, run_one(m, selection(m), args.exclude, args.timeout, args.keep)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for name, res in pool.map(job, mutants):
+            results[name] = res
+            print(f"{name:30s} {res['status']:9s} {res['seconds']:6.0f} s  {res['detail']}",
+                  flush=True)
+
+    counts = {s: sum(r["status"] == s for r in results.values())
+              for s in ("killed", "survived", "timed out", "error")}
+    decided = counts["killed"] + counts["survived"]
+    score = counts["killed"] / decided if decided else float("nan")
+    print(f"\nscore {counts['killed']}/{decided} = {score:.0%} killed"
+          f" ({counts['timed out']} timed out, {counts['error']} errors)")
+    for name, res in results.items():
+        if res["status"] != "killed":
+            print(f"  {res['status']}: {name} ({known[name].description})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"score": score, "counts": counts, "quick": args.quick, "tests": args.tests,
+             "exclude": args.exclude,
+             "mutants": {n: {k: v for k, v in r.items() if k != "output"}
+                         for n, r in results.items()}}, indent=2) + "\n")
+    return 0 if counts["error"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

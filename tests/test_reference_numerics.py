@@ -1,0 +1,375 @@
+"""Projected RowNorm and the row-diameter measures, each against a float64 reference of its own.
+
+Only the public API is used (the `projected_rownorm` transform, `row_diameter`,
+`row_diameter_bounds`, `track_row_diameter`, `read_row_diameter`), so whichever formulation runs
+on this platform is the one compared with the reference: no test here compares two formulations
+with each other. The references are written out below in numpy float64 from the definitions:
+
+- projected RowNorm: centre the token rows over the vocabulary axis, divide each row by
+  ``max(||x_i||, eps)``, centre again; rows ``>= num_valid`` are padding (left out of both means,
+  zero in the result);
+- the row diameter: ``max_{i<j} ||s_i - s_j||`` by brute force over every pair; its bracket:
+  ``upper = 2 r_c``, the centroid lower bound ``max(r_c, sqrt(2V/(V-1)) rms_c)``, and with
+  farthest-point sweeps the length of an actual pair of rows.
+"""
+
+import itertools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _subprocess import ModuleSubprocess
+
+import rowgeom
+
+# float32 results against float64 references
+ATOL = 2e-6
+REL = 1e-5
+
+# --- float64 references ------------------------------------------------------------------------
+
+
+def _token_rows(u, vocab_axis):
+    """(V, F) float64 token rows (every other axis flattened) and the moved shape."""
+    moved = np.moveaxis(np.asarray(u, np.float64), vocab_axis, 0)
+    return moved.reshape(moved.shape[0], -1), moved.shape
+
+
+def ref_rownorm(u, vocab_axis, *, eps=1e-8, center_input=True, center_output=True,
+                num_valid=None):
+    x, moved_shape = _token_rows(u, vocab_axis)
+    n = x.shape[0] if num_valid is None else num_valid
+    rows = x[:n]
+    if center_input:
+        rows = rows - rows.mean(axis=0)
+    y = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), eps)
+    if center_output:
+        y = y - y.mean(axis=0)
+    out = np.zeros_like(x)
+    out[:n] = y
+    return np.moveaxis(out.reshape(moved_shape), 0, vocab_axis)
+
+
+def pair_distances(s, vocab_axis):
+    """Every ``||s_i - s_j||``, i < j, in float64 (brute force)."""
+    x, _ = _token_rows(s, vocab_axis)
+    return np.array([np.linalg.norm(x[i] - x[j])
+                     for i, j in itertools.combinations(range(x.shape[0]), 2)])
+
+
+def brute_diameter(s, vocab_axis):
+    d = pair_distances(s, vocab_axis)
+    return float(d.max()) if d.size else 0.0
+
+
+def centroid_stats(s, vocab_axis):
+    """(r_c, rms_c, V): the largest and the RMS distance of a row to the rows' mean."""
+    x, _ = _token_rows(s, vocab_axis)
+    dist = np.linalg.norm(x - x.mean(axis=0), axis=1)
+    return float(dist.max()), float(np.sqrt(np.mean(dist**2))), x.shape[0]
+
+
+# --- the transform, called as a user would -------------------------------------------------------
+
+
+def rownorm(u, vocab_axis, *, jit=False, **options):
+    """`projected_rownorm(vocab_axis=..., **options).update(u)` as float64 (a bare-array tree)."""
+    tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis, **options)
+    u = jnp.asarray(u, jnp.float32)
+    update = jax.jit(tx.update) if jit else tx.update
+    out, _ = update(u, tx.init(u))
+    assert out.shape == u.shape and out.dtype == jnp.float32
+    return np.asarray(out, np.float64)
+
+
+# (shape, vocab_axis): (V, d) tables, Flax (d, V) kernels, rank 3 with the vocabulary first,
+# in the middle and last (every other axis is a feature of the row norm).
+LAYOUTS = [((37, 12), 0), ((12, 37), 1), ((37, 4, 3), 0), ((4, 37, 3), 1), ((3, 4, 37), -1)]
+
+
+def gaussian(rng, shape, offset=0.5):
+    """Random rows with a common offset, so the input centring is not a no-op."""
+    return (rng.standard_normal(shape) + offset).astype(np.float32)
+
+
+# --- projected RowNorm ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape, vocab_axis", LAYOUTS)
+def test_rownorm_matches_the_float64_reference_in_every_layout(rng, shape, vocab_axis):
+    u = gaussian(rng, shape)
+    want = ref_rownorm(u, vocab_axis)
+    for jit in (False, True):
+        got = rownorm(u, vocab_axis, jit=jit)
+        np.testing.assert_allclose(got, want, atol=ATOL, err_msg=f"jit={jit}")
+    # The wrong vocabulary axis is far from it (so the comparison above can tell them apart).
+    other = 1 if vocab_axis % len(shape) == 0 else 0
+    assert np.abs(ref_rownorm(u, other) - want).max() > 1e-2
+
+
+@pytest.mark.parametrize("center_input, center_output",
+                         [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("shape, vocab_axis", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]])
+def test_rownorm_centring_flags(rng, shape, vocab_axis, center_input, center_output):
+    u = gaussian(rng, shape, offset=1.0)
+    got = rownorm(u, vocab_axis, center_input=center_input, center_output=center_output)
+    want = ref_rownorm(u, vocab_axis, center_input=center_input, center_output=center_output)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    # Each flag changes the result by far more than the tolerance (the offset sees to that).
+    default = ref_rownorm(u, vocab_axis)
+    assert np.abs(want - default).max() > 1e-2
+    rows, _ = _token_rows(got, vocab_axis)
+    if center_output:  # the outer P: 1ᵀS = 0
+        assert np.abs(rows.sum(axis=0)).max() < 1e-5
+    else:  # no outer P: every row is a normalised row, of norm <= 1
+        assert np.linalg.norm(rows, axis=1).max() <= 1 + 1e-6
+
+
+@pytest.mark.parametrize("shape, vocab_axis", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]])
+def test_rownorm_padding_rows_stay_out_of_the_means(rng, shape, vocab_axis):
+    num_valid = 30
+    u = gaussian(rng, shape)
+    # Padding rows hold large values (which would dominate either mean if they leaked in).
+    moved = np.moveaxis(u, vocab_axis, 0)
+    moved[num_valid:] = 1e3 * (1 + np.arange(moved.shape[0] - num_valid)).reshape(
+        (-1,) + (1,) * (moved.ndim - 1))
+    u = np.moveaxis(moved, 0, vocab_axis)
+    for jit in (False, True):
+        got = rownorm(u, vocab_axis, num_valid=num_valid, jit=jit)
+        np.testing.assert_allclose(got, ref_rownorm(u, vocab_axis, num_valid=num_valid),
+                                   atol=ATOL, err_msg=f"jit={jit}")
+        padding = np.moveaxis(got, vocab_axis, 0)[num_valid:]
+        np.testing.assert_array_equal(padding, 0.0)
+    # The valid rows alone give the same valid rows.
+    valid = np.take(u, np.arange(num_valid), axis=vocab_axis)
+    np.testing.assert_allclose(np.take(got, np.arange(num_valid), axis=vocab_axis),
+                               rownorm(valid, vocab_axis), atol=ATOL)
+
+
+# Row norms around eps (in units of eps): below it, at it and above it.
+EPS = 1e-2
+NORMS = np.array([0.0, 0.25, 0.5, 0.99, 1.0, 1.01, 1.5, 3.0, 10.0, 40.0])
+
+
+def rows_with_norms(rng, norms, d, eps):
+    """(2k, d) rows in +/- pairs with the given norms (times eps): their mean is zero, so the
+    input centring keeps them (up to float32 rounding of a zero sum) and so does the output
+    centring (the normalised rows are +/- pairs too)."""
+    directions = rng.standard_normal((len(norms), d))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    half = directions * (np.asarray(norms)[:, None] * eps)
+    return np.concatenate([half, -half]).astype(np.float32)
+
+
+@pytest.mark.parametrize("vocab_axis", [0, 1])
+def test_eps_rule_near_the_row_norms(rng, vocab_axis):
+    """``x / max(||x||, eps)``: rows at least eps long come out unit length, shorter ones as
+    ``x / eps`` (norm ``||x|| / eps``), zero rows stay zero. An eps rule such as
+    ``x / (||x|| + eps)`` is off by up to 0.5 here, where a default eps hides it."""
+    rows = rows_with_norms(rng, NORMS, 6, EPS)
+    u = rows if vocab_axis == 0 else rows.T
+    for jit in (False, True):
+        got = rownorm(u, vocab_axis, eps=EPS, jit=jit)
+        out_rows = got if vocab_axis == 0 else got.T
+        norms = np.linalg.norm(out_rows, axis=1)
+        expected = np.minimum(np.concatenate([NORMS, NORMS]), 1.0)
+        np.testing.assert_allclose(norms, expected, atol=1e-5, err_msg=f"jit={jit}")
+        np.testing.assert_allclose(got, ref_rownorm(u, vocab_axis, eps=EPS), atol=1e-5)
+        # Short rows keep their direction: exactly x / eps.
+        short = np.concatenate([NORMS, NORMS]) < 0.99
+        np.testing.assert_allclose(out_rows[short], rows[short] / EPS, atol=1e-5)
+        # The zero rows (norm 0, a +/- pair) stay (numerically) zero, never NaN.
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(out_rows[[0, len(NORMS)]], 0.0, atol=1e-5)
+
+
+def test_eps_rule_without_centring_is_exact_on_zero_rows(rng):
+    """Without centring the zero rows are exactly zero and every other row is exactly
+    ``x / max(||x||, eps)`` (no mean to round)."""
+    rows = rows_with_norms(rng, NORMS, 6, EPS)
+    got = rownorm(rows, 0, eps=EPS, center_input=False, center_output=False)
+    np.testing.assert_array_equal(got[[0, len(NORMS)]], 0.0)
+    want = ref_rownorm(rows, 0, eps=EPS, center_input=False, center_output=False)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1),
+                               np.minimum(np.concatenate([NORMS, NORMS]), 1.0), atol=1e-6)
+
+
+def test_eps_scales_with_the_rows_on_the_rank3_layout(rng):
+    """The eps rule on a rank-3 leaf with the vocabulary in the middle: the norm is over both
+    feature axes, and a row exactly 2 eps long is unit length while one of eps / 2 is 1/2."""
+    flat = rows_with_norms(rng, [0.5, 2.0, 5.0], 6, EPS)  # (6, 6) token rows
+    u = np.moveaxis(flat.reshape(6, 2, 3), 0, 1)  # (2, V=6, 3)
+    got = rownorm(u, 1, eps=EPS)
+    norms = np.linalg.norm(np.moveaxis(got, 1, 0).reshape(6, -1), axis=1)
+    np.testing.assert_allclose(norms, [0.5, 1.0, 1.0] * 2, atol=1e-5)
+    np.testing.assert_allclose(got, ref_rownorm(u, 1, eps=EPS), atol=1e-5)
+
+
+def test_rownorm_all_equal_rows_and_one_token_give_zero(rng):
+    row = rng.standard_normal(5).astype(np.float32)
+    for u, axis in ((np.tile(row, (9, 1)), 0), (np.tile(row, (9, 1)).T, 1), (row[None], 0)):
+        np.testing.assert_array_equal(rownorm(u, axis), 0.0)
+
+
+def test_rownorm_is_invariant_to_a_power_of_two_scale_near_float32_range(rng):
+    """Entries near 2**100, whose squared norms would overflow float32: the same result as the
+    reference on the unscaled input (the result is scale invariant when every row is far
+    longer than eps)."""
+    u = gaussian(rng, (37, 12))
+    want = ref_rownorm(u, 0)
+    scaled = (u.astype(np.float64) * 2.0**100).astype(np.float32)
+    np.testing.assert_allclose(rownorm(scaled, 0), want, atol=ATOL)
+    np.testing.assert_allclose(rownorm(scaled.T, 1), want.T, atol=ATOL)
+
+
+@pytest.mark.parametrize("shape, vocab_axis", [LAYOUTS[0], LAYOUTS[1]])
+def test_rescale_modes_against_the_reference(rng, shape, vocab_axis):
+    """``rescale="exact"``: ``2 / D`` times the reference (D = 2 exactly); ``"bound"``: divided
+    by its upper bound ``2 max_i ||s_i - sbar||`` (the farthest row exactly 1 from the mean)."""
+    u = gaussian(rng, shape)
+    s = ref_rownorm(u, vocab_axis)
+    exact = rownorm(u, vocab_axis, rescale="exact")
+    np.testing.assert_allclose(exact, s * 2 / brute_diameter(s, vocab_axis), atol=1e-5)
+    assert brute_diameter(exact, vocab_axis) == pytest.approx(2.0, rel=REL)
+    bound = rownorm(u, vocab_axis, rescale="bound")
+    r_c, _, _ = centroid_stats(s, vocab_axis)
+    np.testing.assert_allclose(bound, s / r_c, atol=1e-5)
+    assert centroid_stats(bound, vocab_axis)[0] == pytest.approx(1.0, rel=REL)
+
+
+# --- the row diameter and its bracket ----------------------------------------------------------
+
+# Small arrays: (shape, vocab_axis), several sizes of V including 2 (where D = 2 r_c).
+DIAMETER_CASES = [((2, 3), 0), ((7, 5), 0), ((5, 7), 1), ((2, 9, 3), 1), ((1, 4), 0)]
+
+
+def diameter_input(rng, shape, vocab_axis, kind):
+    if kind == "gaussian":
+        return gaussian(rng, shape, offset=3.0)
+    # Two tight clusters of token rows far apart: a diameter well below 2 r_c.
+    x = rng.standard_normal(shape).astype(np.float32) * 0.05
+    moved = np.moveaxis(x, vocab_axis, 0)  # a view: writes go to x
+    moved[: (moved.shape[0] + 1) // 2] += 1.0
+    return x
+
+
+def check_bracket(lower, upper, s, vocab_axis, *, sweeps):
+    exact = brute_diameter(s, vocab_axis)
+    r_c, rms_c, vocab = centroid_stats(s, vocab_axis)
+    lower, upper = float(lower), float(upper)
+    assert lower <= exact * (1 + REL) + 1e-7 and exact <= upper * (1 + REL) + 1e-7, \
+        (lower, exact, upper)
+    assert upper == pytest.approx(2 * r_c, rel=REL, abs=1e-7)
+    if vocab == 1:
+        assert lower == upper == 0.0
+        return
+    centroid_lower = max(r_c, np.sqrt(2 * vocab / (vocab - 1)) * rms_c)
+    if sweeps == 0:
+        assert lower == pytest.approx(min(centroid_lower, 2 * r_c), rel=REL, abs=1e-7)
+    else:
+        # The length of an actual pair of rows (so never above D), and never below r_c.
+        gaps = np.abs(pair_distances(s, vocab_axis) - lower)
+        assert gaps.min() <= REL * max(lower, 1e-6), (lower, gaps.min())
+        assert lower >= r_c * (1 - REL)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "clusters"])
+@pytest.mark.parametrize("shape, vocab_axis", DIAMETER_CASES)
+def test_diameter_and_bracket_against_brute_force(rng, shape, vocab_axis, kind):
+    s = diameter_input(rng, shape, vocab_axis, kind)
+    exact = brute_diameter(s, vocab_axis)
+    got = float(rowgeom.row_diameter(s, vocab_axis=vocab_axis))
+    assert got == pytest.approx(exact, rel=REL, abs=1e-7)
+    if shape == (7, 5):  # blocks smaller than V: the scan over block pairs covers every pair
+        assert float(rowgeom.row_diameter(s, vocab_axis=vocab_axis, block_size=2)) == \
+            pytest.approx(exact, rel=REL, abs=1e-7)
+    for sweeps in (0, 2):
+        lower, upper = rowgeom.row_diameter_bounds(s, vocab_axis=vocab_axis, sweeps=sweeps)
+        assert lower.dtype == upper.dtype == jnp.float32
+        check_bracket(lower, upper, s, vocab_axis, sweeps=sweeps)
+
+
+@pytest.mark.parametrize("exponent", [70, -70])
+@pytest.mark.parametrize("shape, vocab_axis", [((7, 5), 0), ((5, 7), 1)])
+def test_bracket_and_diameter_scale_with_the_input_near_float32_range(rng, shape, vocab_axis,
+                                                                      exponent):
+    """Rows near 2**70 (squared distances overflow float32) and 2**-70 (they underflow): each
+    measure is ``2**e`` times the unscaled one's brute-force value, and the bracket keeps its
+    exact form."""
+    s = diameter_input(rng, shape, vocab_axis, "clusters")
+    scaled = (s.astype(np.float64) * 2.0**exponent).astype(np.float32)
+    unit = 2.0**exponent
+    exact = brute_diameter(s, vocab_axis)
+    got = float(rowgeom.row_diameter(scaled, vocab_axis=vocab_axis)) / unit
+    assert got == pytest.approx(exact, rel=REL)
+    for sweeps in (0, 2):
+        lower, upper = rowgeom.row_diameter_bounds(scaled, vocab_axis=vocab_axis, sweeps=sweeps)
+        check_bracket(float(lower) / unit, float(upper) / unit, s, vocab_axis, sweeps=sweeps)
+
+
+@pytest.mark.parametrize("shape, vocab_axis", [((7, 5), 0), ((5, 7), 1), ((2, 9, 3), 1)])
+def test_tracker_stats_against_brute_force(rng, shape, vocab_axis):
+    """`track_row_diameter` records the sweeps-2 bracket of the update it sees and
+    ``||sum_i s_i||``, and passes the update through unchanged."""
+    s = diameter_input(rng, shape, vocab_axis, "clusters")
+    tx = rowgeom.track_row_diameter(vocab_axis=vocab_axis)
+    out, state = jax.jit(tx.update)({"lm_head": {"kernel": s}},
+                                    tx.init({"lm_head": {"kernel": s}}))
+    np.testing.assert_array_equal(out["lm_head"]["kernel"], s)
+    stats = rowgeom.read_row_diameter(state)
+    key = "lm_head/kernel"
+    assert stats.measured_at == {key: 1} and stats.count == {key: 1}
+    check_bracket(stats.lower[key], stats.upper[key], s, vocab_axis, sweeps=2)
+    rows, _ = _token_rows(s, vocab_axis)
+    assert float(stats.row_sum_residual[key]) == pytest.approx(
+        np.linalg.norm(rows.sum(axis=0)), rel=REL)
+
+
+def test_tracker_of_a_projected_rownorm_step(rng):
+    """Chained after projected RowNorm and a learning rate: the bracket holds the brute-force
+    diameter of the step, which is at most 2 lr, and the step is in the gauge 1ᵀS = 0."""
+    lr = 0.03
+    g = gaussian(rng, (12, 37))
+    tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=1), optax.scale_by_learning_rate(lr),
+                     rowgeom.track_row_diameter(vocab_axis=1))
+    step, state = tx.update(g, tx.init(g))
+    np.testing.assert_allclose(step, -lr * ref_rownorm(g, 1), atol=lr * ATOL)
+    stats = rowgeom.read_row_diameter(state)
+    check_bracket(stats.lower, stats.upper, np.asarray(step), 1, sweeps=2)
+    assert brute_diameter(np.asarray(step), 1) <= 2 * lr * (1 + REL)
+    assert float(stats.row_sum_residual) < 1e-6
+
+
+# --- the same references on 8 simulated devices (the mesh formulation) -------------------------
+
+MESH_SCRIPT = pathlib.Path(__file__).with_name("_reference_mesh_checks.py")
+# check-name suffix -> tolerance (absolute for RowNorm entries and norms, relative otherwise)
+MESH_TOLERANCES = {"rownorm": ATOL, "rownorm_uncentred_input": ATOL, "rownorm_padded": ATOL,
+                   "rownorm_eps": 1e-5, "rownorm_eps_norms": 1e-5, "diameter": REL,
+                   "upper": REL, "lower": REL, "order": REL, "residual": REL}
+
+
+@pytest.fixture(scope="module")
+def mesh_checks():
+    proc = ModuleSubprocess.script(MESH_SCRIPT)
+    yield proc
+    proc.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["auto_mesh", "explicit_mesh", "auto_sharded_input"])
+def test_vocab_sharded_heads_match_the_references(mesh_checks, context):
+    """Vocabulary-sharded (V, d) tables and (d, V) kernels on 8 devices, inside `jax.set_mesh`
+    (Auto and Explicit axes) and as sharded inputs outside it: projected RowNorm (eps near the
+    row norms, padding, flags), the bracket, the exact diameter and the tracker, each within
+    float32 rounding of its float64 reference (_reference_mesh_checks.py)."""
+    errors = mesh_checks.json()[context]
+    assert len(errors) == 2 * 16, sorted(errors)  # every check ran, for both layouts
+    for check, error in errors.items():
+        suffix = check.split("_", 1)[1]
+        tolerance = MESH_TOLERANCES.get(suffix) or MESH_TOLERANCES[suffix.rsplit("_", 1)[1]]
+        assert error <= tolerance, (check, error, tolerance)

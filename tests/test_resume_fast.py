@@ -1,0 +1,86 @@
+"""Exact resumption of the example trainer, fast enough for the fast subset (in-process, 4 steps).
+
+An uninterrupted run of the tiny `test` config saves checkpoints at steps 2 and 4. What a run
+killed after step 3 leaves on disk is then made from it: the checkpoint of step 4 is removed and
+metrics.jsonl keeps the lines of steps 1-3 (step 3 was logged, its checkpoint never written). The
+same `train` call on that workdir must resume from checkpoint 2, train step 3 next, and end with
+the uninterrupted run's metrics (every field but the wall-clock ones, bit for bit: losses, the
+head-step probe and tracker stats of step 3) and its final train state, bit for bit.
+
+The crash matrix (kills at every point of a save, SIGTERM, subprocess launches) stays in
+test_crash_resume.py, marked slow.
+"""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from examples.lm import checkpointing, configs, metrics, train
+
+STEPS, SAVE_EVERY, RESUME_FROM = 4, 2, 2
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, small_corpus):
+    return small_corpus(tmp_path_factory.mktemp("resume_fast"), tokenize=True)
+
+
+def _cfg(root):
+    # Evaluations at 2 and 4 and the head probe on the last two steps, so step 3 (the first
+    # step after the resume) records the head step's diameter and the tracker's bracket.
+    return configs.override(configs.get_config("test"), {
+        "data.source": str(root / "corpus"), "data.dir": str(root / "tokens"),
+        "steps": STEPS, "checkpoint.every": SAVE_EVERY, "eval.every": SAVE_EVERY,
+        "eval.probe_last_steps": 2})
+
+
+def _deterministic(workdir):
+    return [metrics.deterministic_part(r) for r in metrics.read_metrics(workdir)]
+
+
+def _saved_steps(workdir):
+    ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
+    try:
+        return ckpt.all_steps()
+    finally:
+        ckpt.close()
+
+
+def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root,
+                                                                            final_checkpoint):
+    cfg, quiet = _cfg(root), lambda *args, **kwargs: None
+    clean = root / "clean"
+    train.train(cfg, clean, progress=False, print_fn=quiet)
+    want = _deterministic(clean)
+    assert [r["step"] for r in want] == list(range(1, STEPS + 1))
+    assert sorted(_saved_steps(clean)) == [RESUME_FROM, STEPS]
+    first_after = want[RESUME_FROM]  # step 3: its loss, the head probe and the tracker's stats
+    assert {"train_loss", "head_step_diameter", "tracked_lower", "tracked_upper"} <= set(
+        first_after)
+
+    # A run killed after step 3: checkpoint 2 is the latest, step 3's metrics line was written.
+    killed = root / "killed"
+    shutil.copytree(clean, killed)
+    shutil.rmtree(killed / "checkpoints" / str(STEPS))
+    lines = (killed / metrics.METRICS_FILE).read_text().splitlines(keepends=True)
+    (killed / metrics.METRICS_FILE).write_text("".join(lines[:RESUME_FROM + 1]))
+    assert _saved_steps(killed) == [RESUME_FROM]
+
+    out = []
+    train.train(cfg, killed, progress=False, print_fn=out.append)
+    assert any(line.startswith(f"resumed from step {RESUME_FROM} ") for line in out), out
+    got = _deterministic(killed)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine == theirs, f"step {theirs['step']}"
+    assert all(r["tokens_per_sec"] > 0 for r in metrics.read_metrics(killed))
+
+    state, meta = final_checkpoint(killed, STEPS)
+    clean_state, clean_meta = final_checkpoint(clean, STEPS)
+    assert meta == clean_meta
+    assert int(state["micro_step"]) == STEPS * cfg.optim.grad_accum_steps
+    jax.tree.map(np.testing.assert_array_equal, state, clean_state)
