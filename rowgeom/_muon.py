@@ -21,7 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
+from rowgeom._muon_sharding import (
+    gather,
+    known_replicated,
+    matrix_mesh,
+    on_mesh,
+    sharded_like,
+    split_long_side,
+    splits_long_side,
+    spread,
+)
 from rowgeom._newton_schulz import orthogonalize, resolve_coefficients
 from rowgeom._tree import (
     Path,
@@ -163,30 +174,46 @@ def _whole_matrices(stacked: jax.Array) -> jax.Array:
     Each device then orthogonalizes whole matrices of its share of the batch; Auto axes are
     left to XLA's partitioner (a no-op here).
     """
-    spec = tuple(jax.typeof(stacked).sharding.spec) + (None,) * stacked.ndim
+    sharding = jax.typeof(stacked).sharding
+    spec = tuple(sharding.spec) + (None,) * stacked.ndim
     if spec[1] is None and spec[2] is None:
         return stacked
-    return jax.sharding.reshard(stacked, jax.sharding.PartitionSpec(spec[0], None, None))
+    # A NamedSharding, not a bare PartitionSpec: outside `jax.set_mesh` there is no mesh to
+    # resolve one against.
+    return jax.sharding.reshard(stacked, NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(spec[0], None, None)))
 
 
-def _wide_matrices_by_shape(leaves, leaf_plans) -> dict[tuple, list[tuple[int, jax.Array]]]:
-    """Each planned leaf as a ``(batch, m, n)`` stack oriented wide (``m <= n``), grouped by
-    ``(m, n, dtype, sharding)`` so that each group is orthogonalized by one call."""
-    groups: dict[tuple, list[tuple[int, jax.Array]]] = {}
+def _as_matrices(x: jax.Array, plan: _Plan) -> jax.Array:
+    """A leaf as its ``(batch, m, n)`` stack of matrices, oriented wide (``m <= n``)."""
+    mats = jnp.transpose(x, plan.perm).reshape(plan.flat_shape)
+    return mats if plan.wide else jnp.swapaxes(mats, -1, -2)
+
+
+def _shape_groups(leaves, leaf_plans) -> list[list[int]]:
+    """Indices of the planned leaves, grouped by oriented matrix shape and dtype: each group is
+    orthogonalized by one call."""
+    groups: dict[tuple, list[int]] = {}
     for i, (x, plan) in enumerate(zip(leaves, leaf_plans, strict=True)):
         if plan is None or x.size == 0:
             continue
-        mats = jnp.transpose(x, plan.perm).reshape(plan.flat_shape)
-        if not plan.wide:
-            mats = jnp.swapaxes(mats, -1, -2)
-        # Explicit-mode sharding is part of the type: only equally sharded stacks concatenate.
-        key = (mats.shape[1:], mats.dtype, jax.typeof(mats).sharding.spec)
-        groups.setdefault(key, []).append((i, mats))
-    return groups
+        m, n = plan.flat_shape[1:]
+        groups.setdefault((min(m, n), max(m, n), jnp.dtype(x.dtype)), []).append(i)
+    return list(groups.values())
+
+
+def _orthogonalize_group(mats: list[jax.Array], leaves: list[jax.Array],
+                         leaf_plans: list[_Plan], polar_of) -> list[jax.Array]:
+    """One group's stacks of matrices (from `_as_matrices`), concatenated, mapped by `polar_of`
+    in one call and returned as the leaves' shapes, each times its scale."""
+    polar = polar_of(jnp.concatenate(mats, axis=0))
+    offsets = np.cumsum([m.shape[0] for m in mats])[:-1]
+    return [_as_leaf(part, plan, x) for part, plan, x in
+            zip(jnp.split(polar, offsets, axis=0), leaf_plans, leaves, strict=True)]
 
 
 def _as_leaf(part: jax.Array, plan: _Plan, x: jax.Array) -> jax.Array:
-    """Undoes `_wide_matrices_by_shape` for one leaf's share of a group, times its scale."""
+    """Undoes `_as_matrices` for one leaf's share of a group, times its scale."""
     if not plan.wide:
         part = jnp.swapaxes(part, -1, -2)
     part = (part * plan.scale).astype(x.dtype)
@@ -213,8 +240,8 @@ def _check_options(*, scale: str | None, eps: float, rms_scale: float,
 
 def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: float = 1e-7,
                        compute_dtype: Any = None, scale: str | None = "rms",
-                       rms_scale: float = 0.2,
-                       dimension_numbers: Any = None) -> optax.GradientTransformation:
+                       rms_scale: float = 0.2, dimension_numbers: Any = None,
+                       shard_matrices: bool = True) -> optax.GradientTransformation:
     """Replaces every matrix of the updates by `scale(m, n) * newton_schulz(matrix)`.
 
     Args:
@@ -239,6 +266,18 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
         `MuonDimensionNumbers` or `None` (`None` passes that subtree through unchanged), or a
         callable receiving the updates (same structure and shapes as the params) and returning
         such a tree. ``optax.contrib.MuonDimensionNumbers`` is accepted wherever rowgeom's is.
+      shard_matrices: when the updates live on a device mesh (set with `jax.set_mesh`, or named
+        by the updates' own `NamedSharding`), orthogonalize whole matrices, each on one device:
+        each group of same-shape matrices is padded with zero matrices to a multiple of the
+        device count and split along its batch axis over every device of the mesh (one
+        all-to-all), Newton–Schulz runs with no communication, and each result returns to its
+        update's sharding (one all-to-all back). A group of fewer matrices than devices is
+        instead split along the matrices' long side over every device when that moves less data
+        (each step then all-reduces the small Gram matrices: a Muon head). Under Explicit axes a
+        group of replicated updates stays where it is. `False`: leave the placement to XLA's
+        partitioner, which communicates inside every iteration for a matrix split across
+        devices. Results are the same either way (to float32 rounding). A static Python bool;
+        see the sharding guide.
 
     Returns:
       A stateless `optax.GradientTransformation` (`optax.EmptyState`). `None` and
@@ -268,6 +307,8 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
     table, norm_scale = resolve_coefficients(ns_coeffs, ns_steps)
     scale = _check_options(scale=scale, eps=eps, rms_scale=rms_scale,
                            compute_dtype=compute_dtype)
+    if not isinstance(shard_matrices, (bool, np.bool_)):
+        raise TypeError(f"shard_matrices must be a Python bool, got {shard_matrices!r}")
 
     def plans(tree):
         dims = dimension_numbers(tree) if callable(dimension_numbers) else dimension_numbers
@@ -283,17 +324,67 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
         plans(params)  # report bad shapes/dtypes/dimension numbers at init time
         return optax.EmptyState()
 
+    def polar_of(stack):
+        return orthogonalize(stack, table, norm_scale=norm_scale, eps=eps,
+                             compute_dtype=compute_dtype)
+
+    def local(group, leaves, leaf_plans):
+        """One group's results, orthogonalized wherever the partitioner places them."""
+        mats = [_as_matrices(leaves[i], leaf_plans[i]) for i in group]
+        # Explicit-mode sharding is part of the type: only equally sharded stacks concatenate.
+        by_sharding: dict[Any, list[int]] = {}
+        for k, m in enumerate(mats):
+            by_sharding.setdefault(jax.typeof(m).sharding.spec, []).append(k)
+        out: dict[int, jax.Array] = {}
+        for ks in by_sharding.values():
+            parts = _orthogonalize_group(
+                    [mats[k] for k in ks], [leaves[group[k]] for k in ks],
+                    [leaf_plans[group[k]] for k in ks],
+                    lambda stack: polar_of(_whole_matrices(stack)))
+            out.update((group[k], part) for k, part in zip(ks, parts, strict=True))
+        return [sharded_like(out[i], leaves[i]) for i in group]
+
+    steps = table.shape[0]
+
+    def spread_over(where, groups, leaf_plans):
+        """The groups' results, each matrix orthogonalized whole on one device of `where` (a
+        group of fewer, wide matrices: each split along its long side over every device)."""
+        def polar_on_devices(stack):
+            batch, m, n = stack.shape
+            if splits_long_side(batch, m, n, where, steps):
+                polar = polar_of(split_long_side(stack, where))
+                return gather(polar, batch, where, long_side=True)
+            return gather(polar_of(spread(stack, where)), batch, where)
+
+        def results(inputs):  # one list of leaves per group
+            out = []
+            for group, leaves in zip(groups, inputs, strict=True):
+                group_plans = [leaf_plans[i] for i in group]
+                mats = [_as_matrices(x, plan) for x, plan in
+                        zip(leaves, group_plans, strict=True)]
+                out.append(_orthogonalize_group(mats, leaves, group_plans, polar_on_devices))
+            return out
+        return results
+
     def update_fn(updates, state, params=None):
         del params  # shapes come from the updates
         leaves, treedef, leaf_plans = plans(updates)
+        groups = _shape_groups(leaves, leaf_plans)
+        where = (matrix_mesh([leaves[i] for group in groups for i in group])
+                 if shard_matrices else None)
+        spread_groups = [group for group in groups if where is not None
+                         and not all(known_replicated(leaves[i], where) for i in group)]
         out = list(leaves)
-        for members in _wide_matrices_by_shape(leaves, leaf_plans).values():
-            stacked = _whole_matrices(jnp.concatenate([mats for _, mats in members], axis=0))
-            polar = orthogonalize(stacked, table, norm_scale=norm_scale, eps=eps,
-                                  compute_dtype=compute_dtype)
-            offsets = np.cumsum([mats.shape[0] for _, mats in members])[:-1]
-            for (i, _), part in zip(members, jnp.split(polar, offsets, axis=0), strict=True):
-                out[i] = _as_leaf(part, leaf_plans[i], leaves[i])
+        for group in groups:
+            if group not in spread_groups:
+                for i, result in zip(group, local(group, leaves, leaf_plans), strict=True):
+                    out[i] = result
+        if where is not None and spread_groups:
+            inputs = [[leaves[i] for i in group] for group in spread_groups]
+            results = on_mesh(spread_over(where, spread_groups, leaf_plans), inputs, where)
+            for group, group_results in zip(spread_groups, results, strict=True):
+                for i, result in zip(group, group_results, strict=True):
+                    out[i] = result
         return jax.tree_util.tree_unflatten(treedef, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)

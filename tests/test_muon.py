@@ -265,3 +265,110 @@ def test_optax_contrib_dimension_numbers_are_accepted(rng):
     chex.assert_trees_all_close(apply(muon_orthogonalize(dimension_numbers=theirs), g), want)
     one = muon_orthogonalize(dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 2))
     chex.assert_trees_all_close(apply(one, {"w": g["w"]})["w"], want["w"])
+
+
+def test_shard_matrices_off_is_the_same_update_on_one_device(rng):
+    """With one device there is no mesh: both settings run the same computation."""
+    g = {"a": randn(rng, 8, 24), "b": randn(rng, 24, 8), "stack": randn(rng, 3, 8, 8)}
+    dims = {"a": MuonDimensionNumbers(), "b": MuonDimensionNumbers(),
+            "stack": MuonDimensionNumbers(1, 2)}
+    on = jax.jit(muon_orthogonalize(dimension_numbers=dims).update)(g, optax.EmptyState())[0]
+    off = jax.jit(muon_orthogonalize(dimension_numbers=dims, shard_matrices=False).update)(
+            g, optax.EmptyState())[0]
+    chex.assert_trees_all_equal(on, off)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, jnp.asarray(True)])
+def test_shard_matrices_must_be_a_bool(value):
+    with pytest.raises(TypeError, match="shard_matrices"):
+        muon_orthogonalize(shard_matrices=value)
+
+
+# --- Against optax 0.2.8's own Muon ------------------------------------------------------------
+
+
+def test_same_polar_factor_as_optax(rng):
+    """Where optax is right, the two agree: the bare polar factor of every layout."""
+    from optax.contrib import _muon as optax_muon
+
+    coeffs = jnp.asarray(ns_coefficients("keller", 1)[0])
+    for shape in ((8, 24), (24, 8), (12, 12)):
+        x = randn(rng, *shape)
+        theirs = optax_muon.orthogonalize_via_newton_schulz(x, coeffs, 5, eps=1e-7)
+        ours = apply(muon_orthogonalize(scale=None), {"x": x})["x"]
+        np.testing.assert_allclose(ours, theirs, atol=2e-6)
+
+
+def test_coefficient_table_length_is_checked_where_optax_is_not(rng):
+    """optax 0.2.8 refuses a table longer than ns_steps ("Not enough coeffs") and silently runs
+    only the rows of a shorter one; rowgeom requires exactly ns_steps rows (presets define every
+    step count)."""
+    table = ns_coefficients("polar_express", 5)
+    g = {"w": randn(rng, 16, 48)}
+    dims = {"w": optax.contrib.MuonDimensionNumbers()}
+    with pytest.raises(ValueError, match="Not enough coeffs"):  # 5 rows are more than 3 steps
+        optax.contrib.scale_by_muon(ns_coeffs=table, ns_steps=3,
+                                    weight_dimension_numbers=dims).init(g)
+    eight = optax.contrib.scale_by_muon(ns_coeffs=table, ns_steps=8, beta=0.0, nesterov=False,
+                                        eps=1e-7, weight_dimension_numbers=dims)
+    ran = eight.update(g, eight.init(g))[0]["w"]
+    np.testing.assert_allclose(ran, ns_reference(g["w"], table), atol=1e-5)  # 5 steps, not 8
+    with pytest.raises(ValueError, match=r"\(8, 3\)"):
+        muon_orthogonalize(ns_coeffs=table, ns_steps=8)
+    steps8 = apply(muon_orthogonalize(ns_coeffs="polar_express", ns_steps=8, scale=None), g)
+    assert float(jnp.max(jnp.abs(steps8["w"] - ran))) > 1e-3  # the 3 missing steps matter
+
+
+def test_stacked_matrices_are_scaled_each_on_its_own_unlike_optax_adaptive(rng):
+    """optax 0.2.8's adaptive=True multiplies a stacked (L, m, n) leaf by <G, polar(G)> summed
+    over all L matrices, so one layer's step depends on the others; rowgeom's scale is per
+    matrix, so layer 0's update is the same whatever layer 1 holds."""
+    g0, g1 = randn(rng, 8, 20), randn(rng, 8, 20)
+    stack = lambda big: {"w": jnp.stack([g0, big * g1])}
+    theirs = optax.contrib.scale_by_muon(
+            beta=0.0, nesterov=False, adaptive=True,
+            weight_dimension_numbers={"w": optax.contrib.MuonDimensionNumbers(1, 2)})
+    layer0 = lambda tx, big: tx.update(stack(big), tx.init(stack(big)))[0]["w"][0]
+    coupled = float(jnp.linalg.norm(layer0(theirs, 10.0)) / jnp.linalg.norm(layer0(theirs, 1.0)))
+    assert coupled > 5  # layer 1 grew 10x: optax's layer-0 step grew with it
+    ours = muon_orthogonalize(dimension_numbers=MuonDimensionNumbers(1, 2))
+    np.testing.assert_allclose(layer0(ours, 10.0), layer0(ours, 1.0), atol=1e-6)
+    np.testing.assert_allclose(layer0(ours, 1.0), apply(muon_orthogonalize(), {"w": g0})["w"],
+                               atol=1e-6)
+
+
+def test_embedding_and_head_stay_off_muon_unlike_optax_default(rng):
+    """optax.contrib.muon's default rule sends every rank-2 leaf to Muon, the embedding table
+    and the LM head included; rowgeom labels them by name and shape and gives them their own
+    geometry (AdamW for the table, projected RowNorm for the head)."""
+    import rowgeom
+
+    v, d = 64, 16
+    params = {"embed": {"embedding": randn(rng, v, d)},
+              "layers": {"0": {"attn": {"q_proj": {"kernel": randn(rng, d, d)}},
+                               "attn_norm": {"scale": jnp.ones(d)}}},
+              "lm_head": {"kernel": randn(rng, d, v)}}
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
+    cosine = lambda a, b: float(jnp.sum(a * b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
+    polar = lambda x: -ns_reference(x)  # a descent step along the polar factor
+
+    theirs = optax.contrib.muon(1e-3)
+    step = theirs.update(grads, theirs.init(params), params)[0]
+    for path in (("embed", "embedding"), ("lm_head", "kernel")):
+        got, g = step[path[0]][path[1]], grads[path[0]][path[1]]
+        assert cosine(got, polar(g)) > 0.99, path  # orthogonalized: Muon
+
+    assert rowgeom.label_params(params) == {
+            "embed": {"embedding": "embedding"}, "lm_head": {"kernel": "head"},
+            "layers": {"0": {"attn": {"q_proj": {"kernel": "hidden"}},
+                             "attn_norm": {"scale": "vector"}}}}
+    ours = rowgeom.lm_optimizer(1e-3, weight_decay=0.0)  # optax's default: no decay
+    step = ours.update(grads, ours.init(params), params)[0]
+    for path in (("embed", "embedding"), ("lm_head", "kernel")):
+        got, g = step[path[0]][path[1]], grads[path[0]][path[1]]
+        assert cosine(got, polar(g)) < 0.95, path
+    q = ("layers", "0", "attn", "q_proj", "kernel")
+    got, g = step, grads
+    for key in q:
+        got, g = got[key], g[key]
+    assert cosine(got, polar(g)) > 0.99  # the hidden matrix is Muon's in both

@@ -1,0 +1,406 @@
+"""The sharded optimizer update and training step, read from compiled HLO on 8 simulated devices.
+
+Everything is compiled from abstract inputs (`jax.ShapeDtypeStruct` with a `NamedSharding`:
+nothing is allocated), so the numbers are the compiled program's, not timings:
+
+- **collectives**: the result bytes of every cross-device collective in `compiled.as_text()`
+  (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute), per device, divided
+  by the *full hidden group*: the bytes of every hidden (Muon) matrix, unsharded;
+- **FLOPs**: `compiled.cost_analysis()["flops"]` per device, divided by the same update compiled
+  for one device (ideal with 8 devices: 0.125);
+- **temporary memory**: `compiled.memory_analysis().temp_size_in_bytes` per device.
+
+Workloads:
+
+1. `rowgeom.lm_optimizer(1e-3).update(grads, state, params)`, default options (and
+   `shard_matrices=False` where `lm_optimizer` takes it), on the parameter trees of the example
+   LM (`examples/lm`: the `190m` and `640m` configs, and a GPT-2-small-shaped one: 12 blocks,
+   d 768, MLP 3072, V 50304, untied head). Layouts: *per-block* (the example's NNX model, a list
+   of blocks, from `nnx.eval_shape`, with its sharding annotations fitted by
+   `examples/lm/mesh.py`), *scanned* (MaxText-style: every block leaf stacked on a leading layer
+   axis and sharded like the block's leaf, so `(L, d, f)` is split on `d`) and, on the 1-D mesh,
+   *per-block, first axis* (plain FSDP: every matrix split along its first axis). Meshes: FSDP
+   over 8 devices, `data` x `fsdp` (2 x 4) and `fsdp` x `tensor` (4 x 2). Optimizer state is
+   sharded like its parameter (`examples/lm/mesh.py`'s `state_shardings`).
+2. Fewer matrices than devices: `muon_orthogonalize` on 1, 2, 4, 8 split `(768, 3072)` matrices
+   and on one `(768, 50304)` Muon head, with and without `shard_matrices`.
+3. The example's whole `190m` training step (`examples/lm/train.py`'s `Trainer`, FSDP over 8):
+   per-device memory at the configured global batch and at a smaller one, and the optimizer's
+   share of the step's collective bytes (less those of `Trainer.grad_step`, the same step
+   without the optimizer update).
+
+Run: `python benchmarks/bench_sharded_optimizer.py` (several minutes on 2 cores; `--quick`:
+small trees, no training step; `--docs`: rewrite its section of docs/benchmarks.md;
+`--json PATH`: the raw numbers).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import rowgeom  # noqa: E402
+from examples.lm import configs  # noqa: E402
+from examples.lm import mesh as mesh_lib  # noqa: E402
+from examples.lm import model as model_lib  # noqa: E402
+
+DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
+MARKERS = ("<!-- sharded-optimizer:begin -->", "<!-- sharded-optimizer:end -->")
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE = re.compile(r"=\s*(.+?)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
+SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+            "s8": 1, "u8": 1, "pred": 1}
+MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}
+GPT2_SMALL = model_lib.ModelConfig(vocab_size=50304, d_model=768, num_layers=12, num_heads=12,
+                                   mlp_dim=3072, max_seq_len=1024)
+TINY = model_lib.ModelConfig(vocab_size=1024, d_model=64, num_layers=3, num_heads=2, mlp_dim=192,
+                             max_seq_len=64)
+GIB = 2**30
+
+
+# --- Reading a compiled program ------------------------------------------------------------------
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Result bytes per device of every cross-device collective, by kind (tuples summed)."""
+    out = dict.fromkeys(KINDS, 0)
+    for result, op in COLLECTIVE.findall(hlo_text):
+        for dtype, dims in SHAPE.findall(result):
+            out[op] += math.prod(int(n) for n in dims.split(",") if n) * ITEMSIZE[dtype]
+    return out
+
+
+def read(compiled) -> dict:
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return dict(collectives=collective_bytes(compiled.as_text()), flops=float(cost["flops"]),
+                temp_bytes=int(memory.temp_size_in_bytes),
+                argument_bytes=int(memory.argument_size_in_bytes),
+                output_bytes=int(memory.output_size_in_bytes),
+                alias_bytes=int(memory.alias_size_in_bytes))
+
+
+# --- Parameter trees ---------------------------------------------------------------------------
+
+
+def per_block_tree(cfg: model_lib.ModelConfig):
+    """The example model's abstract parameters and PartitionSpecs (a list of blocks)."""
+    model = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          nnx.to_pure_dict(params))
+    return shapes, specs
+
+
+def scanned_tree(cfg: model_lib.ModelConfig):
+    """The same leaves with the blocks stacked on a leading layer axis (MaxText-style scan)."""
+    shapes, specs = per_block_tree(cfg)
+    blocks = [shapes["layers"][i] for i in range(cfg.num_layers)]
+    block_specs = specs["layers"][0]
+    is_spec = lambda x: isinstance(x, P)
+    shapes["layers"] = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((cfg.num_layers, *a.shape), a.dtype), blocks[0])
+    specs["layers"] = jax.tree.map(lambda s: P(None, *s), block_specs, is_leaf=is_spec)
+    return shapes, specs
+
+
+def first_axis_tree(cfg: model_lib.ModelConfig):
+    """The per-block tree with plain FSDP: every matrix split along its first axis."""
+    shapes, specs = per_block_tree(cfg)
+    specs = jax.tree.map(lambda a: P("fsdp") if a.ndim >= 2 else P(), shapes)
+    return shapes, specs
+
+
+LAYOUTS = {"per-block": per_block_tree, "scanned": scanned_tree,
+           "per-block, first axis": first_axis_tree}
+
+
+def hidden_bytes(shapes) -> int:
+    labels = rowgeom.label_params(shapes)
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a, label in
+               zip(jax.tree.leaves(shapes), jax.tree.leaves(labels), strict=True)
+               if label == "hidden")
+
+
+def placed(shapes, specs, mesh):
+    """Abstract arrays with the specs fitted to `mesh` (axes that do not divide are dropped)."""
+    return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                              sharding=mesh_lib.fit_sharding(a.shape, s, mesh)),
+            shapes, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def make_mesh(sizes):
+    return jax.make_mesh(sizes, mesh_lib.AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def supports_shard_matrices(fn) -> bool:
+    return "shard_matrices" in inspect.signature(fn).parameters
+
+
+# --- 1. The lm_optimizer update ----------------------------------------------------------------
+
+
+def compile_update(tx, params, mesh=None):
+    """`tx.update(grads, state, params)` compiled for `params` (abstract, maybe sharded), the
+    optimizer state sharded like the example trainer shards it (moments like their parameter,
+    `examples/lm/mesh.py`'s `state_shardings`)."""
+    state = jax.eval_shape(tx.init, params)
+    if mesh is None:
+        return read(jax.jit(tx.update).lower(params, state, params).compile())
+    param_shardings = jax.tree.map(lambda a: a.sharding, params)
+    shardings = mesh_lib.state_shardings({"params": params, "opt_state": state},
+                                         param_shardings, mesh)["opt_state"]
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         state, shardings)
+    with jax.set_mesh(mesh):
+        return read(jax.jit(tx.update).lower(params, state, params).compile())
+
+
+def update_rows(trees, meshes, variants):
+    rows = []
+    for tree_name, cfg in trees.items():
+        for layout, build in LAYOUTS.items():
+            shapes, specs = build(cfg)
+            hidden = hidden_bytes(shapes)
+            single = {name: compile_update(make(), shapes) for name, make in variants.items()}
+            for mesh_name in meshes[tree_name] if layout != "per-block, first axis" else [
+                    "fsdp 8"]:
+                mesh = make_mesh(MESHES[mesh_name])
+                for name, make in variants.items():
+                    t0 = time.perf_counter()
+                    got = compile_update(make(), placed(shapes, specs, mesh), mesh)
+                    rows.append(dict(tree=tree_name, layout=layout, mesh=mesh_name, variant=name,
+                                     hidden_bytes=hidden, single=single[name], sharded=got,
+                                     compile_s=time.perf_counter() - t0))
+                    print(_update_line(rows[-1]), flush=True)
+    return rows
+
+
+def _update_line(row) -> str:
+    c = row["sharded"]["collectives"]
+    total = sum(c.values()) / row["hidden_bytes"]
+    flops = row["sharded"]["flops"] / row["single"]["flops"]
+    return (f"{row['tree']:>11s} {row['layout']:>9s} {row['mesh']:>17s} {row['variant']:>22s}: "
+            f"collectives {total:6.3f}x hidden, FLOPs {flops:.3f}x one device, temp "
+            f"{row['sharded']['temp_bytes'] / 2**20:8.1f} MiB ({row['compile_s']:.0f} s)")
+
+
+# --- 2. Fewer matrices than devices ------------------------------------------------------------
+
+
+def few_rows(d: int, f: int, vocab: int, counts=(1, 2, 4, 8)):
+    """`muon_orthogonalize` on k FSDP-sharded (d, f) matrices and on one (d, V) Muon head
+    (split along d, as FSDP splits it, or along V, as tensor parallelism does)."""
+    mesh = make_mesh(MESHES["fsdp 8"])
+    cases = {f"{k} x ({d}, {f}), split on {d}": ([(d, f)] * k, P("fsdp", None))
+             for k in counts}
+    cases[f"1 x ({d}, {vocab}) head, split on {d}"] = ([(d, vocab)], P("fsdp", None))
+    cases[f"1 x ({d}, {vocab}) head, split on {vocab}"] = ([(d, vocab)], P(None, "fsdp"))
+    variants = {"default": {}}
+    if supports_shard_matrices(rowgeom.muon_orthogonalize):
+        variants["shard_matrices=False"] = {"shard_matrices": False}
+    rows = []
+    for case, (shapes, spec) in cases.items():
+        tree = {f"w{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+        full = sum(math.prod(s) * 4 for s in shapes)
+        for name, kwargs in variants.items():
+            tx = rowgeom.muon_orthogonalize(**kwargs)
+            step = lambda g, tx=tx: tx.update(g, tx.init(g))[0]
+            single = read(jax.jit(step).lower(tree).compile())
+            sharding = NamedSharding(mesh, spec)
+            sharded_tree = jax.tree.map(lambda a, sharding=sharding: jax.ShapeDtypeStruct(
+                    a.shape, a.dtype, sharding=sharding), tree)
+            with jax.set_mesh(mesh):
+                got = read(jax.jit(step).lower(sharded_tree).compile())
+            rows.append(dict(case=case, variant=name, matrix_bytes=full, single=single,
+                             sharded=got))
+            c = got["collectives"]
+            print(f"{case:>36s} {name:>22s}: collectives {sum(c.values()) / full:6.3f}x the "
+                  f"matrices, FLOPs {got['flops'] / single['flops']:.3f}x one device", flush=True)
+    return rows
+
+
+# --- 3. The example's training step ------------------------------------------------------------
+
+
+def train_step_row(config_name: str, *, batch_size: int | None = None,
+                   num_layers: int | None = None):
+    """Per-device memory and collectives of the example's jitted training step, FSDP over 8
+    devices, at the config's batch (or `batch_size` sequences)."""
+    from examples.lm import train  # noqa: PLC0415  (imports the example's whole trainer)
+
+    cfg = configs.override(configs.get_config(config_name),
+                           {"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1})
+    full_layers = cfg.model.num_layers
+    if num_layers is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                 num_layers=num_layers))
+    if batch_size is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
+    mesh = mesh_lib.make_mesh(1, 8, 1)
+    t0 = time.perf_counter()
+    trainer = train.Trainer(cfg, mesh)
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.seq_len), jnp.int32,
+                                 sharding=mesh_lib.batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        step = read(trainer.train_step.lower(trainer.abstract_state, batch, batch).compile())
+        grads_only = read(trainer.grad_step.lower(trainer.abstract_state, batch, batch)
+                          .compile())
+    return dict(config=config_name, num_layers=cfg.model.num_layers, full_layers=full_layers,
+                batch=cfg.data.batch_size, seq_len=cfg.seq_len,
+                compute_dtype=cfg.model.compute_dtype,
+                hidden_bytes=hidden_bytes(trainer.abstract_state["params"]),
+                step=step, grads_only=grads_only, compile_s=time.perf_counter() - t0)
+
+
+def peak_bytes(r: dict) -> int:
+    """Arguments + outputs + temporaries, less the donated (aliased) buffers."""
+    return r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"] - r["alias_bytes"]
+
+
+# --- Report ------------------------------------------------------------------------------------
+
+
+def _kinds(c: dict, scale: float) -> str:
+    parts = [f"{k} {v / scale:.3f}" for k, v in c.items() if v]
+    return ", ".join(parts) if parts else "none"
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"Run {env['date']}: jax {env['jax']}, {env['devices']} simulated CPU devices, "
+             f"rowgeom at `{env['git']}`; {env['total_s']:.0f} s in all. Every number is read "
+             "from the compiled program (abstract inputs, nothing allocated).", "",
+             "### `lm_optimizer(1e-3).update`, default options", "",
+             "Collectives: result bytes per device per step ÷ the full (unsharded) hidden group; "
+             "FLOPs per device ÷ the same update compiled for one device (ideal 0.125); "
+             "temporary memory per device.", "",
+             "| tree | layout | mesh | variant | collectives ÷ hidden group | by kind | "
+             "FLOPs ÷ one device | temp / device |", "|---|---|---|---|---|---|---|---|"]
+    for r in results["update"]:
+        c, h = r["sharded"]["collectives"], r["hidden_bytes"]
+        lines.append(
+                f"| {r['tree']} ({h / 2**20:.0f} MiB hidden) | {r['layout']} | {r['mesh']} | "
+                f"{r['variant']} | **{sum(c.values()) / h:.3f}** | {_kinds(c, h)} | "
+                f"{r['sharded']['flops'] / r['single']['flops']:.3f} | "
+                f"{r['sharded']['temp_bytes'] / 2**20:.0f} MiB |")
+    lines += ["", "### Fewer matrices than devices (`muon_orthogonalize`, FSDP over 8)", "",
+              "| matrices | variant | collectives ÷ the matrices' bytes | by kind | "
+              "FLOPs ÷ one device |", "|---|---|---|---|---|"]
+    for r in results["few"]:
+        c, full = r["sharded"]["collectives"], r["matrix_bytes"]
+        lines.append(f"| {r['case']} | {r['variant']} | **{sum(c.values()) / full:.3f}** | "
+                     f"{_kinds(c, full)} | {r['sharded']['flops'] / r['single']['flops']:.3f} |")
+    steps = results.get("train_step") or []
+    if steps:
+        first = steps[0]
+        reduced = ("" if first["num_layers"] == first["full_layers"] else
+                   f" with {first['num_layers']} of its {first['full_layers']} blocks")
+        lines += ["", f"### The example's `{first['config']}` training step{reduced}, "
+                  "FSDP over 8 devices", "",
+                  f"Sequences of {first['seq_len']} tokens, {first['compute_dtype']} compute, "
+                  "float32 parameters and optimizer state, parameters and state donated; "
+                  "per device. The optimizer's share: the step's collective bytes less those "
+                  "of the same step without the optimizer update.", "",
+                  "| global batch | arguments | temporaries | peak (args + outputs + temps "
+                  "- donated) | fits 16 GB / 80 GB | collectives of the step | of which the "
+                  "optimizer | compile |", "|---|---|---|---|---|---|---|---|"]
+        for step in steps:
+            s_, g = step["step"], step["grads_only"]
+            total, grads = sum(s_["collectives"].values()), sum(g["collectives"].values())
+            peak = peak_bytes(s_)
+            fits = lambda gb, peak=peak: "yes" if peak <= gb * 1e9 else "no"
+            lines.append(
+                    f"| {step['batch']} | {s_['argument_bytes'] / GIB:.2f} GiB | "
+                    f"{s_['temp_bytes'] / GIB:.2f} GiB | **{peak / GIB:.2f} GiB** | "
+                    f"{fits(16)} / {fits(80)} | {total / GIB:.2f} GiB "
+                    f"({_kinds(s_['collectives'], GIB)}) | {(total - grads) / GIB:.3f} GiB "
+                    f"(**{(total - grads) / total:.1%}**) | {step['compile_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small trees, no training step")
+    parser.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's section")
+    parser.add_argument("--json", type=pathlib.Path, help="write the raw results here")
+    parser.add_argument("--step-layers", type=int, default=None,
+                        help="compile the training step with this many blocks (default: all)")
+    parser.add_argument("--step-batches", type=int, nargs="*", default=[256, 32],
+                        help="global batches to compile the training step at (256: the config)")
+    parser.add_argument("--no-step", action="store_true", help="skip the training step")
+    parser.add_argument("--trees", nargs="*", help="only these trees (e.g. '190m')")
+    parser.add_argument("--no-few", action="store_true", help="skip fewer-matrices cases")
+    args = parser.parse_args()
+    assert jax.device_count() == 8, jax.devices()
+    start = time.perf_counter()
+
+    variants = {"default": lambda: rowgeom.lm_optimizer(1e-3)}
+    if supports_shard_matrices(rowgeom.lm_optimizer):
+        variants["shard_matrices=False"] = lambda: rowgeom.lm_optimizer(
+                1e-3, shard_matrices=False)
+    if args.quick:
+        trees = {"tiny": TINY}
+        meshes = {"tiny": list(MESHES)}
+        few = dict(d=64, f=192, vocab=1024)
+    else:
+        trees = {"GPT-2 small": GPT2_SMALL, "190m": configs.get_config("190m").model,
+                 "640m": configs.get_config("640m").model}
+        meshes = {"GPT-2 small": list(MESHES), "190m": list(MESHES), "640m": ["fsdp 8"]}
+        few = dict(d=768, f=3072, vocab=50304)
+    if args.trees:
+        trees = {k: v for k, v in trees.items() if k in args.trees}
+    results = {"update": update_rows(trees, meshes, variants),
+               "few": [] if args.no_few else few_rows(**few)}
+    if not (args.quick or args.no_step):
+        results["train_step"] = []
+        for batch in args.step_batches:
+            step = train_step_row("190m", batch_size=batch, num_layers=args.step_layers)
+            results["train_step"].append(step)
+            print(f"190m step, batch {batch}: peak {peak_bytes(step['step']) / GIB:.2f} GiB per "
+                  f"device, compiled in {step['compile_s']:.0f} s", flush=True)
+    git = os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip()
+    results["environment"] = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            jax=jax.__version__, devices=jax.device_count(), git=git or "?",
+            load=" ".join(f"{v:.1f}" for v in os.getloadavg()),
+            total_s=time.perf_counter() - start)
+    text = markdown(results)
+    print("\n" + text)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.docs:
+        page = DOCS_PAGE.read_text()
+        begin, end = page.index(MARKERS[0]) + len(MARKERS[0]), page.index(MARKERS[1])
+        DOCS_PAGE.write_text(page[:begin] + "\n" + text + "\n" + page[end:])
+        print(f"updated {DOCS_PAGE}")
+
+
+if __name__ == "__main__":
+    main()
