@@ -38,11 +38,9 @@ from rowgeom._tree import (
     Path,
     flatten_with_paths,
     is_masked,
-    lookup_prefix,
     path_repr,
     path_str,
-    prefix_entries,
-    unmatched,
+    resolve_per_leaf,
 )
 
 _SCALES = ("spectral", "keller", "rms", "none")
@@ -94,18 +92,16 @@ def _dims_per_leaf(dims, leaves: list[tuple[Path, Any]]) -> list:
     """
     if dims is None or _is_dims(dims):
         return [dims] * len(leaves)
-    entries = prefix_entries(dims, is_entry=lambda d: is_masked(d) or _is_dims(d))
-    unknown = unmatched(entries, (path for path, _ in leaves))
-    per_leaf = [lookup_prefix(entries, path) for path, _ in leaves]
+    per_leaf = resolve_per_leaf(dims, [path for path, _ in leaves],
+                                is_value=lambda d: is_masked(d) or _is_dims(d),
+                                argname="dimension_numbers")
     missing = [path_str(path) for (path, x), (found, _) in zip(leaves, per_leaf, strict=True)
                if not found and not is_masked(x)]
-    if unknown or missing:
-        problem = (f"it names {unknown}, which are not in the updates" if unknown
-                   else f"it has no entry for the updates {missing}")
+    if missing:
         raise ValueError(
                 "dimension_numbers must be a MuonDimensionNumbers, a tree (prefix of the updates) "
-                "with MuonDimensionNumbers or None leaves, or a callable returning one; "
-                + problem)
+                "with MuonDimensionNumbers or None leaves, or a callable returning one; it has no "
+                f"entry for the updates {missing}")
     return [_PASS if is_masked(d) else d for _, d in per_leaf]  # explicit None: pass through
 
 

@@ -115,6 +115,9 @@ class MuonOptions:
       ns_steps: Newton–Schulz steps.
       ns_coeffs: preset name, triple or table (`rowgeom.ns_coefficients`).
       scale: `rowgeom.muon_orthogonalize`'s ``scale`` (``"rms"``: step RMS 0.2).
+      shard_matrices: when the updates live on a multi-device mesh, orthogonalize whole
+        matrices, each on one device (`rowgeom.muon_orthogonalize`'s option of that name);
+        False leaves Newton–Schulz to the partitioner.
       dimension_numbers: None (each hidden leaf's matrix axes inferred from the model
         structure; an undecidable leaf raises, naming it); a mapping ``{"/"-joined path:
         MuonDimensionNumbers}`` overriding the inference for those leaves or subtrees; or, as in
@@ -132,9 +135,13 @@ class MuonOptions:
     ns_steps: int = 5
     ns_coeffs: Any = "keller"
     scale: str | None = "rms"
+    shard_matrices: bool = True
     dimension_numbers: Any = None
 
     def __post_init__(self):
+        if not isinstance(self.shard_matrices, bool):
+            raise TypeError(f"MuonOptions.shard_matrices must be a bool, got "
+                            f"{self.shard_matrices!r}")
         check_int(self.ns_steps, argname="MuonOptions.ns_steps", minimum=1)
         _one_of(self.scale, _MUON_SCALES, "MuonOptions.scale")
         _not_array(self.ns_coeffs, "MuonOptions.ns_coeffs")
@@ -265,6 +272,7 @@ FLAT_KEYWORDS = types.MappingProxyType({
     "ns_steps": ("muon", "ns_steps"),
     "ns_coeffs": ("muon", "ns_coeffs"),
     "muon_scale": ("muon", "scale"),
+    "muon_shard_matrices": ("muon", "shard_matrices"),
     "muon_dimension_numbers": ("muon", "dimension_numbers"),
     "head_momentum": ("head", "momentum"),
     "head_vocab_axis": ("head", "vocab_axis"),

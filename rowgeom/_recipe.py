@@ -66,6 +66,7 @@ def _muon_chain(learning_rate, weight_decay, *, momentum, muon: MuonOptions, dim
     return optax.chain(
         optax.trace(decay=momentum, nesterov=muon.nesterov),
         muon_orthogonalize(ns_steps=muon.ns_steps, ns_coeffs=muon.ns_coeffs, scale=muon.scale,
+                           shard_matrices=muon.shard_matrices,
                            dimension_numbers=dimension_numbers),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
