@@ -17,8 +17,8 @@ Usage, from the repository root:
     python benchmarks/mutation_test.py                         # every mutant, the fast subset
     python benchmarks/mutation_test.py --only head-lr-multiplier --only ns-no-transpose
     python benchmarks/mutation_test.py --quick                 # each against its own test files
-    python benchmarks/mutation_test.py --tests tests/test_recipe.py    # one selection for all
-    python benchmarks/mutation_test.py --quick --exclude tests/test_recipe_defaults.py
+    python benchmarks/mutation_test.py --tests tests/rowgeom/test_recipe.py    # one selection for all
+    python benchmarks/mutation_test.py --quick --exclude tests/rowgeom/test_recipe_defaults.py
 
 Maintenance: every mutant's ``old`` text is the code as it is when the mutant was written. When
 that code changes, a mutant whose ``old`` text is no longer found exactly once stops the script
@@ -58,13 +58,13 @@ class Mutant:
     tests: tuple[str, ...]  # the test files that should kill it (--quick)
 
 
-RECIPE_TESTS = ("tests/test_recipe.py", "tests/test_recipe_defaults.py")
-ROWNORM_TESTS = ("tests/test_rownorm.py", "tests/test_reference_numerics.py")
-GEOMETRY_TESTS = ("tests/test_geometry.py", "tests/test_diagnostics.py",
-                  "tests/test_reference_numerics.py")
-NS_TESTS = ("tests/test_newton_schulz.py", "tests/test_muon.py")
-LABEL_TESTS = ("tests/test_labels.py", "tests/test_recipe.py", "tests/test_recipe_defaults.py")
-RESUME_TESTS = ("tests/test_lm_train.py", "tests/test_resume_fast.py")
+RECIPE_TESTS = ("tests/rowgeom/test_recipe.py", "tests/rowgeom/test_recipe_defaults.py")
+ROWNORM_TESTS = ("tests/rowgeom/test_rownorm.py", "tests/rowgeom/test_reference_numerics.py")
+GEOMETRY_TESTS = ("tests/rowgeom/test_geometry.py", "tests/rowgeom/test_diagnostics.py",
+                  "tests/rowgeom/test_reference_numerics.py")
+NS_TESTS = ("tests/rowgeom/test_newton_schulz.py", "tests/rowgeom/test_muon.py")
+LABEL_TESTS = ("tests/rowgeom/test_labels.py", "tests/rowgeom/test_recipe.py", "tests/rowgeom/test_recipe_defaults.py")
+RESUME_TESTS = ("tests/examples/test_lm_train.py", "tests/examples/test_resume_fast.py")
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the kinds the test-suite issue found missed ----------------------------------------
@@ -157,21 +157,21 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("muon-rms-factor", "rowgeom/_muon.py",
            "factor = rms_scale * math.sqrt(max(m, n))",
            "factor = rms_scale * math.sqrt(min(m, n))",
-           "Muon's RMS scale uses the smaller side", ("tests/test_muon.py",) + RECIPE_TESTS),
+           "Muon's RMS scale uses the smaller side", ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS),
     Mutant("muon-rms-scale-default", "rowgeom/_muon.py",
            "rms_scale: float = 0.2,", "rms_scale: float = 0.25,",
-           "Muon's target update RMS 0.25 instead of 0.2", ("tests/test_muon.py",) + RECIPE_TESTS),
+           "Muon's target update RMS 0.25 instead of 0.2", ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS),
     Mutant("tracker-cadence-off-by-one", "rowgeom/_diagnostics.py",
            "now = (new == 1) | (new % k == 0)", "now = (new == 1) | (new % k == 1)",
            "the tracker measures updates 1, k+1, 2k+1 instead of 1, k, 2k",
-           ("tests/test_diagnostics.py",) + RECIPE_TESTS),
+           ("tests/rowgeom/test_diagnostics.py",) + RECIPE_TESTS),
     Mutant("tracker-cadence-default", "rowgeom/_recipe.py",
            "DEFAULT_TRACK_EVERY_K_STEPS = 10", "DEFAULT_TRACK_EVERY_K_STEPS = 5",
            "lm_optimizer's head tracker every 5th update instead of every 10th", RECIPE_TESTS),
     Mutant("tracker-sweeps", "rowgeom/_diagnostics.py",
            "_bounds_and_sum(u, axis=axis, sweeps=2)", "_bounds_and_sum(u, axis=axis, sweeps=0)",
            "the tracker records the centroid lower bound instead of two sweeps",
-           ("tests/test_diagnostics.py", "tests/test_reference_numerics.py")),
+           ("tests/rowgeom/test_diagnostics.py", "tests/rowgeom/test_reference_numerics.py")),
     Mutant("bracket-sweeps0-lower", "rowgeom/_geometry.py",
            "math.sqrt(2 / (num_rows - 1))", "math.sqrt(2 / num_rows)",
            "the centroid lower bound uses sqrt(2) rms_c instead of sqrt(2V/(V-1)) rms_c",
@@ -184,11 +184,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top - bottom)",
            "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top + bottom)",
            "Hilbert distance of probabilities: max + min of the log-ratio instead of max - min",
-           ("tests/test_geometry.py",)),
+           ("tests/rowgeom/test_geometry.py",)),
     Mutant("label-rule-anchored", "rowgeom/_labels.py",
            "if pattern.search(joined):", "if pattern.match(joined):",
            "label rules matched at the start of the path only (re.match, not re.search)",
-           ("tests/test_labels.py",)),
+           ("tests/rowgeom/test_labels.py",)),
     Mutant("tied-head-centred", "rowgeom/_recipe.py",
            'center = tied != "head"', "center = True",
            "a tied head (an input embedding) is centred", RECIPE_TESTS),

@@ -1,11 +1,11 @@
-"""The rowgeom.testing documentation stays true (the same checks tests/test_docs.py makes for
+"""The rowgeom.testing documentation stays true (the same checks tests/docs/test_docs.py makes for
 the top-level package, applied to the public submodules it does not walk).
 
 - Every name in the ``__all__`` of ``rowgeom.testing`` and ``rowgeom.testing.strategies`` has a
   docstring with an example and a ``::: module.name`` entry in docs/api/testing.md (their
-  ``>>>`` examples run in tests/test_docs.py, with every other rowgeom module's).
+  ``>>>`` examples run in tests/docs/test_docs.py, with every other rowgeom module's).
 - The ``python`` blocks of docs/guides/testing.md run (and print what they show) in
-  tests/test_docs_output.py, with every other page.
+  tests/docs/test_docs_output.py, with every other page.
 """
 
 import doctest
@@ -14,9 +14,9 @@ import inspect
 import pathlib
 import re
 
-from tests.test_docs import _constant_docstrings, _modules
+from tests.docs.test_docs import _constant_docstrings, _modules
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PUBLIC = ("rowgeom.testing", "rowgeom.testing.strategies")
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

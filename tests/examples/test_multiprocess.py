@@ -21,8 +21,8 @@ import pytest
 
 from examples.lm import metrics
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = REPO / "tests" / "_multiprocess_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 STEPS = 4  # as in the worker
 # One launch (all its processes together); the test's pytest timeout covers two launches.
 LAUNCH_TIMEOUT_S = 200

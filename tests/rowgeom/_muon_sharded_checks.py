@@ -5,7 +5,7 @@ sharded `muon_orthogonalize` (or `lm_optimizer`) update relative to the same upd
 device, whether every result kept its update's sharding, and the collectives of the compiled
 update (bytes per device by kind, and the list of (kind, result shape)), also compiled with more
 Newton–Schulz steps to show whether the iterations communicate. `python
-tests/_muon_sharded_checks.py [NAME ...]` runs only the named checks.
+tests/rowgeom/_muon_sharded_checks.py [NAME ...]` runs only the named checks.
 """
 
 import os

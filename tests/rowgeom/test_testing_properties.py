@@ -4,7 +4,7 @@ Strategies from `rowgeom.testing.strategies` draw the inputs (cross-entropy head
 Zipf targets, adversarial token rows; both layouts, float32/bfloat16, padded vocabularies);
 `rowgeom.testing` assertions check the properties; `chex.variants` runs each transform with and
 without `jax.jit` and on device. Every assertion is checked against an independent float64
-numpy measurement in tests/test_testing.py.
+numpy measurement in tests/rowgeom/test_testing.py.
 """
 
 import chex

@@ -10,7 +10,7 @@ communicates in every step.
 
 The checks run in one subprocess for the module (`_muon_sharded_checks.py`, which prints one
 JSON object) because XLA_FLAGS must be set before jax is imported; run it alone with
-`python tests/_muon_sharded_checks.py [NAME ...]`.
+`python tests/rowgeom/_muon_sharded_checks.py [NAME ...]`.
 """
 
 import pathlib

@@ -3,7 +3,7 @@ simulated CPU devices.
 
 The checks run in one subprocess for the module (`_sharded_checks.py`, which prints one JSON
 object) because XLA_FLAGS must be set before jax is imported; a failure of it is reported once.
-Run it alone with `python tests/_sharded_checks.py`.
+Run it alone with `python tests/rowgeom/_sharded_checks.py`.
 
 Modes: Auto or Explicit mesh axes, inside or outside `jax.set_mesh`, arrays placed by
 `jax.device_put` or by `jax.jit(out_shardings=...)`. Layouts: a vocabulary-sharded `(V, d)` table

@@ -25,7 +25,7 @@ import pytest
 
 import rowgeom
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 

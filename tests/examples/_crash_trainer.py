@@ -1,6 +1,6 @@
 """The example trainer's command line with one test-only kill point (for test_crash_resume.py).
 
-    ROWGEOM_TEST_KILL=POINT:STEP python tests/_crash_trainer.py TRAINER_ARGS...
+    ROWGEOM_TEST_KILL=POINT:STEP python tests/examples/_crash_trainer.py TRAINER_ARGS...
 
 runs the trainer's command line (`ENTRY` as `__main__`, with TRAINER_ARGS) and stops the process
 itself at a known point of its run, instead of at a wall-clock moment chosen from outside:
@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 ENTRY = "examples.lm.train"  # the trainer's command line, run as `python -m ENTRY`
 KILL_ENV = "ROWGEOM_TEST_KILL"

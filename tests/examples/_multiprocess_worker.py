@@ -1,8 +1,8 @@
 """One process of a multi-process (or the single-process reference) run of the example trainer.
 
-Run by tests/test_multiprocess.py, not collected by pytest:
+Run by tests/examples/test_multiprocess.py, not collected by pytest:
 
-    python tests/_multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES CORPUS TOKENS WORKDIR
+    python tests/examples/_multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES CORPUS TOKENS WORKDIR
 
 With NUM_PROCESSES > 1 every process calls `jax.distributed.initialize` against a coordinator on
 127.0.0.1:PORT (process 0 hosts it) with `DEVICES` simulated CPU devices each and gloo CPU
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 STEPS = 4
 

@@ -264,7 +264,7 @@ def test_eight_devices_match_one(baseline, corpus, interrupted):
     proc = subprocess.run(
         [sys.executable, "-c", _EIGHT_DEVICES, str(corpus / "corpus"), str(corpus / "tokens"),
          str(fresh), str(moved)],
-        env=env, capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[1])
+        env=env, capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert any("resumed from step 3" in line for line in lines)

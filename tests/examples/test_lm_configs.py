@@ -79,7 +79,7 @@ def test_a_mesh_axis_set_to_minus_one_takes_every_device():
 
 
 def test_the_script_form_names_the_module_form():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(root / "examples" / "lm" / "train.py")],
                           capture_output=True, text=True, cwd=root, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr

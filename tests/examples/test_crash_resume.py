@@ -1,7 +1,7 @@
 """Crash-safe resume: kill the example trainer at known points, resume, match a clean run.
 
 The trainer's command line (tiny `test` config) runs in a subprocess through
-`tests/_crash_trainer.py`, which stops it at a planned point of its run (`KILLS`): SIGKILL while
+`tests/examples/_crash_trainer.py`, which stops it at a planned point of its run (`KILLS`): SIGKILL while
 restoring a checkpoint at start-up, after a training step, while an asynchronous orbax checkpoint
 is being written (its directory exists, its finalization is held back) and when all its arrays are
 written but orbax has not yet finalized it; and SIGTERM (what a preempted Cloud TPU VM or a
@@ -40,7 +40,7 @@ from _lm_fixtures import deterministic_records
 
 from examples.lm import checkpointing, configs, data, metrics, resume
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WRAPPER = Path(__file__).with_name("_crash_trainer.py")
 STEPS, SAVE_EVERY, KEEP = 12, 2, 2
 LAUNCH_TIMEOUT_S = 150  # one launch: start-up, restore, compiles (cached) and a few steps
