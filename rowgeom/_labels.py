@@ -1,8 +1,9 @@
 """Parameter labels for per-block update geometry, and a checked `optax.partition`.
 
 Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
-(projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW) — by path names first, with shapes
-as a cross-check, never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
+(projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW), ``"router"`` (a mixture-of-experts
+router the expert stacks beside it confirm) — by path names first, with shapes as a cross-check,
+never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
 silently sends the embedding table and the head to Muon); a matrix nothing names is an error
 naming it, unless the caller opts into a fallback. `partition_by_label` is ``optax.partition``
 with labels matched by path (`rowgeom._tree`), so one labels tree serves plain dicts, Flax Linen
@@ -407,25 +408,32 @@ def label_params(params: Any, **options: Any) -> Any:
     1. Rank < 2 leaves (biases, norm scales, scalars): ``"vector"``.
     2. The first `rules` entry ``(regex, label)`` whose regex ``re.search``-es the
        ``"/"``-joined path. Rules are the user's word: no cross-check overrides them.
-    3. A leaf whose own name is in `vector_names` (``scale``, ``bias``, ...) or whose module is
-       a norm (``*norm*``, ``ln_*``): ``"vector"``, whatever its rank (stacked or per-head).
+    3. A leaf with an axis of size 1 (``(1, V)``, ``(d, 1)``), whose own name is in
+       `vector_names` (``scale``, ``bias``, ...) or ends in ``_bias``, or whose module is a norm
+       (``*norm*``, ``ln_*``): ``"vector"``, whatever its rank (stacked or per-head).
     4. The first path component, from the root, in `head_names`, `embedding_names` or
        `hidden_names` (in that priority within one component).
-    5. Structure, for matrices no name matched: inside the repeated blocks (``layers/0``,
-       ``h/3``, ``blocks_1``, a stack of scanned layers) ``"hidden"``; a ``(d, V)`` matrix
-       outside them ``"head"`` (Flax's automatic ``Dense_0`` head); else `default`; else
-       ValueError naming the path and the fixes.
+    5. Structure: a matrix named in `router_names` (or unnamed, ``(d, E)``) whose ``E`` the
+       expert stacks beside it confirm: ``"router"``; for matrices no name matched, inside the
+       repeated blocks (``layers/0``, ``h/3``, ``blocks_1``, a stack of scanned layers, named or
+       found by structure) ``"hidden"``; a ``(d, V)`` matrix outside them ``"head"`` (Flax's
+       automatic ``Dense_0`` head); else `default`; else ValueError naming the paths, the
+       labels that fit each and the fixes. A tree whose paths carry no names (penzai's
+       ``unbind_params`` tuple) is refused the same way: never labelled by shape alone.
 
     Cross-checks, each a ValueError naming the leaf and the fix: a matrix outside the blocks
     with an axis of size ``V`` is never ``"hidden"``; a matrix named as the head has an axis
     of size ``V``; in a stack of scanned layers a rank-2 leaf with the layer axis is a
-    ``"vector"`` (a layer axis is not a matrix axis).
+    ``"vector"`` (a layer axis is not a matrix axis); where ``V`` cannot be read, `default`
+    ``"hidden"`` is refused for matrices outside the repeated blocks. All problems of a tree
+    are reported in one error.
 
     Tied embeddings: a model with an embedding table but no head raises unless `tied` says
     how to train the table: ``"embedding"`` (AdamW) or ``"head"`` (the head optimizer; no
     centring, since the shift is no symmetry of an input embedding). With ``tied="head"`` the
     (token) embedding table is labelled ``"head"``, or the table a rule labelled ``"head"``.
-    `tied` given while an untied head exists raises.
+    Under `tied`, a head of the table's shape beside it is probably unused (EasyDeL keeps one):
+    it is labelled ``"embedding"`` and `describe` flags it; a head of another shape raises.
 
     Matching is on whole, case-insensitive path components: ``"h"`` matches GPT-2's
     ``h/0/attn`` but not ``head``. Flax boxes (``nnx.Variable``, ``nn.Partitioned``) are
@@ -452,12 +460,12 @@ def label_params(params: Any, **options: Any) -> Any:
       ('head', 'embedding', 'vector')
       >>> labels["layers"]["0"]["attn"]["q_proj"]["kernel"]
       'hidden'
-      >>> params["router"] = {"kernel": jnp.zeros((16, 4))}   # no known name: an error
+      >>> params["adapter"] = {"kernel": jnp.zeros((16, 4))}   # no known name: an error
       >>> rowgeom.label_params(params)
       Traceback (most recent call last):
       ...
-      ValueError: label_params: no label for these matrices: router/kernel (16, 4). ...
-      >>> rowgeom.label_params(params, rules=[(r"^router/", "hidden")])["router"]["kernel"]
+      ValueError: label_params: no label for these matrices: adapter/kernel (16, 4). ...
+      >>> rowgeom.label_params(params, rules=[(r"^adapter/", "hidden")])["adapter"]["kernel"]
       'hidden'
     """
     return Labeler(**options)(params)

@@ -2,7 +2,8 @@
 
 Contract: each option lives in exactly one place — `HeadOptions` (the head's optimizer, momentum,
 vocabulary axis, padding, rescaling and tracker), `MuonOptions` (the hidden group's Muon),
-`AdamOptions` (every AdamW group) and `GroupOptions` (one group's rate and decay override) — and
+`RouterOptions` (the router group's optimizer), `AdamOptions` (every AdamW group) and
+`GroupOptions` (one group's rate and decay override) — and
 `lm_optimizer_hparams` resolves them, with the base learning rate, into an `LMHyperparams`: the
 object `lm_optimizer` builds from, `describe` prints and a training script reads rates from.
 
