@@ -254,3 +254,21 @@ def test_easydel_moe_family_routes_exactly_with_no_options(family):
     assert any(r.label == "router" for r in plans) and any(
         r.note.startswith("experts axis 0") for r in plans)
 
+
+
+def test_easydel_tied_model_keeps_an_unused_head_that_describe_flags():
+    """EasyDeL builds lm_head/kernel even with tie_word_embeddings=True (the logits read the
+    token table): under tied= it is flagged as probably unused, not trained as the head."""
+    ed = _easydel()
+    from flax import nnx
+
+    cfg = ed.Qwen3MoeConfig(**_COMMON, num_experts=E, num_experts_per_tok=2,
+                            moe_intermediate_size=FE, tie_word_embeddings=True)
+    with warnings.catch_warnings(), jax.numpy_rank_promotion("allow"):
+        warnings.simplefilter("ignore")
+        model = nnx.eval_shape(lambda: ed.Qwen3MoeForCausalLM(
+            config=cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    rows = {r.path: r for r in rowgeom.describe(nnx.state(model, nnx.Param), tied="embedding")}
+    assert rows["lm_head/kernel"].label == "embedding"
+    assert rows["lm_head/kernel"].note.startswith("probably unused")
+    assert not any(r.label == "head" for r in rows.values())
