@@ -162,13 +162,14 @@ def optimizer_from_plan(plan: OptimizerPlan) -> optax.GradientTransformationExtr
     adam = dict(b1=hp.adam.b1, b2=hp.adam.b2, eps=hp.adam.eps)
     h, e, v = hp["hidden"], hp["embedding"], hp["vector"]
     transforms = {
-        "router": _router_chain(plan),
         "hidden": _muon_chain(h.learning_rate, h.weight_decay, momentum=h.momentum, muon=hp.muon,
                               dimension_numbers=hidden_dims),
         "head": _head_chain(plan),
         "embedding": optax.adamw(e.learning_rate, weight_decay=e.weight_decay, **adam),
         "vector": optax.adamw(v.learning_rate, weight_decay=v.weight_decay, **adam),
     }
+    if plan.by_label("router"):  # only then: a dense model's optimizer state stays as it was
+        transforms["router"] = _router_chain(plan)
     return partition_by_label(transforms, {leaf.path: leaf.label for leaf in plan})
 
 

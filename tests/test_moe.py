@@ -570,3 +570,14 @@ def test_labels_has_five_entries_and_every_group_is_built():
         learning_rate=1e-3, router="rownorm")
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), easydel_mixtral())
     opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
+
+
+def test_a_dense_model_keeps_its_optimizer_state_structure():
+    """The router group exists only where the tree has a router: the state of a dense model
+    (and so its checkpoints) is what it was before the group existed."""
+    dense = {"embed": {"embedding": jnp.zeros((V, D))}, "lm_head": {"kernel": jnp.zeros((D, V))},
+             "layers": {"0": {"mlp": {"kernel": jnp.zeros((D, F))}}}}
+    state = rowgeom.lm_optimizer(1e-3).init(dense)
+    assert sorted(state.inner_states) == ["embedding", "head", "hidden", "vector"]
+    moe = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), easydel_mixtral())
+    assert "router" in rowgeom.lm_optimizer(1e-3).init(moe).inner_states
