@@ -27,6 +27,7 @@ from rowgeom._structure import (
     naming_path,
     router_axes,
     stack_of,
+    unstacked_axes,
 )
 from rowgeom._tree import Path, leaf_shape, path_str, resolve_per_leaf, tree_paths
 
@@ -221,7 +222,11 @@ def _router_plan(path, shape, structure, hp):
     try:
         feature, expert = router_axes(path, shape, structure)
     except StructureError as err:
-        raise ValueError(f"lm_optimizer: {err}") from None
+        rest = unstacked_axes(path, shape, structure.stacks)
+        if hp.router.optimizer == "rownorm" or len(rest) != 2:
+            raise ValueError(f"lm_optimizer(router={hp.router.optimizer!r}): {err}. Train "
+                             "routers with router='muon', or label this one 'hidden'") from None
+        feature, expert = rest  # Muon's polar factor does not depend on which side is which
     batch = tuple(a for a in range(len(shape)) if a not in (feature, expert))
     if hp.router.optimizer == "muon":
         return MuonDimensionNumbers(feature, expert), None, batch

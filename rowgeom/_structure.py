@@ -544,5 +544,5 @@ def router_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
         return rest[1], rest[0]  # PyTorch-style (E, d)
     if name in ("kernel", "w") or name in DEFAULT_ROUTER_NAMES:
         return rest[0], rest[1]  # Flax-style (d, E)
-    raise StructureError(f"cannot tell the expert axis of router {'/'.join(path)} {shape}: say "
-                         "it with rules or RouterOptions(optimizer='muon')")
+    raise StructureError(f"cannot tell the expert axis of router {'/'.join(path)} {shape} (no "
+                         "expert count, no model width, a leaf name that says no layout)")
