@@ -17,7 +17,7 @@ Usage, from the repository root:
     python benchmarks/mutation_test.py                         # every mutant, the fast subset
     python benchmarks/mutation_test.py --only head-lr-multiplier --only ns-no-transpose
     python benchmarks/mutation_test.py --quick                 # each against its own test files
-    python benchmarks/mutation_test.py --tests tests/rowgeom/test_recipe.py    # one selection for all
+    python benchmarks/mutation_test.py --tests tests/rowgeom/test_recipe.py   # one selection
     python benchmarks/mutation_test.py --quick --exclude tests/rowgeom/test_recipe_defaults.py
 
 Maintenance: every mutant's ``old`` text is the code as it is when the mutant was written. When
@@ -62,8 +62,10 @@ RECIPE_TESTS = ("tests/rowgeom/test_recipe.py", "tests/rowgeom/test_recipe_defau
 ROWNORM_TESTS = ("tests/rowgeom/test_rownorm.py", "tests/rowgeom/test_reference_numerics.py")
 GEOMETRY_TESTS = ("tests/rowgeom/test_geometry.py", "tests/rowgeom/test_diagnostics.py",
                   "tests/rowgeom/test_reference_numerics.py")
-NS_TESTS = ("tests/rowgeom/test_newton_schulz.py", "tests/rowgeom/test_muon.py")
-LABEL_TESTS = ("tests/rowgeom/test_labels.py", "tests/rowgeom/test_recipe.py", "tests/rowgeom/test_recipe_defaults.py")
+MUON_TESTS = ("tests/rowgeom/test_muon.py",)
+NS_TESTS = ("tests/rowgeom/test_newton_schulz.py",) + MUON_TESTS
+LABEL_TESTS = ("tests/rowgeom/test_labels.py", "tests/rowgeom/test_recipe.py",
+               "tests/rowgeom/test_recipe_defaults.py")
 RESUME_TESTS = ("tests/examples/test_lm_train.py", "tests/examples/test_resume_fast.py")
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -157,10 +159,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("muon-rms-factor", "rowgeom/_muon.py",
            "factor = rms_scale * math.sqrt(max(m, n))",
            "factor = rms_scale * math.sqrt(min(m, n))",
-           "Muon's RMS scale uses the smaller side", ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS),
+           "Muon's RMS scale uses the smaller side", MUON_TESTS + RECIPE_TESTS),
     Mutant("muon-rms-scale-default", "rowgeom/_muon.py",
            "rms_scale: float = 0.2,", "rms_scale: float = 0.25,",
-           "Muon's target update RMS 0.25 instead of 0.2", ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS),
+           "Muon's target update RMS 0.25 instead of 0.2", MUON_TESTS + RECIPE_TESTS),
     Mutant("tracker-cadence-off-by-one", "rowgeom/_diagnostics.py",
            "now = (new == 1) | (new % k == 0)", "now = (new == 1) | (new % k == 1)",
            "the tracker measures updates 1, k+1, 2k+1 instead of 1, k, 2k",

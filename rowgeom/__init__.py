@@ -19,6 +19,7 @@ from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
     DEFAULT_HIDDEN_NAMES,
+    DEFAULT_ROUTER_NAMES,
     DEFAULT_VECTOR_NAMES,
     LABELS,
     TOKEN_EMBEDDING_NAMES,
@@ -33,6 +34,7 @@ from rowgeom._options import (
     HeadOptions,
     LMHyperparams,
     MuonOptions,
+    RouterOptions,
     lm_optimizer_hparams,
 )
 from rowgeom._oracle import common_ball_oracle, diameter_oracle
@@ -69,6 +71,7 @@ __all__ = (
     "DEFAULT_EMBEDDING_NAMES",
     "DEFAULT_HEAD_NAMES",
     "DEFAULT_HIDDEN_NAMES",
+    "DEFAULT_ROUTER_NAMES",
     "DEFAULT_VECTOR_NAMES",
     "FLAT_KEYWORDS",
     "GroupHyperparams",
@@ -80,6 +83,7 @@ __all__ = (
     "LeafPlan",
     "MuonOptions",
     "OptimizerPlan",
+    "RouterOptions",
     "STATIC_ARGS",
     "TOKEN_EMBEDDING_NAMES",
     "describe",

@@ -1,8 +1,9 @@
 """Parameter labels for per-block update geometry, and a checked `optax.partition`.
 
 Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
-(projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW) — by path names first, with shapes
-as a cross-check, never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
+(projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW), ``"router"`` (a mixture-of-experts
+router the expert stacks beside it confirm) — by path names first, with shapes as a cross-check,
+never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
 silently sends the embedding table and the head to Muon); a matrix nothing names is an error
 naming it, unless the caller opts into a fallback. `partition_by_label` is ``optax.partition``
 with labels matched by path (`rowgeom._tree`), so one labels tree serves plain dicts, Flax Linen
@@ -25,6 +26,7 @@ from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
     DEFAULT_HIDDEN_NAMES,
+    DEFAULT_ROUTER_NAMES,
     DEFAULT_VECTOR_NAMES,
     MATRIX_LEAF_NAMES,
     NORM_MODULE,
@@ -33,9 +35,11 @@ from rowgeom._names import (
 )
 from rowgeom._structure import (
     ModelStructure,
-    block_position,
+    in_blocks,
+    is_nameless,
     is_position_embedding,
     model_structure,
+    naming_path,
     stack_of,
 )
 from rowgeom._tree import (
@@ -85,13 +89,14 @@ class _Leaf(NamedTuple):
     path: tuple[str, ...]
     shape: tuple[int, ...]
     label: str | None
-    source: str | None  # rank, rule, vector name, name, block, stack, shape, default, tied
+    source: str | None  # rank, rule, vector name, name, block, stack, router, shape, default,
+    #                     tied, unused head
 
 
 def _by_name(path, cfg: Labeler) -> str | None:
     # The first component (from the root) that names a known block decides, so
     # "layers/0/attention/output/dense" (BERT) is hidden although "output" names a head.
-    for component in path:
+    for component in naming_path(path):
         c = component.lower()
         if c in cfg.head_names:
             return "head"
@@ -109,37 +114,69 @@ def _first_pass(path, shape, cfg: Labeler) -> _Leaf:
     for pattern, label in cfg._compiled:
         if pattern.search(joined):
             return _Leaf(path, shape, label, "rule")
-    if path and (path[-1].lower() in cfg.vector_names
-                 or (len(path) > 1 and NORM_MODULE.search(path[-2].lower())
-                     and path[-1].lower() not in MATRIX_LEAF_NAMES)):
+    if sum(n > 1 for n in shape) < 2:  # (1, V), (d, 1): no matrix structure
+        return _Leaf(path, shape, "vector", "rank")
+    names = naming_path(path)
+    if names and (names[-1].lower() in cfg.vector_names or names[-1].lower().endswith("_bias")
+                  or (len(names) > 1 and NORM_MODULE.search(names[-2].lower())
+                      and names[-1].lower() not in MATRIX_LEAF_NAMES)):
         return _Leaf(path, shape, "vector", "vector name")
     label = _by_name(path, cfg)
     return _Leaf(path, shape, label, None if label is None else "name")
 
 
+def _fitting(shape, vocabs, width, nameless: bool) -> list[str]:
+    """The labels a leaf of this shape can have (what an error may offer for it)."""
+    if vocabs and not nameless:
+        if vocabs & set(shape) and len(shape) == 2:
+            return ["head", "embedding"]
+        return ["hidden", "router"] if len(shape) == 2 and width in shape else ["hidden"]
+    if len(shape) == 2:
+        return ["embedding", "head", "hidden", "vector"] if nameless else \
+            ["head", "embedding", "hidden"]
+    return ["hidden", "vector"] if nameless else ["hidden"]
+
+
+def _offer(entries, vocabs, width, nameless=False) -> str:
+    return ", ".join(f"{path_str(p)} {tuple(s)}: "
+                     + " or ".join(repr(x) for x in _fitting(s, vocabs, width, nameless))
+                     for p, s in entries)
+
+
 def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStructure]:
     """Structural cross-checks and inference on top of the names (module docstring)."""
-    layout = model_structure([lf for lf in leaves if lf.source in ("rule", "name", "rank",
-                                                                 "vector name")])
+    named = {lf.path for lf in leaves if lf.source in ("rule", "name", "rank", "vector name")}
+    ruled = {lf.path for lf in leaves if lf.source == "rule"}
+    layout = model_structure(
+        [lf if lf.path in named else lf._replace(label=None) for lf in leaves],
+        router_names=cfg.router_names, movable=lambda p: p not in ruled)
     vocab, width, source = layout.vocab_size, layout.width, layout.source
     where_v = f"V={vocab}" + (f", from {path_str(source)}" if source else "")
     # Every token table's size counts (an encoder-decoder may have two vocabularies).
     vocabs = {vocab} | {lf.shape[0] for lf in leaves if lf.label == "embedding"
                         and lf.source == "name" and len(lf.shape) == 2
                         and not is_position_embedding(lf.path)} if vocab is not None else set()
-    out, unmatched, ambiguous, not_hidden, not_head = [], [], [], [], []
+    out: list[_Leaf] = []
+    unmatched, nameless, ambiguous, not_hidden, not_head, unchecked = [], [], [], [], [], []
     for leaf in leaves:
         path, shape, label, why = leaf
         if why in ("rank", "rule", "vector name"):
             out.append(leaf)
             continue
-        position = block_position(path)
+        blocks = in_blocks(path, layout.stacks)
         stack = stack_of(path, layout.stacks)
         if stack is not None and stack[1] is not None and len(shape) == 2 \
                 and shape[stack[1][0]] == stack[1][1] and label in (None, "hidden"):
             out.append(_Leaf(path, shape, "vector", "stack"))  # a vector with a layer axis
             continue
-        if label is None and position is not None:
+        if path in layout.routers and label in (None, "hidden"):
+            out.append(_Leaf(path, shape, "router", "router"))
+            continue
+        if is_nameless(path) and label is None:
+            nameless.append((path, shape))
+            out.append(leaf)
+            continue
+        if label is None and blocks:
             label, why = "hidden", "block"
         if label is None and vocab is not None and len(shape) == 2 and path != source:
             if shape[0] == width and shape[1] in vocabs:
@@ -148,68 +185,103 @@ def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStruc
                 ambiguous.append((path, shape))
         if label is None and cfg.default is not None:
             label, why = cfg.default, "default"
+            if vocab is None and not blocks and label in ("hidden", "router"):
+                unchecked.append((path, shape))
         if label is None:
             unmatched.append((path, shape))
-        elif (label == "hidden" and position is None and vocabs & set(shape)
+        elif (label == "hidden" and not blocks and vocabs & set(shape)
               and path != source):
             not_hidden.append((path, shape, why))
         elif label == "head" and why == "name" and vocabs and not vocabs & set(shape):
             not_head.append((path, shape))
         out.append(_Leaf(path, shape, label, why))
+    problems = []
+    if nameless:
+        problems.append(
+            f"{len(nameless)} parameter(s) have no names in their paths (a tree of bare values, "
+            "such as penzai's unbind_params tuple), and a matrix is never labelled by its shape "
+            f"alone: {_offer(nameless, vocabs, width, nameless=True)}. Label them with "
+            f"lm_optimizer(labels=...) or label_params(rules=...), e.g. "
+            f"{{{path_str(nameless[0][0])!r}: "
+            f"{_fitting(nameless[0][1], vocabs, width, True)[0]!r}, ...}} (a flat mapping from "
+            "paths to labels), or pass the tree whose paths carry the module names")
     if not_hidden:
         path, shape, why = not_hidden[0]
         reason = "default='hidden'" if why == "default" else "its name"
-        raise ValueError(
-            f"label_params: {_show([(p, s) for p, s, _ in not_hidden])} would be 'hidden' (by "
+        problems.append(
+            f"{_show([(p, s) for p, s, _ in not_hidden])} would be 'hidden' (by "
             f"{reason}) but has an axis of the vocabulary size ({where_v}) and sits outside the "
             "repeated blocks: it is the output head or an embedding table, not a hidden matrix. "
             f"Label it explicitly: rules=[({_regex(path)!r}, 'head')] for the output matrix, or "
             "'embedding' for a lookup table ('hidden' only if it truly is one)")
     if not_head:
         path, shape = not_head[0]
-        raise ValueError(
-            f"label_params: {_show(not_head)} is named as the head but has no axis of the "
+        problems.append(
+            f"{_show(not_head)} is named as the head but has no axis of the "
             f"vocabulary size ({where_v}). If it is not the LM head, label it with "
             f"rules=[({_regex(path)!r}, 'hidden')]; if it is, label the true token table with "
             "rules=[(regex, 'embedding')]")
+    if unchecked:
+        path, shape = unchecked[0]
+        problems.append(
+            f"default={cfg.default!r} cannot be checked for {_show(unchecked)}: the vocabulary "
+            "size cannot be read from the tree (no token embedding or head is named), so each "
+            "of these matrices outside the repeated blocks may be the output head or an "
+            f"embedding table ({_offer(unchecked, vocabs, width)}). Label them with rules, e.g. "
+            f"rules=[({_regex(path)!r}, 'head')], or name the token table with "
+            "extra_embedding_names=")
     if unmatched:
         path, shape = unmatched[0]
         note = ""
         if ambiguous:
             note = (f" ({_show(ambiguous)} is (V, d)-shaped: the head stored (V, d) -> 'head', or "
                     "a lookup table -> 'embedding')")
-        raise ValueError(
-            "label_params: no label for these matrices: " + _show(unmatched) + note
+        first = _fitting(shape, vocabs, width, False)[0]
+        problems.append(
+            "no label for these matrices: " + _show(unmatched) + note
             + f". Name them with a (regex, label) rule, e.g. rules=[({_regex(path)!r}, "
-            "'hidden')] (labels: hidden, head, embedding), add their names with "
-            "extra_hidden_names=/extra_head_names=/extra_embedding_names=, or pass "
+            f"{first!r})] (labels that fit: {_offer(unmatched, vocabs, width)}), add their "
+            "names with extra_hidden_names=/extra_head_names=/extra_embedding_names=, or pass "
             "default='hidden' to send every unnamed matrix to Muon explicitly")
+    if problems:
+        raise ValueError("label_params: " + " Also: ".join(problems))
     return out, layout
 
 
-def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied) -> tuple[str, ...] | None:
-    """Checks the tied-embedding policy; returns the path of a table to relabel "head"."""
+def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
+    """Checks the tied-embedding policy: ``(path of a table to relabel "head", unused heads)``."""
     heads = [lf for lf in leaves if lf.label == "head"]
     embeds = [lf for lf in leaves if lf.label == "embedding"]
     show = lambda lfs: _show([(lf.path, lf.shape) for lf in lfs])
     if tied is None:
         if embeds and not heads:
+            tokens = [lf for lf in embeds if not is_position_embedding(lf.path)] or embeds
+            table = max(tokens, key=lambda lf: lf.shape[0] if lf.shape else 0)
             raise ValueError(
-                f"label_params: found embedding table(s) {show(embeds)} but no head matrix. If "
-                "the logits reuse the token table (tied embeddings, logits = h @ E.T), pass "
-                "tied='embedding' (train the table with AdamW as an embedding) or tied='head' "
-                "(train it with the head optimizer, uncentred RowNorm). If the model has its "
-                "own output matrix, label it with rules=[(regex, 'head')] or extra_head_names=")
-        return None
+                f"label_params: found embedding table(s) {show(embeds)} but no head matrix: the "
+                f"pattern of tied embeddings (GPT-2, Gemma, OPT, nanodo), a token table "
+                f"{path_str(table.path)} {tuple(table.shape)} and no (d, V) or (V, d) output "
+                "matrix anywhere in the tree. If the logits reuse the token table (logits = "
+                "h @ E.T), pass tied='embedding' (train the table with AdamW as an embedding) or "
+                "tied='head' (train it with the head optimizer, uncentred RowNorm). If the model "
+                "has its own output matrix, label it with rules=[(regex, 'head')] or "
+                "extra_head_names=")
+        return None, []
     untied = [lf for lf in heads if lf.source in ("name", "shape")]
-    if untied:
+    tables = {tuple(lf.shape) for lf in embeds if len(lf.shape) == 2}
+    tables |= {s[::-1] for s in tables}
+    unused = [lf for lf in untied if tuple(lf.shape) in tables]
+    wrong = [lf for lf in untied if tuple(lf.shape) not in tables]
+    if wrong:
         raise ValueError(
             f"label_params: tied={tied!r} but the params have a separate, untied head "
-            f"{show(untied)}; pass tied=None (the default) for an untied head")
+            f"{show(wrong)} of no token table's shape; pass tied=None (the default) for an "
+            "untied head")
+    heads = [lf for lf in heads if lf not in unused]
     if tied == "embedding" or heads:  # a head labelled by a user rule is the tied table
         if not embeds and not heads:
             raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
-        return None
+        return None, unused
     if not embeds:
         raise ValueError("label_params: tied='head' but no embedding table was found")
     if len(embeds) > 1:
@@ -221,7 +293,7 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied) -> tuple[str,
                 f"label_params: tied='head' but several embedding tables {show(embeds)}; "
                 "label the tied one with rules=[(regex, 'head')]")
         embeds = tokens
-    return embeds[0].path
+    return embeds[0].path, unused
 
 
 def _names(base, extra, argname: str) -> frozenset[str]:
@@ -247,6 +319,9 @@ class Labeler:
       extra_embedding_names: names added to `embedding_names`.
       extra_hidden_names: names added to `hidden_names`.
       extra_vector_names: names added to `vector_names`.
+      router_names: names that mean ``"router"`` when the shapes agree (default
+        `DEFAULT_ROUTER_NAMES`: a ``(d, E)`` matrix whose ``E`` is the expert count beside it).
+      extra_router_names: names added to `router_names`.
       rules: ``(regex, label)`` pairs tried first, in order, on matrices.
       tied: None, ``"embedding"`` or ``"head"``: policy for a head tied to the embedding.
       default: label for matrices nothing names (e.g. ``"hidden"``); None raises instead.
@@ -272,6 +347,8 @@ class Labeler:
     rules: Sequence[tuple[str, str]] = ()
     tied: str | None = None
     default: str | None = None
+    router_names: Collection[str] = DEFAULT_ROUTER_NAMES
+    extra_router_names: Collection[str] = ()
     _compiled: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -279,7 +356,7 @@ class Labeler:
             raise ValueError(f"tied must be one of {TIED_POLICIES}, got {self.tied!r}")
         if self.default is not None and not isinstance(self.default, str):
             raise TypeError(f"default must be a label string or None, got {self.default!r}")
-        for kind in ("head", "embedding", "hidden", "vector"):
+        for kind in ("head", "embedding", "hidden", "vector", "router"):
             merged = _names(getattr(self, f"{kind}_names"), getattr(self, f"extra_{kind}_names"),
                             f"{kind}_names")
             object.__setattr__(self, f"{kind}_names", merged)
@@ -298,10 +375,11 @@ class Labeler:
         """Every leaf's label with the reason it got it, and the model structure read."""
         first = [_first_pass(p, leaf_shape(x), self) for p, x in tree_paths(params)]
         leaves, structure = _resolve(first, self)
-        retie = _tied_table(leaves, structure, self.tied)
-        if retie is not None:
-            leaves = [lf._replace(label="head", source="tied") if lf.path == retie else lf
-                      for lf in leaves]
+        retie, unused = _tied_table(leaves, structure, self.tied)
+        unused_paths = {lf.path for lf in unused}
+        leaves = [lf._replace(label="head", source="tied") if lf.path == retie
+                  else lf._replace(label="embedding", source="unused head")
+                  if lf.path in unused_paths else lf for lf in leaves]
         return leaves, structure
 
 
@@ -330,25 +408,32 @@ def label_params(params: Any, **options: Any) -> Any:
     1. Rank < 2 leaves (biases, norm scales, scalars): ``"vector"``.
     2. The first `rules` entry ``(regex, label)`` whose regex ``re.search``-es the
        ``"/"``-joined path. Rules are the user's word: no cross-check overrides them.
-    3. A leaf whose own name is in `vector_names` (``scale``, ``bias``, ...) or whose module is
-       a norm (``*norm*``, ``ln_*``): ``"vector"``, whatever its rank (stacked or per-head).
+    3. A leaf with an axis of size 1 (``(1, V)``, ``(d, 1)``), whose own name is in
+       `vector_names` (``scale``, ``bias``, ...) or ends in ``_bias``, or whose module is a norm
+       (``*norm*``, ``ln_*``): ``"vector"``, whatever its rank (stacked or per-head).
     4. The first path component, from the root, in `head_names`, `embedding_names` or
        `hidden_names` (in that priority within one component).
-    5. Structure, for matrices no name matched: inside the repeated blocks (``layers/0``,
-       ``h/3``, ``blocks_1``, a stack of scanned layers) ``"hidden"``; a ``(d, V)`` matrix
-       outside them ``"head"`` (Flax's automatic ``Dense_0`` head); else `default`; else
-       ValueError naming the path and the fixes.
+    5. Structure: a matrix named in `router_names` (or unnamed, ``(d, E)``) whose ``E`` the
+       expert stacks beside it confirm: ``"router"``; for matrices no name matched, inside the
+       repeated blocks (``layers/0``, ``h/3``, ``blocks_1``, a stack of scanned layers, named or
+       found by structure) ``"hidden"``; a ``(d, V)`` matrix outside them ``"head"`` (Flax's
+       automatic ``Dense_0`` head); else `default`; else ValueError naming the paths, the
+       labels that fit each and the fixes. A tree whose paths carry no names (penzai's
+       ``unbind_params`` tuple) is refused the same way: never labelled by shape alone.
 
     Cross-checks, each a ValueError naming the leaf and the fix: a matrix outside the blocks
     with an axis of size ``V`` is never ``"hidden"``; a matrix named as the head has an axis
     of size ``V``; in a stack of scanned layers a rank-2 leaf with the layer axis is a
-    ``"vector"`` (a layer axis is not a matrix axis).
+    ``"vector"`` (a layer axis is not a matrix axis); where ``V`` cannot be read, `default`
+    ``"hidden"`` is refused for matrices outside the repeated blocks. All problems of a tree
+    are reported in one error.
 
     Tied embeddings: a model with an embedding table but no head raises unless `tied` says
     how to train the table: ``"embedding"`` (AdamW) or ``"head"`` (the head optimizer; no
     centring, since the shift is no symmetry of an input embedding). With ``tied="head"`` the
     (token) embedding table is labelled ``"head"``, or the table a rule labelled ``"head"``.
-    `tied` given while an untied head exists raises.
+    Under `tied`, a head of the table's shape beside it is probably unused (EasyDeL keeps one):
+    it is labelled ``"embedding"`` and `describe` flags it; a head of another shape raises.
 
     Matching is on whole, case-insensitive path components: ``"h"`` matches GPT-2's
     ``h/0/attn`` but not ``head``. Flax boxes (``nnx.Variable``, ``nn.Partitioned``) are
@@ -375,12 +460,12 @@ def label_params(params: Any, **options: Any) -> Any:
       ('head', 'embedding', 'vector')
       >>> labels["layers"]["0"]["attn"]["q_proj"]["kernel"]
       'hidden'
-      >>> params["router"] = {"kernel": jnp.zeros((16, 4))}   # no known name: an error
+      >>> params["adapter"] = {"kernel": jnp.zeros((16, 4))}   # no known name: an error
       >>> rowgeom.label_params(params)
       Traceback (most recent call last):
       ...
-      ValueError: label_params: no label for these matrices: router/kernel (16, 4). ...
-      >>> rowgeom.label_params(params, rules=[(r"^router/", "hidden")])["router"]["kernel"]
+      ValueError: label_params: no label for these matrices: adapter/kernel (16, 4). ...
+      >>> rowgeom.label_params(params, rules=[(r"^adapter/", "hidden")])["adapter"]["kernel"]
       'hidden'
     """
     return Labeler(**options)(params)

@@ -10,16 +10,18 @@ from __future__ import annotations
 import re
 import types
 
-LABELS = ("hidden", "head", "embedding", "vector")
-"""The four parameter labels, one per update geometry.
+LABELS = ("hidden", "head", "embedding", "vector", "router")
+"""The five parameter labels, one per optimizer group.
 
-``"hidden"`` (Muon), ``"head"`` (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW);
-the keys `lm_optimizer` partitions by and `label_params` assigns.
+``"hidden"`` (Muon), ``"head"`` (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW),
+``"router"`` (a mixture-of-experts router: Muon by default, projected RowNorm over the experts
+on request, `rowgeom.RouterOptions`); the keys `lm_optimizer` partitions by and `label_params`
+assigns.
 
 Examples:
     >>> import rowgeom
     >>> rowgeom.LABELS
-    ('hidden', 'head', 'embedding', 'vector')
+    ('hidden', 'head', 'embedding', 'vector', 'router')
 """
 
 TIED_POLICIES = (None, "embedding", "head")
@@ -28,9 +30,12 @@ TIED_POLICIES = (None, "embedding", "head")
 HEAD_OPTIMIZERS = ("rownorm", "adamw", "muon")
 """The head optimizers `lm_optimizer` builds."""
 
+ROUTER_OPTIMIZERS = ("muon", "rownorm", "adamw")
+"""The router optimizers `lm_optimizer` builds (`rowgeom.RouterOptions`)."""
+
 DEFAULT_HEAD_NAMES = frozenset({
     "lm_head", "head", "output", "output_layer", "unembed", "unembedding", "unembedder",
-    "logits", "logits_dense", "logitdense", "to_logits",
+    "logits", "logits_dense", "logitdense", "to_logits", "logits_ffn",
 })
 """Path components that name the output (unembedding) matrix: label ``"head"``.
 
@@ -43,7 +48,7 @@ Examples:
 TOKEN_EMBEDDING_NAMES = frozenset({
     "wte", "tok_embeddings", "tok_embedding", "tok_embed", "token_embedder", "token_embedding",
     "token_embeddings", "embed_tokens", "word_embeddings", "word_embedding", "input_embedding",
-    "shared_embedding",
+    "shared_embedding", "embedding_lookup",
 })
 """Path components that name the token embedding table (the one a tied head reuses).
 
@@ -77,7 +82,14 @@ BLOCK_CONTAINER_NAMES = frozenset({
     "layers", "layer", "blocks", "block", "h", "transformer_blocks", "decoder_layers",
     "encoder_layers", "decoder_blocks", "encoder_blocks", "resblocks",
 })
-"""Path components that hold the repeated transformer blocks (numbered children or a stack)."""
+"""Path components that hold the repeated transformer blocks (numbered children or a stack).
+
+Any component ending in ``_layers`` or ``_blocks`` does too (MaxText DeepSeek's
+``dense_layers`` / ``moe_layers``, praxis' ``x_layers_3``), and a container whose leaves all
+carry one layer axis is a stack whatever its name (`rowgeom._structure.find_stacks`)."""
+
+CONTAINER_SUFFIXES = ("_layers", "_blocks")
+"""Name endings that make a path component a block container (see `BLOCK_CONTAINER_NAMES`)."""
 
 DEFAULT_HIDDEN_NAMES = frozenset({
     # block containers (a subset of BLOCK_CONTAINER_NAMES: the others are told by structure)
@@ -89,7 +101,8 @@ DEFAULT_HIDDEN_NAMES = frozenset({
     # MLP
     "mlp", "ffn", "feed_forward", "feedforward", "gate", "up", "down", "gate_proj", "up_proj",
     "down_proj", "wi", "wi_0", "wi_1", "w1", "w2", "w3", "c_fc", "c_proj", "fc1", "fc2",
-    "experts",
+    # mixture of experts (routers are told apart by `DEFAULT_ROUTER_NAMES` and the shapes)
+    "experts", "wo_0", "wi_gate_0", "gate_up_proj",
 })
 """Path components that name blocks, attention and MLP projections: label ``"hidden"``.
 
@@ -98,6 +111,31 @@ Examples:
     >>> {"layers", "q_proj", "mlp"} <= rowgeom.DEFAULT_HIDDEN_NAMES
     True
 """
+
+DEFAULT_ROUTER_NAMES = frozenset({"router", "gate", "gating", "moe_gate", "router_gate"})
+"""Path components that name a mixture-of-experts router: label ``"router"``.
+
+``router`` always does (gpt-oss, Llama 4); the others (MaxText's and EasyDeL's ``gate/kernel``,
+praxis' ``gate``) only when the shapes agree: the router is ``(d, E)`` (``(E, d)`` for a
+PyTorch-style ``weight``; a scanned layer axis aside) and ``E`` is the expert count of the expert
+stacks beside it, ``(E, d, f)``-like leaves in the same module, or of its numbered experts. A
+dense MLP's ``gate`` (``(d, f)``, no experts beside it) stays ``"hidden"``.
+
+Examples:
+    >>> import rowgeom
+    >>> {"router", "gate"} <= rowgeom.DEFAULT_ROUTER_NAMES
+    True
+"""
+
+EXPERT_MODULE = re.compile(r"expert|moe")
+"""A path component naming a mixture-of-experts module or its expert stacks (``experts``,
+``MoeBlock_0``, ``block_sparse_moe``); ``shared_expert(s)`` (a dense MLP every token uses) and
+block containers (``moe_layers``) excepted."""
+
+WRAPPER_SUFFIXES = (("value", "data_array"), ("data_array",))
+"""Trailing path components that wrap a parameter instead of naming it: penzai's
+``Parameter.value`` holding a ``NamedArray.data_array``. Names are read from the path without
+them, so ``(3, 'value', 'data_array')`` carries no name at all."""
 
 DEFAULT_VECTOR_NAMES = frozenset({"scale", "bias", "biases", "gain", "beta", "gamma", "offset"})
 """Leaf names that make a parameter a ``"vector"`` whatever its rank.
@@ -117,6 +155,9 @@ NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
 
 MATRIX_LEAF_NAMES = frozenset({"kernel", "embedding"})
 """Leaf names that stay matrices even inside a norm module."""
+
+GENERIC_LEAF_NAMES = frozenset({"kernel", "weight", "weights", "w", "embedding"})
+"""Leaf names that say how a parameter is stored, not what it is for (the module name does)."""
 
 VOCAB_AXIS_BY_LEAF_NAME = types.MappingProxyType({"kernel": 1, "embedding": 0, "weight": 0})
 """A rank-2 head's vocabulary axis from its leaf name when the shapes cannot tell: Flax's

@@ -2,7 +2,8 @@
 
 Contract: each option lives in exactly one place — `HeadOptions` (the head's optimizer, momentum,
 vocabulary axis, padding, rescaling and tracker), `MuonOptions` (the hidden group's Muon),
-`AdamOptions` (every AdamW group) and `GroupOptions` (one group's rate and decay override) — and
+`RouterOptions` (the router group's optimizer), `AdamOptions` (every AdamW group) and
+`GroupOptions` (one group's rate and decay override) — and
 `lm_optimizer_hparams` resolves them, with the base learning rate, into an `LMHyperparams`: the
 object `lm_optimizer` builds from, `describe` prints and a training script reads rates from.
 
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import jax
 
-from rowgeom._names import HEAD_OPTIMIZERS, LABELS, TIED_POLICIES
+from rowgeom._names import HEAD_OPTIMIZERS, LABELS, ROUTER_OPTIMIZERS, TIED_POLICIES
 from rowgeom._validation import check_int
 
 Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
@@ -150,6 +151,42 @@ class MuonOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class RouterOptions:
+    """How `lm_optimizer` trains mixture-of-experts routers (the ``"router"`` group).
+
+    A router ``W`` (``(d, E)``, a scanned layer axis aside) maps a token's features to one logit
+    per expert. Its rows along the expert axis play the part of the head's token rows: a
+    softmax router (softmax then top-k, or top-k then softmax) is invariant to adding one
+    constant to all ``E`` logits, so its gradient's expert rows sum to zero and the
+    row-diameter geometry of the head applies over ``E``; a sigmoid router (DeepSeek-V3,
+    Llama 4) is not shift-invariant. The tree cannot tell which score function a model uses.
+
+    Attributes:
+      optimizer: ``"muon"`` (default: the hidden group's Muon chain, per layer, right for every
+        score function), ``"rownorm"`` (projected RowNorm over the expert axis, per layer:
+        centred expert rows, each of norm ``<= 1``, so ``D(step) <= 2·lr``; for softmax
+        routers only, since the centring drops a shift a sigmoid router does see) or
+        ``"adamw"``.
+      momentum: EMA momentum before the RowNorm (no Nesterov, float32); the Muon router uses
+        `MuonOptions.momentum`, the AdamW one `AdamOptions.b1`.
+
+    Examples:
+      >>> import rowgeom
+      >>> rowgeom.RouterOptions(optimizer="rownorm").optimizer
+      'rownorm'
+      >>> rowgeom.lm_optimizer_hparams(1e-3, router="rownorm")["router"].optimizer
+      'rownorm'
+    """
+
+    optimizer: str = "muon"
+    momentum: float = 0.95
+
+    def __post_init__(self):
+        _one_of(self.optimizer, ROUTER_OPTIMIZERS, "RouterOptions.optimizer")
+        _not_array(self.momentum, "RouterOptions.momentum")
+
+
+@dataclasses.dataclass(frozen=True)
 class AdamOptions:
     """``optax.adamw``'s moments for the embedding and vector groups and an AdamW head.
 
@@ -182,6 +219,7 @@ class GroupOptions:
 
 DEFAULT_MUON = MuonOptions()
 DEFAULT_ADAM = AdamOptions()
+DEFAULT_ROUTER = RouterOptions()
 
 
 class GroupHyperparams(NamedTuple):
@@ -205,7 +243,7 @@ class GroupHyperparams(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LMHyperparams(Mapping):
-    """Everything `lm_optimizer` builds from, resolved: a read-only mapping from the four groups
+    """Everything `lm_optimizer` builds from, resolved: a read-only mapping from the five groups
     to their `GroupHyperparams`, plus the option objects and the labelling.
 
     Pass it to `lm_optimizer` or `describe` in place of the learning rate; `with_rates` maps
@@ -227,6 +265,7 @@ class LMHyperparams(Mapping):
     adam: AdamOptions
     labels: Any
     tied: str | None
+    router: RouterOptions = DEFAULT_ROUTER
 
     def __getitem__(self, group: str) -> GroupHyperparams:
         return self.groups[group]
@@ -263,10 +302,12 @@ FLAT_KEYWORDS = types.MappingProxyType({
     "hidden_learning_rate": ("groups", "hidden", "learning_rate"),
     "embedding_learning_rate": ("groups", "embedding", "learning_rate"),
     "vector_learning_rate": ("groups", "vector", "learning_rate"),
+    "router_learning_rate": ("groups", "router", "learning_rate"),
     "hidden_weight_decay": ("groups", "hidden", "weight_decay"),
     "head_weight_decay": ("groups", "head", "weight_decay"),
     "embedding_weight_decay": ("groups", "embedding", "weight_decay"),
     "vector_weight_decay": ("groups", "vector", "weight_decay"),
+    "router_weight_decay": ("groups", "router", "weight_decay"),
     "momentum": ("muon", "momentum"),
     "nesterov": ("muon", "nesterov"),
     "ns_steps": ("muon", "ns_steps"),
@@ -297,11 +338,12 @@ Examples:
 """
 
 
-_Options = TypeVar("_Options", "HeadOptions", "MuonOptions", "AdamOptions")
+_Options = TypeVar("_Options", "HeadOptions", "MuonOptions", "AdamOptions", "RouterOptions")
 
 
 def _apply_flat(flat: dict, *, head: HeadOptions, muon: MuonOptions, adam: AdamOptions,
-                groups: dict) -> tuple[HeadOptions, MuonOptions, AdamOptions, dict]:
+                router: RouterOptions, groups: dict,
+                ) -> tuple[HeadOptions, MuonOptions, AdamOptions, RouterOptions, dict]:
     # optax.inject_hyperparams binds the var-keyword arguments to their parameter's name and
     # passes them back as one keyword holding a dict: unpack it.
     if isinstance(flat.get("flat"), dict):
@@ -310,7 +352,7 @@ def _apply_flat(flat: dict, *, head: HeadOptions, muon: MuonOptions, adam: AdamO
     if unknown:
         raise TypeError(f"lm_optimizer: unknown option(s) {unknown}; options are the keywords "
                         f"of lm_optimizer and {sorted(FLAT_KEYWORDS)}")
-    objects: dict[str, Any] = {"head": {}, "muon": {}, "adam": {}}
+    objects: dict[str, Any] = {"head": {}, "muon": {}, "adam": {}, "router": {}}
     for name, value in flat.items():
         where = FLAT_KEYWORDS[name]
         if where[0] == "groups":
@@ -325,7 +367,8 @@ def _apply_flat(flat: dict, *, head: HeadOptions, muon: MuonOptions, adam: AdamO
             given = [k for k in flat if FLAT_KEYWORDS[k][0] == name]
             raise type(err)(f"{err} (set by {', '.join(f'{k}=' for k in given)})") from None
 
-    return replaced(head, "head"), replaced(muon, "muon"), replaced(adam, "adam"), groups
+    return (replaced(head, "head"), replaced(muon, "muon"), replaced(adam, "adam"),
+            replaced(router, "router"), groups)
 
 
 def lm_optimizer_hparams(
@@ -339,6 +382,7 @@ def lm_optimizer_hparams(
     groups: Mapping[str, GroupOptions] | None = None,
     muon: MuonOptions = DEFAULT_MUON,
     adam: AdamOptions = DEFAULT_ADAM,
+    router: str | RouterOptions = DEFAULT_ROUTER,
     **flat: Any,
 ) -> LMHyperparams:
     """Every group's resolved learning rate, weight decay and momentum, and the options.
@@ -358,10 +402,12 @@ def lm_optimizer_hparams(
       head_learning_rate: the head's rate instead of the multiple of `learning_rate`.
       weight_decay: decoupled weight decay of the matrix groups (hidden, head, embedding); the
         vector group's default is 0.
-      groups: per-group overrides, ``{"hidden" | "head" | "embedding" | "vector":
+      groups: per-group overrides, ``{"hidden" | "head" | "embedding" | "vector" | "router":
         GroupOptions(...)}``.
       muon: `MuonOptions`.
       adam: `AdamOptions`.
+      router: a router optimizer name (``"muon"``, ``"rownorm"``, ``"adamw"``) or
+        `RouterOptions`; the router group's rate and decay default to the hidden group's.
       **flat: the flat keywords of `FLAT_KEYWORDS` (e.g. ``ns_steps=6``), each setting one
         field of the objects above.
 
@@ -379,7 +425,10 @@ def lm_optimizer_hparams(
     if not isinstance(head, HeadOptions):
         raise TypeError(f"head must be one of {HEAD_OPTIMIZERS} or a rowgeom.HeadOptions, got "
                         f"{head!r}")
-    for name, value, kind in (("muon", muon, MuonOptions), ("adam", adam, AdamOptions)):
+    if isinstance(router, str):
+        router = RouterOptions(optimizer=_one_of(router, ROUTER_OPTIMIZERS, "router"))
+    for name, value, kind in (("muon", muon, MuonOptions), ("adam", adam, AdamOptions),
+                              ("router", router, RouterOptions)):
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be a rowgeom.{kind.__name__}, got {value!r}")
     _one_of(tied, TIED_POLICIES, "tied")
@@ -392,8 +441,8 @@ def lm_optimizer_hparams(
     unknown = sorted(set(overrides) - set(LABELS))
     if unknown:
         raise ValueError(f"groups: unknown group(s) {unknown}; groups are {LABELS}")
-    head, muon, adam, overrides = _apply_flat(flat, head=head, muon=muon, adam=adam,
-                                              groups=overrides)
+    head, muon, adam, router, overrides = _apply_flat(flat, head=head, muon=muon, adam=adam,
+                                                      router=router, groups=overrides)
     given = {g: overrides.get(g, GroupOptions()) for g in LABELS}
     if head_learning_rate is not None and given["head"].learning_rate is not None:
         raise ValueError("the head's rate is given twice: head_learning_rate and "
@@ -414,5 +463,11 @@ def lm_optimizer_hparams(
             _or(given["embedding"].weight_decay, weight_decay), adam.b1),
         "vector": GroupHyperparams("adamw", _or(given["vector"].learning_rate, learning_rate),
                                    _or(given["vector"].weight_decay, 0.0), adam.b1),
+        "router": GroupHyperparams(
+            router.optimizer, _or(given["router"].learning_rate, learning_rate),
+            _or(given["router"].weight_decay, weight_decay),
+            {"muon": muon.momentum, "rownorm": router.momentum, "adamw": adam.b1}[
+                router.optimizer]),
     }
-    return LMHyperparams(types.MappingProxyType(resolved), head, muon, adam, labels, tied)
+    return LMHyperparams(types.MappingProxyType(resolved), head, muon, adam, labels, tied,
+                         router)

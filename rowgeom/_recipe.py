@@ -11,6 +11,9 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``"muon"``: the hidden chain with the head's momentum → ``track_row_diameter``
 ``embedding``  ``adamw``
 ``vector``     ``adamw`` (no weight decay by default)
+``router``     ``"muon"`` (default): the hidden chain, per layer; ``"rownorm"``:
+               ``ema(momentum)`` → projected RowNorm over the expert axis, per layer →
+               ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
 Contract: data flows one way. `lm_optimizer_hparams` resolves the options into an
@@ -29,6 +32,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -38,15 +42,18 @@ from rowgeom._muon import muon_orthogonalize
 from rowgeom._options import (
     DEFAULT_ADAM,
     DEFAULT_MUON,
+    DEFAULT_ROUTER,
     AdamOptions,
     GroupOptions,
     HeadOptions,
     LMHyperparams,
     MuonOptions,
+    RouterOptions,
     lm_optimizer_hparams,
 )
 from rowgeom._plan import OptimizerPlan, infers_muon_dims, make_plan
-from rowgeom._rownorm import projected_rownorm
+from rowgeom._rownorm import project_rownorm, projected_rownorm
+from rowgeom._tree import flatten_with_paths, is_masked, path_str
 
 STATIC_ARGS = ("labels",)
 """For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.
@@ -100,6 +107,53 @@ def _head_chain(plan: OptimizerPlan) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
+def _rownorm_per_matrix(axes: Mapping[str, tuple[int | None, tuple[int, ...]]]):
+    """Projected RowNorm of each leaf along its expert axis, one matrix per batch index.
+
+    `axes`: ``{path: (expert axis, batch axes)}``; a scanned router ``(d, L, E)`` is ``L``
+    independent ``(d, E)`` matrices, so the row norms and means never mix layers.
+    """
+
+    def one(u, axis, batch):
+        assert axis is not None  # the plan gives every RowNorm router its expert axis
+        if not batch:
+            return project_rownorm(u, vocab_axis=axis)
+        front = jnp.moveaxis(u, batch, tuple(range(len(batch))))
+        rest = [a for a in range(u.ndim) if a not in batch]
+        flat = front.reshape((-1,) + front.shape[len(batch):])
+        out = jax.vmap(lambda m: project_rownorm(m, vocab_axis=rest.index(axis)))(flat)
+        return jnp.moveaxis(out.reshape(front.shape), tuple(range(len(batch))), batch)
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = flatten_with_paths(updates, open_boxes=True, is_leaf=is_masked)
+        out = [u if is_masked(u) or path_str(p) not in axes else one(u, *axes[path_str(p)])
+               for p, u in leaves]
+        return jax.tree_util.tree_unflatten(treedef, out), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _router_chain(plan: OptimizerPlan) -> optax.GradientTransformation:
+    """The router group's chain (the module docstring's table)."""
+    hp = plan.hparams
+    group, leaves = hp["router"], plan.by_label("router")
+    if hp.router.optimizer == "adamw":
+        return optax.adamw(group.learning_rate, weight_decay=group.weight_decay, b1=hp.adam.b1,
+                           b2=hp.adam.b2, eps=hp.adam.eps)
+    if hp.router.optimizer == "muon":
+        return _muon_chain(group.learning_rate, group.weight_decay, momentum=group.momentum,
+                           muon=hp.muon, dimension_numbers={
+                               path: leaf.muon_dims for path, leaf in leaves.items()})
+    axes = {path: (leaf.vocab_axis, leaf.batch_axes) for path, leaf in leaves.items()}
+    return optax.chain(
+        optax.ema(decay=group.momentum, debias=False, accumulator_dtype=jnp.float32),
+        _rownorm_per_matrix(axes),
+        optax.add_decayed_weights(group.weight_decay),
+        optax.scale_by_learning_rate(group.learning_rate),
+    )
+
+
 def optimizer_from_plan(plan: OptimizerPlan) -> optax.GradientTransformationExtraArgs:
     """The ``optax.partition`` over the plan's labels, each group's chain built from the plan."""
     hp = plan.hparams
@@ -115,6 +169,8 @@ def optimizer_from_plan(plan: OptimizerPlan) -> optax.GradientTransformationExtr
         "embedding": optax.adamw(e.learning_rate, weight_decay=e.weight_decay, **adam),
         "vector": optax.adamw(v.learning_rate, weight_decay=v.weight_decay, **adam),
     }
+    if plan.by_label("router"):  # only then: a dense model's optimizer state stays as it was
+        transforms["router"] = _router_chain(plan)
     return partition_by_label(transforms, {leaf.path: leaf.label for leaf in plan})
 
 
@@ -129,6 +185,7 @@ def lm_optimizer(
     groups: Mapping[str, GroupOptions] | None = None,
     muon: MuonOptions = DEFAULT_MUON,
     adam: AdamOptions = DEFAULT_ADAM,
+    router: str | RouterOptions = DEFAULT_ROUTER,
     **flat: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """Muon for hidden matrices, projected RowNorm (or AdamW / Muon) for the head, AdamW else.
@@ -151,11 +208,16 @@ def lm_optimizer(
       muon: `MuonOptions` of the hidden group (momentum, Nesterov, Newton–Schulz, scale, matrix
         axes; by default inferred per leaf from the model structure, see the labels guide).
       adam: `AdamOptions` of the AdamW groups.
+      router: how mixture-of-experts routers (label ``"router"``) are trained: ``"muon"``
+        (default), ``"rownorm"`` (projected RowNorm over the expert axis, for softmax routers)
+        or ``"adamw"``, or a `RouterOptions` (the labels guide says which routers are
+        shift-invariant).
       **flat: shorthands, each one field of the objects above (`rowgeom.FLAT_KEYWORDS`:
         ``ns_steps=6``, ``head_num_valid=50257``, ``vector_learning_rate=...``).
 
     Returns:
-      An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"`` and ``"vector"``,
+      An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"``, ``"vector"`` and
+      ``"router"``,
       rebuilt from the plan of the tree it is given at each ``init`` and ``update``
       (`describe` prints that plan).
 
@@ -183,7 +245,7 @@ def lm_optimizer(
         given = {k: v for k, v in dict(head=head, labels=labels, tied=tied,
                                        head_learning_rate=head_learning_rate,
                                        weight_decay=weight_decay, groups=groups, muon=muon,
-                                       adam=adam).items()
+                                       adam=adam, router=router).items()
                  if v is not _DEFAULTS[k]} | flat
         if given:
             raise TypeError(f"lm_optimizer: options are part of the LMHyperparams already; got "
@@ -193,7 +255,7 @@ def lm_optimizer(
         hp = lm_optimizer_hparams(
             learning_rate, head=head, labels=labels, tied=tied,
             head_learning_rate=head_learning_rate, weight_decay=weight_decay, groups=groups,
-            muon=muon, adam=adam, **flat)
+            muon=muon, adam=adam, router=router, **flat)
 
     def init_fn(params):
         return optimizer_from_plan(make_plan(params, hp)).init(params)

@@ -170,11 +170,19 @@ def test_tied_embedding_needs_a_policy():
     assert flat(ruled) == {"embed_a/embedding": "embedding", "embed_b/embedding": "head"}
 
 
-def test_tied_policy_contradicting_a_separate_head_raises():
+def test_tied_policy_next_to_a_head_shaped_leaf():
+    """tied= with a head of the table's shape beside it (EasyDeL's tied models keep an unused
+    lm_head): the table is trained as the policy says, the head is flagged as probably unused
+    (trained as an embedding); a separate head of another shape contradicts tied=."""
     params = {"embed": np.zeros((V, D)), "lm_head": np.zeros((D, V))}
     for tied in ("head", "embedding"):
-        with pytest.raises(ValueError, match="separate, untied head lm_head"):
-            rowgeom.label_params(params, tied=tied)
+        assert flat(rowgeom.label_params(params, tied=tied)) == {
+            "embed": tied, "lm_head": "embedding"}
+        notes = {r.path: r.note for r in rowgeom.describe(params, tied=tied)}
+        assert notes["lm_head"].startswith("probably unused") and notes["embed"] == ""
+    wider = {"embed": np.zeros((V, D)), "lm_head": np.zeros((2 * D, V))}  # not a copy of E
+    with pytest.raises(ValueError, match=r"separate, untied head lm_head \(32, 64\)"):
+        rowgeom.label_params(wider, tied="embedding")
     with pytest.raises(ValueError, match="tied must be one of"):
         rowgeom.label_params(params, tied="yes")
     with pytest.raises(ValueError, match="no embedding table"):
@@ -319,9 +327,10 @@ def test_regression_auto_named_top_level_head_is_the_head():
         assert labels == {"Embed_0/embedding": "embedding",
                           "layers_0/Dense_0/kernel": "hidden", "layers_0/Dense_1/kernel": "hidden",
                           f"{auto}/kernel": "head", f"{auto}/bias": "vector"}
-        # Saying it is tied contradicts the head-shaped matrix: an error, not a silent table.
-        with pytest.raises(ValueError, match=f"separate, untied head {auto}/kernel"):
-            rowgeom.label_params(params, tied="embedding")
+        # Saying it is tied: the head-shaped matrix is flagged as unused, not trained as a head.
+        tied = rowgeom.describe(params, tied="embedding")
+        assert [(r.label, r.note[:15]) for r in tied if r.path == f"{auto}/kernel"] == [
+            ("embedding", "probably unused")]
 
 
 def test_norms_and_biases_are_vectors_at_any_rank_and_layer_axes_are_not_matrix_axes():

@@ -381,8 +381,9 @@ def test_ambiguous_kernel_raises_naming_the_leaf_and_the_fix_works():
     decoder = params["params"]["decoder"]
     decoder["layers_0"] = {**decoder["layers_0"],
                            "mlp": {**decoder["layers_0"]["mlp"], "experts": {"wi": S(4, D, F)}}}
-    with pytest.raises(ValueError, match=r"layers_0/mlp/experts/wi \(4, 32, 64\).*"
-                                         r"MuonOptions\(dimension_numbers=\{'params/decoder/layers_0"):
+    with pytest.raises(ValueError, match=r"(?s)layers_0/mlp/experts/wi \(4, 32, 64\).*"
+                                         r"MuonOptions\(dimension_numbers=\{\n    "
+                                         r"'params/decoder/layers_0"):
         rowgeom.describe(params)
     fix = {"params/decoder/layers_0/mlp/experts/wi": optax.contrib.MuonDimensionNumbers(1, 2)}
     rows = {r.path: r for r in rowgeom.describe(params, muon_dimension_numbers=fix)}
