@@ -13,6 +13,7 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -193,19 +194,15 @@ def check(name, tree_fn, mesh_name, axis_type, mode, *, kind="muon", steps=(5, 8
     # The reference: the same update on one device, no mesh anywhere.
     want = jax.jit(step_fn(steps[0]))(tree, tree)
     grads = place(tree, shards, mode, mesh)
-    inside = mode in ("inside", "nnx", "jit_out_shardings_inside")
+    inside = mode in ("inside", "nnx")
     jit_kwargs = {}
     if mode == "jit_in_shardings":
         jit_kwargs = dict(in_shardings=(shards, shards))
     counts = []
     for i, n_steps in enumerate(steps):
         fn = step_fn(n_steps)
-        if mode == "eager":
-            run = fn
-        else:
-            run = jax.jit(fn, **jit_kwargs)
-        ctx = jax.set_mesh(mesh) if inside else _null()
-        with ctx:
+        run = fn if mode == "eager" else jax.jit(fn, **jit_kwargs)
+        with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
             if i == 0:
                 got = run(grads, grads)
             if mode == "eager":
@@ -240,14 +237,6 @@ def spread_bytes(tree, dims) -> int:
         key = (min(m, n), max(m, n), x.dtype.itemsize)
         counts[key] = counts.get(key, 0) + math.prod(x.shape) // (m * n)
     return sum(-(-b // 8) * m * n * size for (m, n, size), b in counts.items())
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
