@@ -313,7 +313,7 @@ FLAT_KEYWORDS = types.MappingProxyType({
     "ns_steps": ("muon", "ns_steps"),
     "ns_coeffs": ("muon", "ns_coeffs"),
     "muon_scale": ("muon", "scale"),
-    "muon_shard_matrices": ("muon", "shard_matrices"),
+    "shard_matrices": ("muon", "shard_matrices"),
     "muon_dimension_numbers": ("muon", "dimension_numbers"),
     "head_momentum": ("head", "momentum"),
     "head_vocab_axis": ("head", "vocab_axis"),

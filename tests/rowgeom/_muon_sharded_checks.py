@@ -275,6 +275,7 @@ CHECKS = {
     "lm_explicit_inside": (lm_tree, "fsdp", EXPLICIT, "inside", dict(kind="lm_optimizer")),
     "lm_explicit_outside_untracked": (lm_tree, "fsdp", EXPLICIT, "outside",
                                       dict(kind="lm_optimizer", track_head=False)),
+    "lm_explicit_outside": (lm_tree, "fsdp", EXPLICIT, "outside", dict(kind="lm_optimizer")),
 }
 
 

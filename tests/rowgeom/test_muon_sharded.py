@@ -28,7 +28,7 @@ ALL = ["auto_inside", "auto_outside", "explicit_inside", "explicit_outside",
        "fsdp_tensor_explicit", "few_auto", "wide_auto", "wide_explicit", "replicated_explicit",
        "replicated_auto", "few_off", "off_auto",
        "off_explicit", "lm_auto_inside", "lm_auto_outside", "lm_fsdp_tensor_auto",
-       "lm_explicit_inside", "lm_explicit_outside_untracked"]
+       "lm_explicit_inside", "lm_explicit_outside_untracked", "lm_explicit_outside"]
 EXPLICIT = [n for n in ALL if "explicit" in n]
 # Compiled, with the matrices spread over the devices (a mesh is visible and shard_matrices).
 SPREAD = [n for n in ALL if n not in ("auto_jit_in_shardings", "auto_eager", "explicit_eager",
