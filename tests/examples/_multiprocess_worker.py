@@ -2,7 +2,8 @@
 
 Run by tests/examples/test_multiprocess.py, not collected by pytest:
 
-    python tests/examples/_multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES CORPUS TOKENS WORKDIR
+    python tests/examples/_multiprocess_worker.py \
+        PROCESS_ID NUM_PROCESSES PORT DEVICES CORPUS TOKENS WORKDIR
 
 With NUM_PROCESSES > 1 every process calls `jax.distributed.initialize` against a coordinator on
 127.0.0.1:PORT (process 0 hosts it) with `DEVICES` simulated CPU devices each and gloo CPU

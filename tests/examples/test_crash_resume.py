@@ -1,7 +1,8 @@
 """Crash-safe resume: kill the example trainer at known points, resume, match a clean run.
 
-The trainer's command line (tiny `test` config) runs in a subprocess through
-`tests/examples/_crash_trainer.py`, which stops it at a planned point of its run (`KILLS`): SIGKILL while
+The trainer's command line (tiny `test` config) runs in a subprocess through the wrapper
+`_crash_trainer.py` next to this file, which stops it at a planned point of its run (`KILLS`):
+SIGKILL while
 restoring a checkpoint at start-up, after a training step, while an asynchronous orbax checkpoint
 is being written (its directory exists, its finalization is held back) and when all its arrays are
 written but orbax has not yet finalized it; and SIGTERM (what a preempted Cloud TPU VM or a

@@ -1,4 +1,4 @@
-"""Token data in the layouts people already have (written by tests/examples/_lm_fixtures.py the way their
+"""Token data in the layouts people already have (written by `_lm_fixtures.py` the way their
 projects write them): llm.c / modded-nanogpt shards, nanoGPT `train.bin` / `val.bin`, a Hugging
 Face `tokenizer.json`, jsonl documents, and the `prepare` command's shards read back through the
 trainer's loader. None of these files is written with the example's own writer.
