@@ -7,43 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _nnx_models import LAYERS, D, TinyLM, V
 from flax import linen as nn
 from flax import nnx
 
 import rowgeom
 from rowgeom._labels import make_labeler
 from rowgeom._tree import tree_paths
-
-V, D, LAYERS = 64, 16, 2
-
-
-class _Attn(nnx.Module):
-    def __init__(self, rngs):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, nnx.Linear(D, D, use_bias=False, rngs=rngs))
-
-
-class _Mlp(nnx.Module):
-    def __init__(self, rngs):
-        self.gate_proj = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
-        self.up_proj = nnx.Linear(D, 2 * D, use_bias=False, rngs=rngs)
-        self.down_proj = nnx.Linear(2 * D, D, use_bias=False, rngs=rngs)
-
-
-class _Block(nnx.Module):
-    def __init__(self, rngs):
-        self.attn, self.mlp = _Attn(rngs), _Mlp(rngs)
-        self.attn_norm, self.mlp_norm = nnx.RMSNorm(D, rngs=rngs), nnx.RMSNorm(D, rngs=rngs)
-
-
-class TinyLM(nnx.Module):
-    """The parameter paths of the example model."""
-
-    def __init__(self, rngs):
-        self.embed = nnx.Embed(V, D, rngs=rngs)
-        self.layers = nnx.List([_Block(rngs) for _ in range(LAYERS)])
-        self.final_norm = nnx.RMSNorm(D, rngs=rngs)
-        self.lm_head = nnx.Linear(D, V, use_bias=False, rngs=rngs)
 
 
 def expected_label(path: str) -> str:
