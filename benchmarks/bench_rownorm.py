@@ -5,10 +5,11 @@ the jitted ``projected_rownorm`` update, ``clip_row_diameter`` (bound mode), the
 ``row_diameter_bounds`` and the ``track_row_diameter`` statistics, each in both of rowgeom's
 formulations: ``[masked]``, the one that runs on every backend and under any mesh, and
 ``[cpu]``, the XLA:CPU formulation (``rowgeom/_cpu.py``) that a process with one CPU device
-uses instead. Each is next to the memory floor: a jitted ``x * 0.5`` with its input donated
-(one read and one write). Then the tracker's cost per step in a chain, as a one-CPU process runs
-it: ``projected_rownorm`` alone, chained with the tracker on every step, and with
-``every_k_steps=100`` (its off-steps), as stateful donated steps.
+uses instead (for the bracket of a ``(V, d)`` table the two are the same program: the CPU one
+differs only over a leading feature axis). Each is next to the memory floor: a jitted
+``x * 0.5`` with its input donated (one read and one write). Then the tracker's cost per step
+in a chain, as a one-CPU process runs it: ``projected_rownorm`` alone, chained with the tracker
+on every step, and with ``every_k_steps=100`` (its off-steps), as stateful donated steps.
 
 A formulation is chosen when a function is traced (``rowgeom._cpu.one_cpu_device``); here each
 candidate is traced with that choice fixed (`formulation`), so both run side by side in one
