@@ -211,3 +211,14 @@ def test_config_table_parameter_counts_match_the_models():
         abstract = nnx.eval_shape(lambda cfg=cfg: model.Transformer(cfg, rngs=nnx.Rngs(0)))
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
         assert f"| `{name}` | {_count(n)} |" in text, (name, _count(n))
+
+
+def test_validation_set_sizes_in_the_example_readme():
+    from examples.lm import configs
+
+    tiny = configs.get_config("cpu-tiny").resolved_eval_tokens()
+    gpu = {configs.get_config(n).resolved_eval_tokens() for n in ("190m", "380m", "640m")}
+    assert len(gpu) == 1
+    (gpu_tokens,) = gpu
+    text = " ".join((ROOT / "examples" / "lm" / "README.md").read_text().split())
+    assert (f"{tiny} tokens in cpu-tiny, {gpu_tokens / 1e6:.1f}M in the GPU configs") in text
