@@ -17,7 +17,8 @@ import pathlib
 import re
 import shlex
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The repository root, wherever under tests/ this file lives.
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)(?P<lang>[\w+-]*)[^\n]*\n"
                    r"(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$", re.S | re.M)
@@ -43,9 +44,9 @@ def fenced_blocks(text: str) -> list[Block]:
 PROGRAMS = {
     ("python", "-m", "examples.lm.train"): "train",
     ("python", "-m", "examples.lm.prepare"): "prepare",
-    ("python", "tests/_crash_trainer.py"): "crash-trainer",
 }
-MENTION = re.compile(r"examples\.lm\.(?:train|prepare)\b|tests/_crash_trainer\.py")
+CRASH_TRAINER = re.compile(r"tests/(?:\w+/)*_crash_trainer\.py")  # the crash test's wrapper
+MENTION = re.compile(r"examples\.lm\.(?:train|prepare)\b|" + CRASH_TRAINER.pattern)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _OPERATORS = {"&&", "||", ";", "|", "&"}
 
@@ -58,6 +59,7 @@ class Command:
     program: str  # "train", "prepare" or "crash-trainer"
     argv: tuple[str, ...]  # the arguments after the program
     env: tuple[tuple[str, str], ...]  # NAME=value prefixes
+    script: str | None = None  # crash-trainer: the wrapper's path, as the page shows it
 
     @property
     def where(self) -> str:
@@ -123,7 +125,8 @@ def _simple_commands(tokens: list[str]) -> list[list[str]]:
 
 
 def _commands_in(tokens: list[str], exports: dict[str, str]):
-    """(program, argv, env) for every example command in a token list, nested ones included."""
+    """(program, argv, env, script) for every example command in a token list, nested ones
+    included."""
     for simple in _simple_commands(tokens):
         env = []
         while simple and _ASSIGNMENT.match(simple[0]):
@@ -131,9 +134,12 @@ def _commands_in(tokens: list[str], exports: dict[str, str]):
             env.append((name, value))
         for words, program in PROGRAMS.items():
             if tuple(simple[:len(words)]) == words:
-                yield program, tuple(simple[len(words):]), tuple(env)
+                yield program, tuple(simple[len(words):]), tuple(env), None
                 break
         else:
+            if simple[:1] == ["python"] and CRASH_TRAINER.fullmatch("".join(simple[1:2])):
+                yield "crash-trainer", tuple(simple[2:]), tuple(env), simple[1]
+                continue
             for token in simple:  # e.g. gcloud ... --command='cd rowgeom && python -m ...'
                 if MENTION.search(token):
                     inner = token.split("=", 1)[1] if token.startswith("--") else token
@@ -167,8 +173,8 @@ def example_commands(page: str, text: str | None = None) -> tuple[list[Command],
             if tokens[:1] == ["export"]:
                 exports |= dict(t.split("=", 1) for t in tokens[1:] if "=" in t)
                 continue
-            for program, argv, env in _commands_in(tokens, exports):
-                commands.append(Command(page, block.line, index, program, argv, env))
+            for program, argv, env, script in _commands_in(tokens, exports):
+                commands.append(Command(page, block.line, index, program, argv, env, script))
                 found += 1
         if found != mentions:
             problems.append(f"{where}: {mentions} mention(s) of an example command, {found} "

@@ -28,6 +28,7 @@ runs as documented (killed while checkpoint 4 is written, then resumed from 2).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -402,13 +403,15 @@ def test_mesh_commands_run_on_8_devices(tmp_path, shared):
 def test_crash_reproduction_runs_as_documented(tmp_path, shared):
     """CONTRIBUTING: killed (137) with checkpoint 2 finalized and 4 half-written; the same
     command without ROWGEOM_TEST_KILL resumes from 2 and finishes."""
-    from _crash_trainer import unfinalized_steps
-
     (key,) = CRASH
     (run,) = PLANS[key]
+    wrapper = ROOT / run.command.script  # the script the page names
+    spec = importlib.util.spec_from_file_location("_crash_trainer", wrapper)
+    crash_trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(crash_trainer)
     block = tmp_path / "crash"
     block.mkdir()
-    argv = [sys.executable, str(ROOT / "tests" / "_crash_trainer.py"), *run.argv,
+    argv = [sys.executable, str(wrapper), *run.argv,
             *(["--data.source", str(shared / "corpus"), "--data.dir", str(shared / "tokens")])]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     ckdir = block / _local(run.command.flag("workdir")) / "checkpoints"
@@ -416,7 +419,8 @@ def test_crash_reproduction_runs_as_documented(tmp_path, shared):
                             capture_output=True, text=True, timeout=240)
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])  # shell: 137
     finalized = sorted(int(p.name) for p in ckdir.iterdir() if p.name.isdigit())
-    assert finalized == [2] and unfinalized_steps(ckdir) == {4}, (finalized, list(ckdir.iterdir()))
+    assert finalized == [2] and crash_trainer.unfinalized_steps(ckdir) == {4}, (
+        finalized, list(ckdir.iterdir()))
     resumed = subprocess.run(argv, env=env, cwd=block, capture_output=True, text=True,
                              timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
