@@ -1,0 +1,310 @@
+"""Guarantees the documentation states that no other test checked (each page names these tests
+in a `checked-by` marker next to the sentence; see test_doc_claims.py).
+
+Public API only; each property is compared with an independent float64 numpy computation or
+shown to fail on a counter-example, so a wrong sentence (or a wrong library) fails here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _doc_extract import ROOT
+from flax import nnx
+
+import rowgeom
+
+MDN = rowgeom.MuonDimensionNumbers
+pytestmark = pytest.mark.usefixtures("fast_compile")  # cheaper XLA compiles, same semantics
+
+
+def _rownorm(g, **options) -> np.ndarray:
+    """The projected RowNorm direction (radius 1) of `g`, through the public transform."""
+    tx = rowgeom.projected_rownorm(**options)
+    return np.asarray(tx.update(jnp.asarray(g), tx.init(g))[0], np.float64)
+
+
+def _np_diameter(rows: np.ndarray) -> float:
+    rows = np.asarray(rows, np.float64)
+    return float(np.max(np.linalg.norm(rows[:, None] - rows[None], axis=-1), initial=0.0))
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+def test_muon_iterates_in_the_input_dtype_unless_compute_dtype_is_set(rng):
+    """index.md: Muon's Newton–Schulz iteration runs in the input dtype unless `compute_dtype`
+    is set (RowNorm's float32 internals are the transform battery's)."""
+    x = jnp.asarray(rng.standard_normal((16, 24)), jnp.bfloat16)
+
+    def muon(**options):
+        tx = rowgeom.muon_orthogonalize(**options)
+        return np.asarray(jax.jit(tx.update)(x, tx.init(x))[0], np.float64)
+
+    default, in_bf16, in_f32 = muon(), muon(compute_dtype=jnp.bfloat16), muon(
+        compute_dtype=jnp.float32)
+    np.testing.assert_array_equal(default, in_bf16)  # the input dtype, bit for bit
+    reference = np.asarray(jax.jit(rowgeom.muon_orthogonalize().update)(
+        x.astype(jnp.float32), optax.EmptyState())[0], np.float64)
+    assert not np.array_equal(default, in_f32)
+    assert np.abs(in_f32 - reference).max() < np.abs(default - reference).max()
+
+
+# ----------------------------------------------------------------------------- inject_hyperparams
+
+
+def _documented_static_args() -> dict[str, tuple[str, ...]]:
+    """The table of docs/guides/learning-rates.md: transform -> its static_args."""
+    page = (ROOT / "docs" / "guides" / "learning-rates.md").read_text()
+    rows = re.findall(r"^\| \[`(\w+)`\]\[rowgeom\.\w+\] \| `\(([^)]*)\)` \|$", page, re.M)
+    return {name: tuple(re.findall(r'"(\w+)"', args)) for name, args in rows}
+
+
+G = jnp.ones((4, 10)).at[0].set(3.0).at[1, 2].set(-1.0)
+OPTIONS = {  # every documented static argument passed, the floats too
+    "projected_rownorm": dict(vocab_axis=1, eps=1e-8, num_valid=8),
+    "clip_row_diameter": dict(max_diameter=0.01, vocab_axis=1, exact=True, block_size=4),
+    "track_row_diameter": dict(vocab_axis=1, every_k_steps=2),
+    "muon_orthogonalize": dict(ns_steps=5, rms_scale=0.2, dimension_numbers=lambda params: {
+        k: MDN(reduction_axis=1, output_axis=0) for k in params}),
+}
+
+
+def test_inject_hyperparams_needs_the_documented_static_args():
+    documented = _documented_static_args()
+    assert set(documented) == set(OPTIONS)  # every public transform but lm_optimizer
+    params = {"w": G}
+    for name, static in documented.items():
+        make, options = getattr(rowgeom, name), OPTIONS[name]
+        plain = make(**options)
+        want = jax.jit(plain.update)(params, plain.init(params), params)[0]
+        tx = optax.inject_hyperparams(make, static_args=static)(**options)
+        got = jax.jit(tx.update)(params, tx.init(params), params)[0]
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        for missing in static:
+            short = tuple(a for a in static if a != missing)
+            broken = optax.inject_hyperparams(make, static_args=short)(**options)
+            try:
+                out = jax.jit(broken.update)(params, broken.init(params), params)[0]
+            except TypeError as err:
+                # A callable dimension_numbers is called as a schedule, with the step count.
+                assert missing in str(err) or missing == "dimension_numbers", (name, err)
+                continue
+            # Not an error: then the argument was evaluated as a schedule, and the step differs.
+            assert missing == "dimension_numbers" and not all(
+                np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(
+                    want), strict=True)), (name, missing)
+
+
+def test_lm_optimizer_injects_only_its_float_rates():
+    params = {"embed": {"embedding": jnp.ones((10, 4))}, "mlp": {"kernel": jnp.ones((4, 4))},
+              "lm_head": {"kernel": G}}
+    tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(
+        learning_rate=1e-3, head_learning_rate=4e-3, ns_steps=6,
+        head=rowgeom.HeadOptions(num_valid=9), muon=rowgeom.MuonOptions(momentum=0.9))
+    state = tx.init(params)
+    assert set(state.hyperparams) == {"learning_rate", "head_learning_rate", "weight_decay"}
+    jax.jit(tx.update)(params, state, params)
+    assert rowgeom.STATIC_ARGS == ("labels",)
+    labels = lambda p: rowgeom.label_params(p)  # noqa: E731  a callable: a schedule otherwise
+    with pytest.raises(TypeError, match="STATIC_ARGS"):
+        optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=1e-3, labels=labels).init(
+            params)
+    ok = optax.inject_hyperparams(rowgeom.lm_optimizer, static_args=rowgeom.STATIC_ARGS)(
+        learning_rate=1e-3, labels=labels)
+    jax.jit(ok.update)(params, ok.init(params), params)
+
+
+# ----------------------------------------------------------------------------- the RowNorm step
+
+
+def _zero_mean_rows(rng, v, d):
+    """(V, d) rows of mean 0: row 3 zero, row 7 of norm 1e-3 (below the test's eps)."""
+    x = rng.standard_normal((v, d))
+    x[3] = 0.0
+    x[7] = 1e-3 * np.ones(d) / np.sqrt(d)
+    x[0] -= x.sum(axis=0)
+    return x
+
+
+def test_every_row_moves_by_exactly_r_up_to_a_common_shift(rng):
+    """s_i = -r (u_i - ū): every row is at distance r·||u_i|| from the common point c = r·ū,
+    i.e. exactly r for rows with ||x_i|| >= eps, less below eps and 0 for a zero row."""
+    v, d, r, eps = 24, 6, 0.37, 1e-2
+    for offset in (0.0, 5.0):
+        x = _zero_mean_rows(rng, v, d)
+        g = (x + offset * rng.standard_normal(d)).astype(np.float32)
+        s = -r * _rownorm(g, vocab_axis=0, eps=eps)
+        xc = g.astype(np.float64) - g.astype(np.float64).mean(axis=0)  # centred, float64
+        norms = np.linalg.norm(xc, axis=1)
+        u = xc / np.maximum(norms, eps)[:, None]
+        shift = s + r * u                                  # = r·ū for every row
+        long = norms >= eps
+        common = shift[long].mean(axis=0)
+        np.testing.assert_allclose(shift[long], np.broadcast_to(common, shift[long].shape),
+                                   atol=2e-6 * r)
+        # Rows below eps: float32 centring's rounding is amplified by 1/eps there.
+        np.testing.assert_allclose(shift[~long], np.broadcast_to(common, shift[~long].shape),
+                                   atol=1e-4 * r)
+        distance = np.linalg.norm(s - common, axis=1)
+        np.testing.assert_allclose(distance[long], r, rtol=2e-6)
+        assert np.all(distance <= r * (1 + 2e-6))
+        assert _np_diameter(s) <= 2 * r * (1 + 2e-6)
+        # Below eps: row 7 moves by r·||x_7||/eps = r/10, the zero row 3 (up to rounding) not.
+        np.testing.assert_allclose(distance[7], 0.1 * r, rtol=1e-2)
+        assert distance[3] < 1e-4 * r
+    # The rows' own lengths are not r (the docs say so too).
+    lengths = np.linalg.norm(s, axis=1)
+    assert lengths[long].max() - lengths[long].min() > 0.05 * r
+
+
+def test_outer_centring_changes_neither_decrease_nor_diameter_of_a_zero_sum_gradient(rng):
+    g = rng.standard_normal((20, 5))
+    for zero_sum in (True, False):
+        grad = (g - g.mean(axis=0) if zero_sum else g + 1.0).astype(np.float32)
+        centred, plain = (_rownorm(grad, vocab_axis=0, center_output=c) for c in (True, False))
+        decrease = [float(np.sum(grad * s)) for s in (centred, plain)]
+        np.testing.assert_allclose(_np_diameter(centred), _np_diameter(plain), rtol=1e-5)
+        np.testing.assert_allclose(centred.sum(axis=0), 0.0, atol=1e-5)  # the gauge
+        if zero_sum:
+            np.testing.assert_allclose(decrease[0], decrease[1], rtol=1e-5)
+        else:  # the counter-example: 1ᵀG != 0 and the outer P changes the decrease
+            assert abs(decrease[0] - decrease[1]) > 1e-2 * abs(decrease[1])
+
+
+def test_rescaled_padded_step_diameter_over_valid_and_all_rows():
+    """geometry.md: rescale="exact" with num_valid measures D over the valid rows; with the
+    output centring the padding rows' zero step is the valid mean (D over all rows the same),
+    without it the diameter over all rows can far exceed the budget."""
+    g = jnp.array([[1.0, 0.0], [0.9, 0.1], [0.0, 0.0], [7.0, 7.0]])  # rows 2, 3: padding
+    for centre in (True, False):
+        tx = rowgeom.projected_rownorm(vocab_axis=0, num_valid=2, rescale="exact",
+                                       center_input=centre, center_output=centre)
+        s = np.asarray(tx.update(g, tx.init(g))[0], np.float64)
+        np.testing.assert_array_equal(s[2:], 0.0)
+        np.testing.assert_allclose(_np_diameter(s[:2]), 2.0, rtol=1e-5)
+        if centre:
+            np.testing.assert_allclose(_np_diameter(s), 2.0, rtol=1e-5)
+        else:
+            assert _np_diameter(s) > 4.0
+            stats = rowgeom.track_row_diameter(vocab_axis=0)
+            _, state = stats.update(jnp.asarray(s, jnp.float32), stats.init(g))
+            assert float(state.lower) > 4.0  # the tracker sees all rows
+
+
+# ----------------------------------------------------------------------------- geometry facts
+
+
+def test_rmsnorm_output_norm_is_at_most_sqrt_d_times_the_largest_gain(rng):
+    d = 64
+    norm = nnx.RMSNorm(d, rngs=nnx.Rngs(0))
+    norm.scale[...] = jnp.asarray(rng.uniform(-2.0, 1.5, d), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((200, d)) * rng.uniform(1e-3, 1e3, (200, 1)),
+                    jnp.float32)
+    bound = np.sqrt(d) * np.abs(np.asarray(norm.scale[...])).max()
+    h = np.linalg.norm(np.asarray(norm(x), np.float64), axis=-1)
+    assert np.all(h <= bound * (1 + 1e-5))
+    norm.scale[...] = jnp.full((d,), 1.5)  # a constant gain attains it
+    h = np.linalg.norm(np.asarray(norm(x), np.float64), axis=-1)
+    np.testing.assert_allclose(h, np.sqrt(d) * 1.5, rtol=1e-4)
+
+
+def test_row_diameter_is_bounded_by_the_usual_norms(rng):
+    """D(S) <= 2 max_i ||s_i - c|| (any c), <= sqrt(2) ||S||_2, <= 2 sqrt(d) max|S_ij|."""
+    for v, d in [(2, 3), (9, 4), (30, 7)]:
+        s = rng.standard_normal((v, d)) * rng.uniform(0.1, 3.0, (v, 1))
+        exact = float(rowgeom.row_diameter(jnp.asarray(s, jnp.float32), vocab_axis=0))
+        np.testing.assert_allclose(exact, _np_diameter(s), rtol=1e-5)
+        for c in [s.mean(axis=0), rng.standard_normal(d) * 5, s[0]]:
+            assert exact <= 2 * np.linalg.norm(s - c, axis=1).max() * (1 + 1e-5)
+        assert exact <= np.sqrt(2) * np.linalg.norm(s, 2) * (1 + 1e-5)
+        assert exact <= 2 * np.sqrt(d) * np.abs(s).max() * (1 + 1e-5)
+    a = rng.standard_normal(5)
+    pair = np.stack([a, -a])  # antipodal rows attain the first two
+    np.testing.assert_allclose(_np_diameter(pair), np.sqrt(2) * np.linalg.norm(pair, 2))
+    np.testing.assert_allclose(_np_diameter(pair), 2 * np.linalg.norm(pair, axis=1).max())
+
+
+def test_cross_entropy_head_gradient_is_zero_sum(rng):
+    """An untied head's cross-entropy gradient has zero-sum token rows (1ᵀG = 0), with or
+    without label smoothing; a z-loss breaks it (the counter-example)."""
+    v, d, n = 50, 8, 32
+    w = jnp.asarray(rng.standard_normal((v, d)), jnp.float32)
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, v, n))
+
+    def losses(w):
+        logits = h @ w.T
+        plain = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        smooth = optax.softmax_cross_entropy(
+            logits, optax.smooth_labels(jax.nn.one_hot(y, v), 0.1)).mean()
+        z_loss = plain + 1e-2 * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+        return plain, smooth, z_loss
+
+    for i, name in enumerate(("plain", "smooth", "z_loss")):
+        grad = np.asarray(jax.jit(jax.grad(lambda w, i=i: losses(w)[i]))(w), np.float64)
+        residual = np.linalg.norm(grad.sum(axis=0)) / np.abs(grad).sum()
+        if name == "z_loss":
+            assert residual > 1e-3, residual
+        else:
+            assert residual < 1e-6, (name, residual)
+
+
+def test_ratio_is_one_for_one_feature_two_tokens_and_rank_one(rng):
+    """geometry.md: the common ball loses nothing for d = 1, V = 2 or a rank-1 gradient."""
+    pytest.importorskip("clarabel")
+    rho = 2.0
+    u = rng.standard_normal((6, 1))
+    cases = {"d = 1": rng.standard_normal((7, 1)), "V = 2": rng.standard_normal((2, 4)),
+             "rank 1": u @ rng.standard_normal((1, 3))}
+    for name, g in cases.items():
+        g = g - g.mean(axis=0)  # the canonical, zero-sum case
+        _, value = rowgeom.diameter_oracle(g, rho)
+        rownorm = rho / 2 * np.linalg.norm(g, axis=1).sum()  # Theorem 2's value at r = rho/2
+        np.testing.assert_allclose(rownorm / value, 1.0, rtol=1e-5, err_msg=name)
+    g = rng.standard_normal((6, 3))  # and a generic gradient loses something
+    g -= g.mean(axis=0)
+    assert rho / 2 * np.linalg.norm(g, axis=1).sum() < 0.99 * rowgeom.diameter_oracle(g, rho)[1]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _head_leaves(tx, params):
+    inner = tx.init(params).inner_states["head"].inner_state
+    return sorted((jax.tree_util.keystr(p).split(".")[-1].split("[")[0], tuple(x.shape),
+                   str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(inner))
+
+
+def test_head_state_holds_what_the_checkpointing_guide_lists():
+    d, v = 16, 100
+    params = {"embed": {"embedding": jnp.zeros((v, d))},
+              "layers": {"0": {"mlp": {"up": {"kernel": jnp.zeros((d, 64))}}}},
+              "norm": {"scale": jnp.ones(d)}, "lm_head": {"kernel": jnp.zeros((d, v))}}
+    tracker = [("count", (), "int32"), ("lower", (), "float32"), ("measured_at", (), "int32"),
+               ("row_sum_residual", (), "float32"), ("upper", (), "float32")]
+    rownorm = _head_leaves(rowgeom.lm_optimizer(1e-3), params)
+    assert rownorm == sorted([("count", (), "int32"), ("ema", (d, v), "float32"), *tracker])
+    schedule = _head_leaves(rowgeom.lm_optimizer(optax.constant_schedule(1e-3)), params)
+    assert sorted(schedule) == sorted([*rownorm, ("count", (), "int32")])
+    adamw = _head_leaves(rowgeom.lm_optimizer(1e-3, head="adamw"), params)
+    assert adamw == sorted([("count", (), "int32"), ("mu", (d, v), "float32"),
+                            ("nu", (d, v), "float32"), *tracker])
+    # Half the memory: one (d, V) moment against two.
+    size = lambda leaves: sum(int(np.prod(s)) for _, s, _ in leaves if s)  # noqa: E731
+    assert 2 * size(rownorm) == size(adamw) == 2 * d * v
+    # The structure follows the options and the kind of rate, not the float values.
+    structure = lambda tx: jax.tree.structure(tx.init(params))  # noqa: E731
+    base = structure(rowgeom.lm_optimizer(1e-3))
+    assert base == structure(rowgeom.lm_optimizer(
+        2e-3, head_learning_rate=1e-2, weight_decay=0.0,
+        head=rowgeom.HeadOptions(momentum=0.5), muon=rowgeom.MuonOptions(momentum=0.8)))
+    for other in (rowgeom.lm_optimizer(optax.constant_schedule(1e-3)),
+                  rowgeom.lm_optimizer(1e-3, head="adamw"),
+                  rowgeom.lm_optimizer(1e-3, head=rowgeom.HeadOptions(track=False))):
+        assert structure(other) != base
