@@ -3,8 +3,8 @@
 - `fenced_blocks`: the fenced code blocks of a markdown page, with their language and line.
 - `example_commands`: every `python -m examples.lm.train` / `python -m examples.lm.prepare` (and
   `python tests/examples/_crash_trainer.py`) command a shell block shows, as argv lists, with
-  the block's environment (`export` lines, `NAME=value` prefixes) applied, backslash continuations joined and
-  commands nested in a quoted `--command='...'` (gcloud ssh) found.
+  the block's environment (`export` lines, `NAME=value` prefixes) applied, backslash
+  continuations joined and commands nested in a quoted `--command='...'` (gcloud ssh) found.
 - `prose_units`: the prose of a page outside fenced blocks and display math, one unit per
   sentence (list items and table rows are units of their own), with the `checked-by` markers
   that follow each; `is_guarantee` says which units state a guarantee.
