@@ -110,11 +110,6 @@ def _cpu_tiny_model() -> ModelConfig:
                        max_seq_len=128)
 
 
-def _cpu_tiny_model() -> ModelConfig:
-    return ModelConfig(vocab_size=4096, d_model=128, num_layers=2, num_heads=4, mlp_dim=384,
-                       max_seq_len=128)
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything a training run needs; `steps` counts optimizer steps. Validated on creation

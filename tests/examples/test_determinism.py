@@ -1,7 +1,8 @@
 """Determinism on CPU: the same seed and config give bit-identical loss trajectories.
 
-Two fresh runs of the example trainer write byte-identical `metrics.jsonl` files (every float in
-full precision), and a different seed changes them, so the comparison can fail. The optimizers
+Two fresh runs of the example trainer write `metrics.jsonl` files whose deterministic fields
+(every float in full precision; not the wall-clock throughput keys) are identical, and a
+different seed changes them, so the comparison can fail. The optimizers
 alone are checked the same way on a small softmax-regression problem for every head geometry.
 (Across processes and interruptions, see test_crash_resume.py.)
 """
