@@ -216,10 +216,9 @@ def lm_optimizer(
         ``ns_steps=6``, ``head_num_valid=50257``, ``vector_learning_rate=...``).
 
     Returns:
-      An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"``, ``"vector"`` and
-      ``"router"``,
-      rebuilt from the plan of the tree it is given at each ``init`` and ``update``
-      (`describe` prints that plan).
+      An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"``, ``"vector"`` and,
+      where the tree has routers, ``"router"``, rebuilt from the plan of the tree it is given at
+      each ``init`` and ``update`` (`describe` prints that plan).
 
     Works under ``optax.inject_hyperparams(lm_optimizer)(learning_rate=...)``: the float rates
     become (possibly traced) arrays and nothing here branches on their values; a callable
