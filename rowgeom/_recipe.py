@@ -52,7 +52,7 @@ from rowgeom._options import (
     lm_optimizer_hparams,
 )
 from rowgeom._plan import OptimizerPlan, infers_muon_dims, make_plan
-from rowgeom._rownorm import project_rownorm, projected_rownorm
+from rowgeom._rownorm import projected_rownorm, rownorm_direction
 from rowgeom._tree import flatten_with_paths, is_masked, path_str
 
 STATIC_ARGS = ("labels",)
@@ -117,11 +117,11 @@ def _rownorm_per_matrix(axes: Mapping[str, tuple[int | None, tuple[int, ...]]]):
     def one(u, axis, batch):
         assert axis is not None  # the plan gives every RowNorm router its expert axis
         if not batch:
-            return project_rownorm(u, vocab_axis=axis)
+            return rownorm_direction(u, vocab_axis=axis)
         front = jnp.moveaxis(u, batch, tuple(range(len(batch))))
         rest = [a for a in range(u.ndim) if a not in batch]
         flat = front.reshape((-1,) + front.shape[len(batch):])
-        out = jax.vmap(lambda m: project_rownorm(m, vocab_axis=rest.index(axis)))(flat)
+        out = jax.vmap(lambda m: rownorm_direction(m, vocab_axis=rest.index(axis)))(flat)
         return jnp.moveaxis(out.reshape(front.shape), tuple(range(len(batch))), batch)
 
     def update_fn(updates, state, params=None):

@@ -391,7 +391,7 @@ def test_rownorm_router_gives_a_zero_step_for_an_equal_shift_of_all_logits():
     assert row.geometry == "RowNorm over experts, expert axis 2 batch 1" and row.vocab_axis == 2
 
 
-def test_rownorm_router_matches_project_rownorm_per_layer():
+def test_rownorm_router_matches_rownorm_direction_per_layer():
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only())
     grads = _router_grads(params, shift_only=False, seed=1)
     tx = rowgeom.lm_optimizer(3e-3, router=rowgeom.RouterOptions(optimizer="rownorm",
@@ -400,7 +400,7 @@ def test_rownorm_router_matches_project_rownorm_per_layer():
     g = grads["params"]["decoder"]["layers"]["MoeBlock_0"]["gate"]["kernel"]
     got = step["params"]["decoder"]["layers"]["MoeBlock_0"]["gate"]["kernel"]
     for layer in range(L):
-        want = -3e-3 * rowgeom.project_rownorm(g[:, layer, :], vocab_axis=1)
+        want = -3e-3 * rowgeom.rownorm_direction(g[:, layer, :], vocab_axis=1)
         np.testing.assert_allclose(got[:, layer, :], want, rtol=1e-5, atol=1e-8)
 
 
