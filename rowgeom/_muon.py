@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.shard_alike import shard_alike
 from jax.sharding import NamedSharding
 
 from rowgeom._muon_sharding import (
@@ -208,6 +209,17 @@ def _orthogonalize_group(mats: list[jax.Array], leaves: list[jax.Array],
             zip(jnp.split(polar, offsets, axis=0), leaf_plans, leaves, strict=True)]
 
 
+def _param_leaves(params, count: int) -> list | None:
+    """The parameters' array leaves aligned with the updates' leaves (None where masked), or
+    None when no parameters were given or their tree does not match the updates'."""
+    if params is None:
+        return None
+    leaves = [x for _, x in flatten_with_paths(params, open_boxes=True, is_leaf=is_masked)[0]]
+    if len(leaves) != count:
+        return None
+    return [None if is_masked(x) or not hasattr(x, "shape") else x for x in leaves]
+
+
 def _as_leaf(part: jax.Array, plan: _Plan, x: jax.Array) -> jax.Array:
     """Undoes `_as_matrices` for one leaf's share of a group, times its scale."""
     if not plan.wide:
@@ -363,8 +375,7 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
         return results
 
     def update_fn(updates, state, params=None):
-        del params  # shapes come from the updates
-        leaves, treedef, leaf_plans = plans(updates)
+        leaves, treedef, leaf_plans = plans(updates)  # shapes come from the updates
         groups = _shape_groups(leaves, leaf_plans)
         where = (matrix_mesh([leaves[i] for group in groups for i in group])
                  if shard_matrices else None)
@@ -378,8 +389,14 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
         if where is not None and spread_groups:
             inputs = [[leaves[i] for i in group] for group in spread_groups]
             results = on_mesh(spread_over(where, spread_groups, leaf_plans), inputs, where)
+            anchors = _param_leaves(params, len(leaves)) if not where.explicit_axes else None
             for group, group_results in zip(spread_groups, results, strict=True):
                 for i, result in zip(group, group_results, strict=True):
+                    # Under Auto axes a parameter's sharding is fixed where the update's is
+                    # not: tie the result to it, so the update comes back in its sharding.
+                    anchor = None if anchors is None else anchors[i]
+                    if anchor is not None and anchor.shape == result.shape:
+                        result = shard_alike(result, anchor)[0]
                     out[i] = result
         return jax.tree_util.tree_unflatten(treedef, out), state
 

@@ -25,6 +25,10 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The repository root first (its rowgeom package, not the tests/rowgeom folder), then tests/
+# for the shared _subprocess helper.
+sys.path[:0] = [str(Path(__file__).parents[2])]
+sys.path.append(str(Path(__file__).parents[1]))
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import test_reference_numerics as ref  # noqa: E402

@@ -158,12 +158,13 @@ def test_head_lr_multipliers_are_the_head_studys_and_read_only():
 def test_group_hyperparameters_default_to_the_documented_values(head, multiplier,
                                                                 head_momentum):
     hp = rowgeom.lm_optimizer_hparams(LR, head=head)
-    assert set(hp) == {"hidden", "head", "embedding", "vector"}
+    assert set(hp) == {"hidden", "head", "embedding", "vector", "router"}
     expected = {  # group: (learning rate, weight decay, momentum or AdamW b1)
         "hidden": (LR, 0.1, 0.95),
         "head": (multiplier * LR, 0.1, head_momentum),
         "embedding": (LR, 0.1, 0.9),
         "vector": (LR, 0.0, 0.9),
+        "router": (LR, 0.1, 0.95),  # MoE routers: the hidden group's Muon by default
     }
     for group, (lr, wd, mom) in expected.items():
         got = hp[group]

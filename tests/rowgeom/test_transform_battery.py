@@ -271,10 +271,10 @@ def sharded_results(_sharded_process):
 
 
 LAYOUTS = ["8", "2x4", "8-explicit"]
-# Known, pinned so that a fix (or a new case) shows up here: under Explicit axes Muon's update
-# comes back replicated — numerically right, but every device then holds the whole update of a
-# sharded matrix. Inside lm_optimizer the decay term (W is sharded) restores the sharding.
-KNOWN_RESHARDED = {"8-explicit": {"muon_orthogonalize"}}
+# Cases whose update comes back in another sharding than its parameter's, pinned so that a
+# fix or a regression shows up here (none now: Muon returns every result in its parameter's
+# sharding, Explicit axes by resharding and Auto axes by tying it to the parameter).
+KNOWN_RESHARDED: dict[str, set[str]] = {}
 
 
 @pytest.mark.slow
