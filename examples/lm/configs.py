@@ -25,14 +25,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from examples.lm import mesh as mesh_lib
-from examples.lm.model import ModelConfig
+from examples.lm.model import REMAT_POLICIES, ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
 HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields whose values are checked against a fixed set (shown by --help).
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
-           "model.param_dtype": DTYPES}
+           "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES}
 # The padded vocabulary of a --data.tokenizer run is a multiple of this (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
 
@@ -273,8 +273,12 @@ def _model(**fields) -> ModelConfig:
 
 
 def _gpu(**model) -> Config:
+    # Scanned blocks (compile time independent of depth), each recomputed in the backward pass,
+    # and a loss that never holds the whole (B, T, V) logits: what fits a 16 GiB chip at the
+    # global batch of 256 x 1024 on 8 devices (python -m examples.lm.plan).
     return Config(
-        model=_model(vocab_size=50304, max_seq_len=1024, compute_dtype="bfloat16", **model),
+        model=_model(vocab_size=50304, max_seq_len=1024, compute_dtype="bfloat16",
+                     scan_layers=True, remat="block", loss_chunk=128, **model),
         data=DataConfig(batch_size=256),
         optim=OptimConfig(learning_rate=3e-3, weight_decay=0.1, warmup_steps=500, schedule="wsd",
                           grad_clip=1.0),
