@@ -50,15 +50,15 @@ def parse_size(text: str) -> int:
 
 def devices_for(cfg: configs.Config, count: int | None):
     """(devices, simulated) for the mesh of `cfg`: the accelerators when there are enough of
-    them, else simulated CPU devices (which `use_simulated_devices` must have made)."""
+    them, else simulated CPU devices (which `prepare_backend` must have asked for). Without
+    `count`, an axis of -1 takes all the accelerators, or is 1 on simulated devices."""
     sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    if jax.default_backend() != "cpu" and count in (None, jax.device_count()):
-        needed = mesh_lib.mesh_shape(*sizes, jax.device_count())
-        return jax.devices()[:math.prod(needed)], False
-    if -1 in sizes and count is None:
-        raise ValueError("a mesh axis of -1 needs --devices N when no accelerators are present "
-                         f"(mesh {sizes})")
-    total = count if -1 in sizes else math.prod(sizes)
+    known = math.prod(s for s in sizes if s > 0)
+    if jax.default_backend() != "cpu":
+        total = count or (jax.device_count() if -1 in sizes else known)
+        if total <= jax.device_count():
+            return jax.devices()[:total], False
+    total = count or known
     cpus = jax.devices("cpu")
     if len(cpus) < total:
         raise ValueError(f"the mesh needs {total} devices but {len(cpus)} CPU devices exist: "
@@ -66,9 +66,11 @@ def devices_for(cfg: configs.Config, count: int | None):
     return cpus[:total], True
 
 
-def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None) -> dict:
+def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
+         step: str = "train_step") -> dict:
     """Compile the train step of `cfg` for `devices` and read it (`compiled.read_compiled`), with
-    the model's FLOP count and the parameter bytes to compare against.
+    the model's FLOP count and the parameter bytes to compare against. `step="grad_step"`: the
+    same forward and backward pass without the optimizer update.
 
     `dump_dir`: where `prepare_backend` asked XLA to dump the step right after SPMD partitioning.
     Its collectives (`partitioned`) have the element types the partitioner chose; XLA:CPU later
@@ -89,7 +91,7 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None) -> dict:
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32,
                                   sharding=mesh_lib.batch_sharding(mesh))
     with jax.set_mesh(mesh):
-        compiled = trainer.train_step.lower(trainer.abstract_state, tokens, tokens).compile()
+        compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens).compile()
     params = jax.tree.leaves(trainer.abstract_state["params"])
     out = compiled_lib.read_compiled(compiled)
     out.update(
@@ -166,7 +168,7 @@ def prepare_backend(cpu_devices: int, dump_dir: str) -> None:
     accelerator is present) and for the train step's HLO after SPMD partitioning in `dump_dir`."""
     jax.config.update("jax_num_cpu_devices", max(cpu_devices, 1))
     dump = (f"--xla_dump_to={dump_dir} --xla_dump_hlo_pass_re=spmd-partitioning "
-            "--xla_dump_hlo_module_re=.*train_step.*")
+            "--xla_dump_hlo_module_re=.*_step.*")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump}".strip()
 
 
@@ -176,8 +178,9 @@ def main(argv=None) -> int:
                         help="per-device memory to check against, e.g. 16GiB (TPU v5e) or 80GB "
                              "(H100); exit status 1 if the step does not fit")
     parser.add_argument("--devices", type=int, default=None, metavar="N",
-                        help="number of devices when a mesh axis is -1 and no accelerators are "
-                             "present (simulated CPU devices)")
+                        help="devices to plan for (default: the accelerators, or as many "
+                             "simulated CPU devices as the mesh sizes multiply to, an axis of -1 "
+                             "counting 1)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
     flags.add_config_arguments(parser)
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ DUMP_DIR = tempfile.mkdtemp(prefix="rowgeom-scale-checks-")
 os.environ["XLA_FLAGS"] = (
     f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 "
     f"--xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=spmd-partitioning "
-    "--xla_dump_hlo_module_re=.*train_step.*")
+    "--xla_dump_hlo_module_re=.*_step.*")
 
 import json  # noqa: E402
 

@@ -194,7 +194,7 @@ def test_sharding_rules_name_mesh_axes_and_unknown_names_fail():
 
 
 def _stack(unrolled_params):
-    """The unrolled model's parameters in the scanned layout: layers/i/... -> layers/... (L, ...)."""
+    """The unrolled model's parameters in the scanned layout: layers/i/x -> layers/x (L, ...)."""
     blocks = unrolled_params["layers"]
     out = dict(unrolled_params)
     out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[i] for i in sorted(blocks)])
@@ -209,8 +209,8 @@ def layouts():
 
     def value_and_grad(scan, remat):
         cfg = dataclasses.replace(CFG, scan_layers=scan, remat=remat)
-        gd, _, rest = nnx.split(nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))),
-                                nnx.Param, ...)
+        abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+        gd, _, rest = nnx.split(abstract, nnx.Param, ...)
         loss = lambda p, x, y: nnx.merge(gd, p, rest).loss(x, y)
         return jax.jit(jax.value_and_grad(loss))
 
