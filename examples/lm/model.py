@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from examples.lm import loss as loss_lib
-from examples.lm.sharding import constrain
+from examples.lm.sharding import constrain, num_shards
 
 # Logical names of the activations (sharding.RULES maps them onto the mesh).
 _BTD = ("activation_batch", "activation_length", "activation_embed")
@@ -318,10 +318,15 @@ class Transformer(nnx.Module):
 
     def head(self) -> tuple[jax.Array, int]:
         """The head matrix in compute dtype and its vocabulary axis: the kernel (D, V) and 1, or
-        the tied table (V, D) and 0 (padding rows included)."""
+        the tied table (V, D) and 0 (padding rows included).
+
+        Gathered whole along the model width (vocabulary split over "tensor" only), once: the
+        loss's chunks all multiply the same head, and its backward needs it again."""
         if self.lm_head is None:
-            return self.embed.embedding[...].astype(self.cfg.compute_dtype), 0
-        return self.lm_head.kernel[...].astype(self.cfg.compute_dtype), 1
+            table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
+            return constrain(table_VD, "activation_vocab", "activation_embed"), 0
+        kernel_DV = self.lm_head.kernel[...].astype(self.cfg.compute_dtype)
+        return constrain(kernel_DV, "activation_embed", "activation_vocab"), 1
 
     def _num_valid(self) -> int | None:
         return self.cfg.num_tokens if self.cfg.num_tokens < self.cfg.vocab_size else None
@@ -340,9 +345,11 @@ class Transformer(nnx.Module):
         `cfg.loss_chunk` positions at a time (loss.py): the same value as the cross entropy of
         `self(tokens_BT)`, to float32 rounding."""
         head, vocab_axis = self.head()
+        # One head-gradient accumulator per batch shard, summed once (see loss.py).
+        groups = num_shards(tokens_BT.shape[0], "activation_batch")
         return loss_lib.cross_entropy(
             self.hidden(tokens_BT), head, targets_BT, vocab_axis=vocab_axis,
-            num_valid=self._num_valid(), chunk_size=self.cfg.loss_chunk,
+            num_valid=self._num_valid(), chunk_size=self.cfg.loss_chunk, batch_groups=groups,
             constrain_logits=lambda z: constrain(z, *_BTV))
 
 

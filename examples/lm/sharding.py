@@ -19,6 +19,7 @@ a small model or an odd vocabulary still runs on a large mesh (that dimension is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -73,3 +74,14 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, mesh_lib.fit_spec(x.shape, mesh_axes(names), mesh))
+
+
+def num_shards(dim: int, name: str) -> int:
+    """Into how many pieces an axis of size `dim` with logical `name` is split on the current
+    mesh (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    entry = mesh_lib.fit_spec((dim,), mesh_axes((name,)), mesh)[0]
+    axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    return math.prod(mesh.shape[a] for a in axes)

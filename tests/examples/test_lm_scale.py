@@ -145,8 +145,8 @@ def test_a_checkpoint_restores_only_into_its_layer_layout():
     cfg, _ = resume.resolve_config(scanned, meta, explicit=set())
     assert not cfg.model.scan_layers
     # The recomputation policy and the loss's chunking follow the command line.
-    changed = configs.override(scanned, {"model.remat": "dots", "model.loss_chunk": 256})
+    changed = configs.override(scanned, {"model.remat": "none", "model.loss_chunk": 256})
     cfg, changes = resume.resolve_config(
         changed, {"step": 10, "config": dataclasses.asdict(scanned)})
-    assert (cfg.model.remat, cfg.model.loss_chunk) == ("dots", 256)
+    assert (cfg.model.remat, cfg.model.loss_chunk) == ("none", 256)
     assert set(changes) == {"model.remat", "model.loss_chunk"}
