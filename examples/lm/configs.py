@@ -106,8 +106,10 @@ class MeshConfig:
 
 
 def _cpu_tiny_model() -> ModelConfig:
+    # Loss chunks of 32 positions: on CPU the chunked loss is faster than forming all the logits
+    # at once from about 2**21 of them per step (python benchmarks/bench_lm_step.py).
     return ModelConfig(vocab_size=4096, d_model=128, num_layers=2, num_heads=4, mlp_dim=384,
-                       max_seq_len=128)
+                       max_seq_len=128, loss_chunk=32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,10 +12,10 @@ MLP width / vocabulary over "tensor"). The annotations are metadata only (see `_
 constraints apply only inside `jax.set_mesh`, so the same code runs on one device or on a mesh
 whose axes are `jax.sharding.AxisType.Auto`.
 
-Scale (issue-free at 50k vocabularies and 26 blocks): `scan_layers` stores the blocks as one
-stacked `(L, ...)` leaf per parameter, run by `nnx.scan`, so compile time does not grow with depth;
-`remat` recomputes each block's activations in the backward pass ("block") or all but its matmul
-outputs ("dots"); `Transformer.loss` never materialises the whole (B, T, V) logits (loss.py).
+At scale: `scan_layers` stores the blocks as one stacked `(L, ...)` leaf per parameter, run by
+`nnx.scan`, so compile time does not grow with depth; `remat` recomputes each block's
+activations in the backward pass ("block") or all but its matmul outputs ("dots");
+`Transformer.loss` never materialises the whole (B, T, V) logits (loss.py).
 
 Mixed precision: parameters are stored in `param_dtype` (fp32 master weights) and cast to
 `compute_dtype` (e.g. bf16) for matmuls and activations; the trainer casts them before the
