@@ -242,12 +242,13 @@ def test_scanned_blocks_are_initialised_layer_by_layer():
 @pytest.mark.slow
 @pytest.mark.timeout(420)  # its subprocess has 300 s
 def test_sharded_on_8_simulated_devices_matches_one_device(tmp_path):
-    """Parameters placed by their annotations on a (2, 2, 2) mesh give the single-device logits."""
+    """Parameters placed by their logical annotations on a (2, 2, 2) mesh give the single-device
+    logits, with activations constrained by the same table."""
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         jax.config.update("jax_num_cpu_devices", 8)
         from flax import nnx
-        from examples.lm import model as M
+        from examples.lm import model as M, sharding as S
         cfg = M.ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, mlp_dim=64,
                             max_seq_len=16)
         tokens = jnp.arange(64, dtype=jnp.int32).reshape(4, 16) * 7 % 64
@@ -256,7 +257,9 @@ def test_sharded_on_8_simulated_devices_matches_one_device(tmp_path):
         expected = forward(state, tokens)
         axes = ("data", "fsdp", "tensor")
         mesh = jax.make_mesh((2, 2, 2), axes, axis_types=(jax.sharding.AxisType.Auto,) * 3)
-        state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
+        # flax's own logical partitioning reads the example's table (sharding.RULES).
+        with nnx.logical_axis_rules(tuple(S.RULES.items())):
+            state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
         kernel = state["layers"][0]["attn"]["q_proj"]["kernel"][...]
         assert kernel.sharding.spec == jax.P("fsdp", "tensor"), kernel.sharding
         assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape \\
