@@ -4,7 +4,7 @@ Prints one JSON object:
 
 - ``"steps"``: for each variant of the example's step (unrolled or scanned blocks, each remat
   policy, the plain or the chunked loss) and each mesh (fsdp 8, data 2 x fsdp 4, fsdp 4 x
-  tensor 2), the largest relative difference of three training steps' losses and of the final
+  tensor 2), the largest relative difference of two training steps' losses and of the final
   parameters from the same variant on one device, and whether the blocks' kernels were split.
 - ``"plan"``: `examples.lm.plan` of the `190m` config on fsdp 8 at its own batch (per-device
   peak memory, collective bytes as partitioned, matmul FLOPs, each against what it is compared
@@ -36,14 +36,15 @@ from examples.lm import mesh as mesh_lib  # noqa: E402
 from examples.lm.trainer import Trainer  # noqa: E402
 
 MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}
+# (fields, meshes): scan and remat off and on, on every mesh; the third policy on one.
 VARIANTS = {
-    "unrolled, remat none": {"model.scan_layers": False, "model.remat": "none"},
-    "scanned, remat block, chunked loss": {"model.scan_layers": True, "model.remat": "block",
-                                           "model.loss_chunk": 8},
-    "unrolled, remat dots, chunked loss": {"model.scan_layers": False, "model.remat": "dots",
-                                           "model.loss_chunk": 12},
+    "unrolled, remat none": ({"model.scan_layers": False, "model.remat": "none"}, MESHES),
+    "scanned, remat block, chunked loss": ({"model.scan_layers": True, "model.remat": "block",
+                                            "model.loss_chunk": 8}, MESHES),
+    "unrolled, remat dots, chunked loss": ({"model.scan_layers": False, "model.remat": "dots",
+                                            "model.loss_chunk": 12}, ["fsdp 4 x tensor 2"]),
 }
-STEPS = 3
+STEPS = 2
 # The test config with a vocabulary and widths that every mesh axis divides, so every axis is used.
 BASE = configs.override(configs.get_config("test"), {
     "model.vocab_size": 256, "model.d_model": 32, "model.num_heads": 4, "model.mlp_dim": 64,
@@ -79,10 +80,11 @@ def _relative(a, b) -> float:
 def steps() -> dict:
     out = {}
     one = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    for variant, fields in VARIANTS.items():
+    for variant, (fields, meshes) in VARIANTS.items():
         cfg = configs.override(BASE, fields)
         ref_losses, ref_params, _ = _train(configs.override(cfg, {"mesh.data": 1}), one)
-        for name, sizes in MESHES.items():
+        for name in meshes:
+            sizes = MESHES[name]
             sharded = configs.override(cfg, dict(zip(("mesh.data", "mesh.fsdp", "mesh.tensor"),
                                                      sizes, strict=True)))
             losses, params, split = _train(sharded, mesh_lib.make_mesh(*sizes))

@@ -28,22 +28,26 @@ MESHES = ["fsdp 8", "data 2 x fsdp 4", "fsdp 4 x tensor 2"]
 
 @pytest.fixture(scope="module")
 def checks():
-    proc = ModuleSubprocess.script(SCRIPT, timeout_s=280)
+    proc = ModuleSubprocess.script(SCRIPT, timeout_s=420)
     yield proc
     proc.close()
 
 
+CASES = [(v, m) for v in VARIANTS[:2] for m in MESHES] + [(VARIANTS[2], MESHES[2])]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.timeout(480)  # the first test waits for the whole script (its own limit: 420 s)
+@pytest.mark.parametrize("variant,mesh", CASES)
 def test_sharded_steps_match_one_device(checks, variant, mesh):
     case = checks.json()["steps"][f"{variant} / {mesh}"]
     assert case["split"], "the blocks' kernels were not split over the mesh"
-    assert case["loss"] < 1e-5, case  # three steps' losses, relative
+    assert case["loss"] < 1e-5, case  # two steps' losses, relative
     assert case["params"] < 1e-4, case  # every final parameter, relative to its largest entry
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_190m_fits_a_16_gib_chip_at_its_own_batch_on_fsdp_8(checks):
     result = checks.json()["plan"]
     assert result["loops_known"]
