@@ -1,11 +1,12 @@
-"""The sharded optimizer update and training step, read from compiled HLO on 8 simulated devices.
+"""The sharded optimizer update, read from compiled HLO on 8 simulated devices.
 
 Everything is compiled from abstract inputs (`jax.ShapeDtypeStruct` with a `NamedSharding`:
 nothing is allocated), so the numbers are the compiled program's, not timings:
 
-- **collectives**: the result bytes of every cross-device collective in `compiled.as_text()`
-  (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute), per device, divided
-  by the *full hidden group*: the bytes of every hidden (Muon) matrix, unsharded;
+- **collectives**: the bytes of every cross-device collective in `compiled.as_text()`
+  (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute; the larger of result
+  and operands, loop bodies by their trip counts: `examples/lm/compiled.py`), per device,
+  divided by the *full hidden group*: the bytes of every hidden (Muon) matrix, unsharded;
 - **FLOPs**: `compiled.cost_analysis()["flops"]` per device, divided by the same update compiled
   for one device (ideal with 8 devices: 0.125);
 - **temporary memory**: `compiled.memory_analysis().temp_size_in_bytes` per device.
@@ -24,13 +25,10 @@ Workloads:
    sharded like its parameter (`examples/lm/mesh.py`'s `state_shardings`).
 2. Fewer matrices than devices: `muon_orthogonalize` on 1, 2, 4, 8 split `(768, 3072)` matrices
    and on one `(768, 50304)` Muon head, with and without `shard_matrices`.
-3. The example's whole `190m` training step (`examples/lm/train.py`'s `Trainer`, FSDP over 8):
-   per-device memory at the configured global batch and at a smaller one, and the optimizer's
-   share of the step's collective bytes (less those of `Trainer.grad_step`, the same step
-   without the optimizer update).
+The example's whole training step is `benchmarks/bench_lm_plan.py`'s (`examples.lm.plan`).
 
 Run: `python benchmarks/bench_sharded_optimizer.py` (several minutes on 2 cores; `--quick`:
-small trees, no training step; `--docs`: rewrite its section of docs/benchmarks.md;
+small trees; `--docs`: rewrite its section of docs/benchmarks.md;
 `--json PATH`: the raw numbers).
 """
 
@@ -48,7 +46,6 @@ import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -62,17 +59,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import rowgeom  # noqa: E402
-from examples.lm import configs  # noqa: E402
+from examples.lm import configs, sharding  # noqa: E402
 from examples.lm import mesh as mesh_lib  # noqa: E402
 from examples.lm import model as model_lib  # noqa: E402
+from examples.lm.compiled import analyse_hlo  # noqa: E402
 
 DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
 MARKERS = ("<!-- sharded-optimizer:begin -->", "<!-- sharded-optimizer:end -->")
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-COLLECTIVE = re.compile(r"=\s*(.+?)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
-SHAPE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-            "s8": 1, "u8": 1, "pred": 1}
 MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}
 GPT2_SMALL = model_lib.ModelConfig(vocab_size=50304, d_model=768, num_layers=12, num_heads=12,
                                    mlp_dim=3072, max_seq_len=1024)
@@ -84,20 +77,12 @@ GIB = 2**30
 # --- Reading a compiled program ------------------------------------------------------------------
 
 
-def collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Result bytes per device of every cross-device collective, by kind (tuples summed)."""
-    out = dict.fromkeys(KINDS, 0)
-    for result, op in COLLECTIVE.findall(hlo_text):
-        for dtype, dims in SHAPE.findall(result):
-            out[op] += math.prod(int(n) for n in dims.split(",") if n) * ITEMSIZE[dtype]
-    return out
-
-
 def read(compiled) -> dict:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return dict(collectives=collective_bytes(compiled.as_text()), flops=float(cost["flops"]),
+    return dict(collectives=analyse_hlo(compiled.as_text())["collectives"],
+                flops=float(cost["flops"]),
                 temp_bytes=int(memory.temp_size_in_bytes),
                 argument_bytes=int(memory.argument_size_in_bytes),
                 output_bytes=int(memory.output_size_in_bytes),
@@ -108,25 +93,21 @@ def read(compiled) -> dict:
 
 
 def per_block_tree(cfg: model_lib.ModelConfig):
-    """The example model's abstract parameters and PartitionSpecs (a list of blocks)."""
+    """The example model's abstract parameters and mesh PartitionSpecs (a list of blocks, or,
+    with `cfg.scan_layers`, one stacked block)."""
     model = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    specs = nnx.to_pure_dict(nnx.get_partition_spec(params))
+    specs = jax.tree.map(sharding.mesh_axes, nnx.to_pure_dict(nnx.get_partition_spec(params)),
+                         is_leaf=lambda x: isinstance(x, P))
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           nnx.to_pure_dict(params))
     return shapes, specs
 
 
 def scanned_tree(cfg: model_lib.ModelConfig):
-    """The same leaves with the blocks stacked on a leading layer axis (MaxText-style scan)."""
-    shapes, specs = per_block_tree(cfg)
-    blocks = [shapes["layers"][i] for i in range(cfg.num_layers)]
-    block_specs = specs["layers"][0]
-    is_spec = lambda x: isinstance(x, P)
-    shapes["layers"] = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((cfg.num_layers, *a.shape), a.dtype), blocks[0])
-    specs["layers"] = jax.tree.map(lambda s: P(None, *s), block_specs, is_leaf=is_spec)
-    return shapes, specs
+    """The example's scanned layout: every block leaf stacked on a leading layer axis (as
+    MaxText stores them), sharded like the block's leaf, so `(L, d, f)` is split on `d`."""
+    return per_block_tree(dataclasses.replace(cfg, scan_layers=True))
 
 
 def first_axis_tree(cfg: model_lib.ModelConfig):
@@ -249,41 +230,6 @@ def few_rows(d: int, f: int, vocab: int, counts=(1, 2, 4, 8)):
 # --- 3. The example's training step ------------------------------------------------------------
 
 
-def train_step_row(config_name: str, *, batch_size: int | None = None,
-                   num_layers: int | None = None):
-    """Per-device memory and collectives of the example's jitted training step, FSDP over 8
-    devices, at the config's batch (or `batch_size` sequences)."""
-    from examples.lm import train  # noqa: PLC0415  (imports the example's whole trainer)
-
-    cfg = configs.override(configs.get_config(config_name),
-                           {"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1})
-    full_layers = cfg.model.num_layers
-    if num_layers is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                 num_layers=num_layers))
-    if batch_size is not None:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=batch_size))
-    mesh = mesh_lib.make_mesh(1, 8, 1)
-    t0 = time.perf_counter()
-    trainer = train.Trainer(cfg, mesh)
-    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.seq_len), jnp.int32,
-                                 sharding=mesh_lib.batch_sharding(mesh))
-    with jax.set_mesh(mesh):
-        step = read(trainer.train_step.lower(trainer.abstract_state, batch, batch).compile())
-        grads_only = read(trainer.grad_step.lower(trainer.abstract_state, batch, batch)
-                          .compile())
-    return dict(config=config_name, num_layers=cfg.model.num_layers, full_layers=full_layers,
-                batch=cfg.data.batch_size, seq_len=cfg.seq_len,
-                compute_dtype=cfg.model.compute_dtype,
-                hidden_bytes=hidden_bytes(trainer.abstract_state["params"]),
-                step=step, grads_only=grads_only, compile_s=time.perf_counter() - t0)
-
-
-def peak_bytes(r: dict) -> int:
-    """Arguments + outputs + temporaries, less the donated (aliased) buffers."""
-    return r["argument_bytes"] + r["output_bytes"] + r["temp_bytes"] - r["alias_bytes"]
-
-
 # --- Report ------------------------------------------------------------------------------------
 
 
@@ -317,44 +263,14 @@ def markdown(results: dict) -> str:
         c, full = r["sharded"]["collectives"], r["matrix_bytes"]
         lines.append(f"| {r['case']} | {r['variant']} | **{sum(c.values()) / full:.3f}** | "
                      f"{_kinds(c, full)} | {r['sharded']['flops'] / r['single']['flops']:.3f} |")
-    steps = results.get("train_step") or []
-    if steps:
-        first = steps[0]
-        reduced = ("" if first["num_layers"] == first["full_layers"] else
-                   f" with {first['num_layers']} of its {first['full_layers']} blocks")
-        lines += ["", f"### The example's `{first['config']}` training step{reduced}, "
-                  "FSDP over 8 devices", "",
-                  f"Sequences of {first['seq_len']} tokens, {first['compute_dtype']} compute, "
-                  "float32 parameters and optimizer state, parameters and state donated; "
-                  "per device. The optimizer's share: the step's collective bytes less those "
-                  "of the same step without the optimizer update.", "",
-                  "| global batch | arguments | temporaries | peak (args + outputs + temps "
-                  "- donated) | fits 16 GB / 80 GB | collectives of the step | of which the "
-                  "optimizer | compile |", "|---|---|---|---|---|---|---|---|"]
-        for step in steps:
-            s_, g = step["step"], step["grads_only"]
-            total, grads = sum(s_["collectives"].values()), sum(g["collectives"].values())
-            peak = peak_bytes(s_)
-            fits = lambda gb, peak=peak: "yes" if peak <= gb * 1e9 else "no"
-            lines.append(
-                    f"| {step['batch']} | {s_['argument_bytes'] / GIB:.2f} GiB | "
-                    f"{s_['temp_bytes'] / GIB:.2f} GiB | **{peak / GIB:.2f} GiB** | "
-                    f"{fits(16)} / {fits(80)} | {total / GIB:.2f} GiB "
-                    f"({_kinds(s_['collectives'], GIB)}) | {(total - grads) / GIB:.3f} GiB "
-                    f"(**{(total - grads) / total:.1%}**) | {step['compile_s']:.0f} s |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small trees, no training step")
+    parser.add_argument("--quick", action="store_true", help="small trees")
     parser.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's section")
     parser.add_argument("--json", type=pathlib.Path, help="write the raw results here")
-    parser.add_argument("--step-layers", type=int, default=None,
-                        help="compile the training step with this many blocks (default: all)")
-    parser.add_argument("--step-batches", type=int, nargs="*", default=[256, 32],
-                        help="global batches to compile the training step at (256: the config)")
-    parser.add_argument("--no-step", action="store_true", help="skip the training step")
     parser.add_argument("--trees", nargs="*", help="only these trees (e.g. '190m')")
     parser.add_argument("--no-few", action="store_true", help="skip fewer-matrices cases")
     args = parser.parse_args()
@@ -378,13 +294,6 @@ def main() -> None:
         trees = {k: v for k, v in trees.items() if k in args.trees}
     results = {"update": update_rows(trees, meshes, variants),
                "few": [] if args.no_few else few_rows(**few)}
-    if not (args.quick or args.no_step):
-        results["train_step"] = []
-        for batch in args.step_batches:
-            step = train_step_row("190m", batch_size=batch, num_layers=args.step_layers)
-            results["train_step"].append(step)
-            print(f"190m step, batch {batch}: peak {peak_bytes(step['step']) / GIB:.2f} GiB per "
-                  f"device, compiled in {step['compile_s']:.0f} s", flush=True)
     git = os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip()
     results["environment"] = dict(
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 import rowgeom
-from examples.lm import configs, data, evaluate
+from examples.lm import configs, data
 from examples.lm import model as model_lib
 
 V, D, STEPS, BATCH, SEQ = 1024, 128, 200, 16, 64
@@ -51,7 +51,7 @@ def main(workdir: Path) -> None:
     rng = np.random.default_rng(0)
 
     def loss_fn(p, x, y):
-        return evaluate.cross_entropy(nnx.merge(graphdef, p, rest)(x), y)
+        return nnx.merge(graphdef, p, rest).loss(x, y)
 
     @jax.jit
     def step(p, o, x, y):

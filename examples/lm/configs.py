@@ -25,14 +25,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from examples.lm import mesh as mesh_lib
-from examples.lm.model import ModelConfig
+from examples.lm.model import REMAT_POLICIES, ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
 HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields whose values are checked against a fixed set (shown by --help).
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
-           "model.param_dtype": DTYPES}
+           "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES}
 # The padded vocabulary of a --data.tokenizer run is a multiple of this (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
 
@@ -106,8 +106,10 @@ class MeshConfig:
 
 
 def _cpu_tiny_model() -> ModelConfig:
+    # Loss chunks of 32 positions: on CPU the chunked loss is faster than forming all the logits
+    # at once from about 2**21 of them per step (python benchmarks/bench_lm_step.py).
     return ModelConfig(vocab_size=4096, d_model=128, num_layers=2, num_heads=4, mlp_dim=384,
-                       max_seq_len=128)
+                       max_seq_len=128, loss_chunk=32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,13 +274,20 @@ def _model(**fields) -> ModelConfig:
     return dataclasses.replace(_cpu_tiny_model(), **fields)
 
 
-def _gpu(**model) -> Config:
+def _gpu(remat: str, **model) -> Config:
+    # Sized for 8 devices with 16 GiB each (a TPU v5e host; python -m examples.lm.plan): the
+    # global batch of 256 x 1024 per optimizer step as 4 micro-batches of 64 sequences, so that
+    # under tensor parallelism the activations' all-reduces stay within a few times the
+    # parameter bytes; scanned blocks (compile time independent of depth); the cheapest
+    # recomputation that fits on every 8-device mesh (`remat`); a loss that holds one
+    # (B, 128, V) chunk of logits at a time.
     return Config(
-        model=_model(vocab_size=50304, max_seq_len=1024, compute_dtype="bfloat16", **model),
-        data=DataConfig(batch_size=256),
+        model=_model(vocab_size=50304, max_seq_len=1024, compute_dtype="bfloat16",
+                     scan_layers=True, remat=remat, loss_chunk=128, **model),
+        data=DataConfig(batch_size=64),
         optim=OptimConfig(learning_rate=3e-3, weight_decay=0.1, warmup_steps=500, schedule="wsd",
-                          grad_clip=1.0),
-        eval=EvalConfig(every=500, batches=32, hilbert_sequences=2),
+                          grad_clip=1.0, grad_accum_steps=4),
+        eval=EvalConfig(every=500, batches=128, hilbert_sequences=2),
         checkpoint=CheckpointConfig(every=1000), steps=20000, log_every=50)
 
 
@@ -295,9 +304,9 @@ CONFIGS: dict[str, Config] = {
                      max_seq_len=256),
         data=DataConfig(batch_size=16), optim=OptimConfig(warmup_steps=100),
         eval=EvalConfig(every=250), checkpoint=CheckpointConfig(every=500), steps=2000),
-    "190m": _gpu(d_model=768, num_layers=14, num_heads=12, mlp_dim=2560),
-    "380m": _gpu(d_model=1024, num_layers=22, num_heads=16, mlp_dim=2816),
-    "640m": _gpu(d_model=1280, num_layers=26, num_heads=20, mlp_dim=3456),
+    "190m": _gpu("dots", d_model=768, num_layers=14, num_heads=12, mlp_dim=2560),
+    "380m": _gpu("dots", d_model=1024, num_layers=22, num_heads=16, mlp_dim=2816),
+    "640m": _gpu("block", d_model=1280, num_layers=26, num_heads=20, mlp_dim=3456),
 }
 DEFAULT_CONFIG = "cpu-tiny"
 

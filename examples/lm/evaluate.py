@@ -1,4 +1,4 @@
-"""Evaluation: validation loss and the geometry of the last head update as the softmax sees it.
+"""Evaluation: the geometry of the last head update as the softmax sees it.
 
 Two head changes are measured (weight decay is part of what the softmax sees, not of the step):
 
@@ -26,27 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import rowgeom
-
-
-def cross_entropy(logits, targets):
-    """Mean next-token cross entropy in fp32. Padded vocabulary rows never win: the model sets
-    their logits to a large negative number (`model.Transformer`), so they get probability 0."""
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), targets).mean()
-
-
-def make_val_loss(graphdef, *, out_sharding):
-    """Jitted (params, rest, inputs, targets) -> mean cross entropy of one validation batch."""
-
-    def val_loss(params, rest, inputs, targets):
-        model = nnx.merge(graphdef, params, rest)
-        return cross_entropy(model(inputs), targets)
-
-    return jax.jit(val_loss, out_shardings=out_sharding)
 
 
 def _diameter(delta, *, vocab_axis, exact: bool):
@@ -92,7 +74,7 @@ def make_head_probe(graphdef, head_matrix, *, exact: bool, out_sharding):
 
     def probe(params, rest, head_old, inputs, head_lr, head_wd):
         model = nnx.merge(graphdef, params, rest)
-        _, hidden = model(inputs, return_hidden=True)
+        hidden = model.hidden(inputs)
         head_new, vocab_axis = head_matrix(model)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         return head_diagnostics(head_new - head_old, head_old, hidden, head_lr, head_wd,

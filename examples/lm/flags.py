@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from examples.lm import configs
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `train.py: error: ...` and exit status 2."""
 
     def error(self, message):
@@ -52,7 +52,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:
     """The trainer's parser: the config flags and the invocation's own options."""
-    out = _Parser(prog="train.py", description=description, allow_abbrev=False,
+    out = Parser(prog="train.py", description=description, allow_abbrev=False,
                   epilog="Resuming: rerunning a command on a workdir with checkpoints resumes "
                          "the run from the latest complete one, following its saved config.")
     out.add_argument("--workdir", default=None, metavar="PATH",

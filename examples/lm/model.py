@@ -5,13 +5,21 @@ residual), a final RMSNorm and an LM head that is a separate `nnx.Linear` (kerne
 `tied_embeddings`, in which case the logits reuse the embedding table (V, d).
 
 Shapes are suffixed to names: B batch, T sequence, D model width, N heads, H head width, F MLP
-width, V vocabulary. Every parameter carries an `out_sharding` annotation in the mesh axis names
-("data", "fsdp", "tensor"). The annotation is metadata only (see `_sharded`), so the same code runs
-on one device or, with parameters placed by their specs, on a mesh whose axes are
-`jax.sharding.AxisType.Auto` (XLA propagates activation shardings from parameters and inputs).
+width, V vocabulary, L layers. Every parameter carries an `out_sharding` annotation in logical axis
+names ("embed", "mlp", "vocab", ...; sharding.py maps them onto the mesh), and every activation is
+constrained by its logical names (`sharding.constrain`: batch over the data-parallel axes, heads /
+MLP width / vocabulary over "tensor"). The annotations are metadata only (see `_sharded`) and the
+constraints apply only inside `jax.set_mesh`, so the same code runs on one device or on a mesh
+whose axes are `jax.sharding.AxisType.Auto`.
+
+At scale: `scan_layers` stores the blocks as one stacked `(L, ...)` leaf per parameter, run by
+`nnx.scan`, so compile time does not grow with depth; `remat` recomputes each block's
+activations in the backward pass ("block") or all but its matmul outputs ("dots");
+`Transformer.loss` never materialises the whole (B, T, V) logits (loss.py).
 
 Mixed precision: parameters are stored in `param_dtype` (fp32 master weights) and cast to
-`compute_dtype` (e.g. bf16) for matmuls and activations. Norm statistics, RoPE, the attention
+`compute_dtype` (e.g. bf16) for matmuls and activations; the trainer casts them before the
+forward pass, so FSDP gathers them in `compute_dtype`. Norm statistics, RoPE, the attention
 softmax and the logits are computed in fp32.
 """
 
@@ -22,8 +30,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-# Mesh axis names used by the sharding annotations below.
-FSDP, TENSOR = "fsdp", "tensor"
+from examples.lm import loss as loss_lib
+from examples.lm.sharding import constrain, num_shards
+
+# Logical names of the activations (sharding.RULES maps them onto the mesh).
+_BTD = ("activation_batch", "activation_length", "activation_embed")
+_BTNH = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+_BTF = ("activation_batch", "activation_length", "activation_mlp")
+_BTV = ("activation_batch", "activation_length", "activation_vocab")
+
+# How a block's activations are kept for the backward pass: "none" keeps them all; "block"
+# recomputes the block from its input (jax.checkpoint, nothing saved); "dots" saves the outputs
+# of its weight matmuls and recomputes the rest (attention scores, norms, activations).
+REMAT_POLICIES = ("none", "block", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +65,13 @@ class ModelConfig:
     # their embedding and head rows start at zero and their logits are masked, so they are never
     # predicted and get no gradient. None: every id is a token.
     valid_vocab_size: int | None = None
+    # The blocks as one stacked (L, ...) parameter each, run by nnx.scan (a checkpoint of one
+    # layout does not restore into the other).
+    scan_layers: bool = False
+    remat: str = "none"  # one of REMAT_POLICIES
+    # Sequence positions per chunk of the loss (loss.py): the logits of one chunk exist at a
+    # time. None: the whole sequence at once.
+    loss_chunk: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
@@ -64,6 +90,12 @@ class ModelConfig:
         if valid is not None and (not isinstance(valid, int) or not 1 <= valid <= self.vocab_size):
             raise ValueError(f"--model.valid_vocab_size must be an int in [1, --model.vocab_size"
                              f" = {self.vocab_size}] or none, got {valid!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"--model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        chunk = self.loss_chunk
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
+                                  or chunk < 1):
+            raise ValueError(f"--model.loss_chunk must be a positive int or none, got {chunk!r}")
         for name in ("compute_dtype", "param_dtype"):
             dtype = jnp.dtype(getattr(self, name))
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -94,13 +126,13 @@ def _zero_padding(init, num_tokens: int, vocab_axis: int):
 
 
 def _sharded(names: tuple) -> dict:
-    """Variable metadata for a parameter sharded over mesh axes `names`.
+    """Variable metadata for a parameter whose axes have the logical names `names`.
 
     The annotation is metadata only (`eager_sharding=False`): flax 0.12 would otherwise shard each
     variable as it is created, which needs an active mesh and fails when a mesh axis does not
     divide the dimension (a vocabulary of 50257 over 4 "tensor" devices). Placement is the
-    trainer's job: read the specs with `nnx.get_partition_spec`, drop the axes that do not divide,
-    and create the parameters under `jax.jit(..., out_shardings=...)`.
+    trainer's job: read the names with `nnx.get_partition_spec`, map them onto the mesh
+    (`sharding.param_spec`) and create the parameters under `jax.jit(..., out_shardings=...)`.
     """
     return {"out_sharding": names, "eager_sharding": False}
 
@@ -135,10 +167,10 @@ def _linear(d_in, d_out, names, cfg, rngs, *, std=None):
 
 
 def _rmsnorm(cfg, rngs):
-    # The scale vector is tiny: replicate it (None) rather than leave it unannotated.
+    # The scale vector is tiny: replicated ("norm") rather than left unannotated.
     return nnx.RMSNorm(
         cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
-        scale_metadata=_sharded((None,)), rngs=rngs)
+        scale_metadata=_sharded(("norm",)), rngs=rngs)
 
 
 def _residual_std(fan_in: int, cfg: ModelConfig) -> float:
@@ -153,24 +185,26 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d = cfg.d_model
-        # Heads are laid out along the output axis, so "tensor" shards heads (Megatron layout).
-        self.q_proj = _linear(d, d, (FSDP, TENSOR), cfg, rngs)
-        self.k_proj = _linear(d, d, (FSDP, TENSOR), cfg, rngs)
-        self.v_proj = _linear(d, d, (FSDP, TENSOR), cfg, rngs)
-        self.o_proj = _linear(d, d, (TENSOR, FSDP), cfg, rngs, std=_residual_std(d, cfg))
+        # Heads are laid out along the output axis, so "heads" splits whole heads (Megatron).
+        self.q_proj = _linear(d, d, ("embed", "heads"), cfg, rngs)
+        self.k_proj = _linear(d, d, ("embed", "heads"), cfg, rngs)
+        self.v_proj = _linear(d, d, ("embed", "heads"), cfg, rngs)
+        self.o_proj = _linear(d, d, ("heads", "embed"), cfg, rngs, std=_residual_std(d, cfg))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         N, H, theta = cfg.num_heads, cfg.head_dim, cfg.rope_theta
         positions_T = jnp.arange(T)
-        rope = lambda y_BTD: apply_rope(y_BTD.reshape(B, T, N, H), positions_T, theta=theta)
-        q_BTNH, k_BTNH = rope(self.q_proj(x_BTD)), rope(self.k_proj(x_BTD))
-        v_BTNH = self.v_proj(x_BTD).reshape(B, T, N, H)
+        heads = lambda y_BTD: constrain(y_BTD.reshape(B, T, N, H), *_BTNH)
+        rope = lambda y_BTNH: apply_rope(y_BTNH, positions_T, theta=theta)
+        q_BTNH, k_BTNH = rope(heads(self.q_proj(x_BTD))), rope(heads(self.k_proj(x_BTD)))
+        v_BTNH = heads(self.v_proj(x_BTD))
         # The default (XLA) implementation forms the scores and the softmax in fp32 even for bf16
         # inputs; implementation="cudnn" would select the GPU flash-attention kernel instead.
         out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
-        return self.o_proj(out_BTNH.reshape(B, T, N * H))
+        out_BTNH = constrain(out_BTNH, *_BTNH)
+        return constrain(self.o_proj(out_BTNH.reshape(B, T, N * H)), *_BTD)
 
 
 class MLP(nnx.Module):
@@ -178,13 +212,14 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
-        self.gate_proj = _linear(d, f, (FSDP, TENSOR), cfg, rngs)
-        self.up_proj = _linear(d, f, (FSDP, TENSOR), cfg, rngs)
-        self.down_proj = _linear(f, d, (TENSOR, FSDP), cfg, rngs, std=_residual_std(f, cfg))
+        self.gate_proj = _linear(d, f, ("embed", "mlp"), cfg, rngs)
+        self.up_proj = _linear(d, f, ("embed", "mlp"), cfg, rngs)
+        self.down_proj = _linear(f, d, ("mlp", "embed"), cfg, rngs, std=_residual_std(f, cfg))
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        h_BTF = jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD)
-        return self.down_proj(h_BTF)
+        gate_BTF = constrain(self.gate_proj(x_BTD), *_BTF)
+        h_BTF = jax.nn.silu(gate_BTF) * constrain(self.up_proj(x_BTD), *_BTF)
+        return constrain(self.down_proj(h_BTF), *_BTD)
 
 
 class Block(nnx.Module):
@@ -201,8 +236,34 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """`cfg.num_layers` blocks as one Block whose parameters have a leading layer axis (logical
+    name "layers"), each layer initialised from its own split of `rngs`."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs):
+        return Block(cfg, rngs=rngs)
+
+    return create(rngs)
+
+
+def _apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
+    return block(x_BTD)
+
+
+def _rematted(policy: str, *, in_scan: bool):
+    """`_apply_block` under `policy` (REMAT_POLICIES). Inside a scan the loop already keeps the
+    recomputation from being merged with the forward pass, so CSE prevention is not needed."""
+    if policy == "none":
+        return _apply_block
+    saved = {"block": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+    return nnx.remat(_apply_block, policy=saved[policy], prevent_cse=not in_scan)
+
+
 class Transformer(nnx.Module):
-    """Decoder-only LM: tokens (B, T) int -> logits (B, T, V) float32."""
+    """Decoder-only LM: tokens (B, T) int -> logits (B, T, V) float32; `loss` gives the mean
+    next-token cross entropy without forming all the logits at once."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -213,24 +274,26 @@ class Transformer(nnx.Module):
         self.embed = nnx.Embed(
             v, d, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
             embedding_init=_zero_padding(nnx.initializers.normal(embed_std), cfg.num_tokens, 0),
-            embedding_metadata=_sharded((TENSOR, FSDP)), rngs=rngs)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+            embedding_metadata=_sharded(("vocab", "embed")), rngs=rngs)
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(cfg, rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _rmsnorm(cfg, rngs)
         if cfg.tied_embeddings:
             self.lm_head = None
         else:
-            # Kernel (d, V), vocabulary on axis 1 and sharded over "tensor". fp32 accumulation:
-            # the logits feed a softmax over V, where bf16 rounding of the logits is visible.
+            # Kernel (d, V), vocabulary on axis 1. fp32 accumulation: the logits feed a softmax
+            # over V, where bf16 rounding of the logits is visible.
             self.lm_head = nnx.Linear(
                 d, v, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
                 preferred_element_type=jnp.float32,
                 kernel_init=_zero_padding(nnx.initializers.normal(1.0 / math.sqrt(d)),
                                           cfg.num_tokens, 1),
-                kernel_metadata=_sharded((FSDP, TENSOR)), rngs=rngs)
+                kernel_metadata=_sharded(("embed", "vocab")), rngs=rngs)
 
-    def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
-        """Logits (B, T, V) in float32; with `return_hidden`, also the final normed hidden state
-        (B, T, D) in compute dtype, i.e. exactly what the head multiplies."""
+    def hidden(self, tokens_BT: jax.Array) -> jax.Array:
+        """The final normed hidden state (B, T, D) in compute dtype: what the head multiplies."""
         if tokens_BT.ndim != 2:
             raise ValueError(f"tokens_BT must have shape (batch, seq), got {tokens_BT.shape}")
         mesh = jax.sharding.get_abstract_mesh()
@@ -243,23 +306,51 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"sequence length {tokens_BT.shape[1]} exceeds --model.max_seq_len "
                 f"{self.cfg.max_seq_len}")
-        x_BTD = self.embed(tokens_BT)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD)
-        h_BTD = self.final_norm(x_BTD)
-        if self.lm_head is None:
-            table_VD = self.embed.embedding[...].astype(h_BTD.dtype)
-            logits_BTV = jnp.einsum(
-                "btd,vd->btv", h_BTD, table_VD, preferred_element_type=jnp.float32)
+        x_BTD = constrain(self.embed(tokens_BT), *_BTD)
+        apply = _rematted(self.cfg.remat, in_scan=self.cfg.scan_layers)
+        if self.cfg.scan_layers:
+            run = nnx.scan(apply, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            x_BTD = run(self.layers, x_BTD)
         else:
-            logits_BTV = self.lm_head(h_BTD)
-        logits_BTV = logits_BTV.astype(jnp.float32)
-        if self.cfg.num_tokens < self.cfg.vocab_size:
-            # Padding ids are never predicted: a finite floor (not -inf) keeps the softmax's
-            # gradient exactly zero there without any inf - inf.
-            valid_V = jnp.arange(self.cfg.vocab_size) < self.cfg.num_tokens
-            logits_BTV = jnp.where(valid_V, logits_BTV, jnp.finfo(jnp.float32).min / 2)
+            for block in self.layers:
+                x_BTD = apply(block, x_BTD)
+        return constrain(self.final_norm(x_BTD), *_BTD)
+
+    def head(self) -> tuple[jax.Array, int]:
+        """The head matrix in compute dtype and its vocabulary axis: the kernel (D, V) and 1, or
+        the tied table (V, D) and 0 (padding rows included).
+
+        Gathered whole along the model width (vocabulary split over "tensor" only), once: the
+        loss's chunks all multiply the same head, and its backward needs it again."""
+        if self.lm_head is None:
+            table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
+            return constrain(table_VD, "activation_vocab", "activation_embed"), 0
+        kernel_DV = self.lm_head.kernel[...].astype(self.cfg.compute_dtype)
+        return constrain(kernel_DV, "activation_embed", "activation_vocab"), 1
+
+    def _num_valid(self) -> int | None:
+        return self.cfg.num_tokens if self.cfg.num_tokens < self.cfg.vocab_size else None
+
+    def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
+        """Logits (B, T, V) in float32; with `return_hidden`, also the final normed hidden state
+        (B, T, D) in compute dtype, i.e. exactly what the head multiplies."""
+        h_BTD = self.hidden(tokens_BT)
+        head, vocab_axis = self.head()
+        logits_BTV = constrain(loss_lib.logits(h_BTD, head, vocab_axis=vocab_axis,
+                                               num_valid=self._num_valid()), *_BTV)
         return (logits_BTV, h_BTD) if return_hidden else logits_BTV
+
+    def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
+        """Mean next-token cross entropy (float32) of `targets_BT` given `tokens_BT`, over
+        `cfg.loss_chunk` positions at a time (loss.py): the same value as the cross entropy of
+        `self(tokens_BT)`, to float32 rounding."""
+        head, vocab_axis = self.head()
+        # One head-gradient accumulator per batch shard, summed once (see loss.py).
+        groups = num_shards(tokens_BT.shape[0], "activation_batch")
+        return loss_lib.cross_entropy(
+            self.hidden(tokens_BT), head, targets_BT, vocab_axis=vocab_axis,
+            num_valid=self._num_valid(), chunk_size=self.cfg.loss_chunk, batch_groups=groups,
+            constrain_logits=lambda z: constrain(z, *_BTV))
 
 
 def head_matrix(model: Transformer) -> tuple[jax.Array, int]:

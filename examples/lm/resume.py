@@ -17,11 +17,17 @@ import jax
 from examples.lm import configs
 
 # Cadence and placement, which do not change what is trained: a resumed run takes them from its
-# command line. Every other field defines the run and is followed from the checkpoint.
+# command line. Every other field defines the run and is followed from the checkpoint. The
+# recomputation policy and the loss's chunking trade memory for time and change neither the
+# checkpoint nor (beyond float32 rounding) the step; the layer layout (model.scan_layers) is the
+# checkpoint's layout and is followed.
 RUNTIME_FIELDS = frozenset({
     "data.dir", "checkpoint.dir", "checkpoint.keep", "checkpoint.every", "log_every",
     "eval.every", "eval.probe_last_steps", "eval.exact_diameter_max_elements", "mesh.data",
-    "mesh.fsdp", "mesh.tensor"})
+    "mesh.fsdp", "mesh.tensor", "model.remat", "model.loss_chunk"})
+# Fields added after checkpoints were first written: a checkpoint without one was written with
+# this value (every earlier checkpoint stores its blocks unrolled).
+_LEGACY_VALUES = {"model.scan_layers": False}
 # Runtime fields that belong to the machine rather than the run: never taken from a checkpoint.
 _MACHINE_FIELDS = frozenset({"data.dir", "checkpoint.dir", "mesh.data", "mesh.fsdp",
                              "mesh.tensor"})
@@ -42,8 +48,9 @@ def resolve_config(cfg: configs.Config, meta: dict, *, explicit=None,
         raise ValueError("cannot resume: the checkpoint's metadata has no config and step "
                          f"(not written by this trainer?): {str(meta)[:200]}")
     now_flat = configs.flatten(cfg)
+    saved_given = _LEGACY_VALUES | configs.flatten(saved)
     try:
-        saved_flat = configs.flatten(configs.override(cfg, configs.flatten(saved)))
+        saved_flat = configs.flatten(configs.override(cfg, saved_given))
     except ValueError as e:
         raise ValueError(f"cannot resume: the checkpoint's config does not fit this trainer: "
                          f"{e}") from None
@@ -62,6 +69,10 @@ def resolve_config(cfg: configs.Config, meta: dict, *, explicit=None,
             merged[name] = was
     if conflicts:
         hint = " (or add --change_horizon to change --steps)" if "steps" in conflicts else ""
+        if "model.scan_layers" in conflicts:
+            hint += (" (scanned and unrolled blocks are stored in different layouts, "
+                     "layers/<name> of shape (L, ...) against layers/<i>/<name>: a checkpoint "
+                     "restores only into the layout it was written in)")
         listed = "; ".join(f"--{name} saved {was!r}, now {now!r}"
                            for name, (was, now) in sorted(conflicts.items()))
         raise ValueError(

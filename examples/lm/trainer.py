@@ -2,9 +2,14 @@
 
 The train state is one pytree of plain arrays, `{params, rest, opt_state, micro_step, rng}`,
 updated by a single jitted step that donates it (parameters and optimizer state are updated in
-place). Parameters carry PartitionSpecs over the (data, fsdp, tensor) mesh (model.py), fitted to
-the mesh (mesh.py); optimizer-state leaves shaped like a parameter are sharded like it, and
+place). Parameters are placed by their logical axis names (model.py) through `sharding.RULES`,
+fitted to the mesh; optimizer-state leaves shaped like a parameter are sharded like it, and
 batches are split over (data, fsdp).
+
+The forward pass sees the parameters cast to `model.compute_dtype` while they are still sharded
+(`compute_params`), so FSDP all-gathers bf16 weights, not the float32 master copies, and the
+gradients come back reduce-scattered in that dtype before the optimizer, which runs in float32 on
+each device's shard.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from examples.lm import configs, evaluate
+from examples.lm import configs, evaluate, sharding
 from examples.lm import mesh as mesh_lib
 from examples.lm import model as model_lib
 from examples.lm.optimizer import build_optimizer, head_group, lr_schedule
@@ -46,14 +51,15 @@ class Trainer:
                     "micro_step": jnp.zeros((), jnp.int32),
                     "rng": jax.random.key_data(jax.random.key(seed))}
 
+        # Outside the mesh: flax would turn the logical names into (mesh) shardings itself.
+        abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(mc, rngs=nnx.Rngs(seed)))
+        self.graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
+        names = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
+        param_shardings = jax.tree.map(
+            lambda a, n: jax.NamedSharding(mesh, sharding.param_spec(a.shape, n, mesh)),
+            nnx.to_pure_dict(abs_params), names,
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         with jax.set_mesh(mesh):
-            abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(mc, rngs=nnx.Rngs(seed)))
-            self.graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-            specs = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
-            abs_params = nnx.to_pure_dict(abs_params)
-            param_shardings = jax.tree.map(
-                lambda a, s: mesh_lib.fit_sharding(a.shape, s, mesh), abs_params, specs,
-                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
             abstract = jax.eval_shape(init_state)
         self.shardings = mesh_lib.state_shardings(abstract, param_shardings, mesh)
         self.abstract_state = jax.tree.map(
@@ -66,9 +72,10 @@ class Trainer:
         gd, tx = self.graphdef, self.tx
         batch = mesh_lib.batch_sharding(self.mesh)
         repl = mesh_lib.replicated(self.mesh)
+        compute = self.compute_params
 
         def loss_fn(params, rest, inputs, targets):
-            return evaluate.cross_entropy(nnx.merge(gd, params, rest)(inputs), targets)
+            return nnx.merge(gd, compute(params), rest).loss(inputs, targets)
 
         def train_step(state, inputs, targets):
             loss, grads = jax.value_and_grad(loss_fn)(state["params"], state["rest"], inputs,
@@ -87,7 +94,7 @@ class Trainer:
         self.grad_step = jax.jit(
             grad_step, in_shardings=(self.shardings, batch, batch),
             out_shardings=(repl, self.shardings["params"]))
-        self.val_loss = evaluate.make_val_loss(gd, out_sharding=repl)
+        self.val_loss = jax.jit(loss_fn, out_shardings=repl)
         # A fresh copy of the head (jit outputs never alias donated inputs).
         head_of = lambda p, r: model_lib.head_matrix(nnx.merge(gd, p, r))[0] + 0
         self.head_of = jax.jit(head_of)
@@ -96,6 +103,16 @@ class Trainer:
         self.exact_diameter = math.prod(head_shape) <= self.cfg.eval.exact_diameter_max_elements
         self.head_probe = evaluate.make_head_probe(
             gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
+
+    def compute_params(self, params):
+        """`params` in the model's compute dtype, each kept on its own sharding (so the cast runs
+        on the shards and FSDP gathers the narrow copy)."""
+        dtype = jnp.dtype(self.cfg.model.compute_dtype)
+        if dtype == jnp.dtype(self.cfg.model.param_dtype):
+            return params
+        shardings = self.shardings["params"]
+        return jax.tree.map(
+            lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params, shardings)
 
     def init(self):
         """A fresh train state, created in place with its shardings."""

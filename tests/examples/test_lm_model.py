@@ -2,6 +2,7 @@
 annotations, mixed precision, parameter and FLOP counts."""
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from flax import nnx
 
 from examples.lm import model as model_lib
+from examples.lm import sharding
 
 # Odd vocabulary and unequal widths, so a swapped axis cannot pass a shape check.
 CFG = model_lib.ModelConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48,
@@ -98,6 +100,24 @@ def test_param_paths_are_the_contract():
     assert set(_paths(model_lib.Transformer(CFG, rngs=nnx.Rngs(0)))) == UNTIED_PATHS
     assert set(_paths(model_lib.Transformer(TIED, rngs=nnx.Rngs(0)))) == UNTIED_PATHS - {
         "lm_head/kernel"}
+    scanned = _paths(model_lib.Transformer(dataclasses.replace(CFG, scan_layers=True),
+                                           rngs=nnx.Rngs(0)))
+    assert set(scanned) == {p.replace("layers/0/", "layers/") for p in UNTIED_PATHS
+                            if not p.startswith("layers/1/")}
+    assert scanned["layers/mlp/up_proj/kernel"].shape == (CFG.num_layers, CFG.d_model,
+                                                          CFG.mlp_dim)
+
+
+@pytest.mark.parametrize("cfg", [dataclasses.replace(CFG, valid_vocab_size=50), TIED],
+                         ids=["padded", "tied"])
+def test_loss_is_the_cross_entropy_of_the_logits(rng, cfg):
+    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(2))
+    x, y = _tokens(rng, v=50), _tokens(rng, v=50)
+    logits = np.asarray(model(x), np.float64)
+    top = logits.max(-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    expected = np.mean(logz - np.take_along_axis(logits, np.asarray(y)[..., None], -1)[..., 0])
+    np.testing.assert_allclose(nnx.jit(lambda m: m.loss(x, y))(model), expected, rtol=1e-6)
 
 
 def test_head_matrix_untied_and_tied(rng):
@@ -126,6 +146,13 @@ def test_head_matrix_untied_and_tied(rng):
     assert absent.size and (np.abs(grad[absent]).max(axis=1) > 0).all()
 
 
+EXPECTED_NAMES = {
+    "embed/embedding": ("vocab", "embed"), "lm_head/kernel": ("embed", "vocab"),
+    "q_proj": ("embed", "heads"), "k_proj": ("embed", "heads"), "v_proj": ("embed", "heads"),
+    "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),
+    "o_proj": ("heads", "embed"), "down_proj": ("mlp", "embed"), "scale": ("norm",)}
+# What the names mean on a (data, fsdp, tensor) mesh (sharding.RULES): FSDP along the model width,
+# tensor parallelism along heads, MLP width and vocabulary.
 EXPECTED_SPECS = {
     "embed/embedding": ("tensor", "fsdp"), "lm_head/kernel": ("fsdp", "tensor"),
     "q_proj": ("fsdp", "tensor"), "k_proj": ("fsdp", "tensor"), "v_proj": ("fsdp", "tensor"),
@@ -133,26 +160,95 @@ EXPECTED_SPECS = {
     "o_proj": ("tensor", "fsdp"), "down_proj": ("tensor", "fsdp"), "scale": (None,)}
 
 
-def test_every_param_is_annotated_for_sharding():
-    model = model_lib.Transformer(CFG, rngs=nnx.Rngs(0))
-    specs = {"/".join(map(str, p)): s for p, s in
-             nnx.to_flat_state(nnx.get_partition_spec(nnx.state(model, nnx.Param)))}
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_every_param_is_annotated_with_logical_axes(scan):
+    model = model_lib.Transformer(dataclasses.replace(CFG, scan_layers=scan), rngs=nnx.Rngs(0))
+    mesh = jax.sharding.AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor"))
+    stacked = ("layers",) if scan else ()
     for path, var in _paths(model).items():
-        key = next(k for k in EXPECTED_SPECS if k in path)
-        assert var.get_metadata()["out_sharding"] == EXPECTED_SPECS[key], path
-        assert tuple(specs[path].get_value()) == EXPECTED_SPECS[key], path
-        assert len(EXPECTED_SPECS[key]) == var.ndim, path
+        key = next(k for k in EXPECTED_NAMES if k in path)
+        in_block = path.startswith("layers/")
+        names = (stacked if in_block else ()) + EXPECTED_NAMES[key]
+        assert var.get_metadata()["out_sharding"] == names, path
+        assert len(names) == var.ndim, path
+        spec = sharding.param_spec(var.shape, names, mesh)
+        want = ((None,) if scan and in_block else ()) + EXPECTED_SPECS[key]
+        # An axis that does not divide its dimension (vocabulary 61 over 2) is dropped.
+        want = tuple(None if a is not None and var.shape[i] % mesh.shape[a] else a
+                     for i, a in enumerate(want))
+        assert tuple(spec) == want, path
+
+
+def test_sharding_rules_name_mesh_axes_and_unknown_names_fail():
+    mesh_axes = {"data", "fsdp", "tensor"}
+    for name, axes in sharding.RULES.items():
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        assert set(axes) <= mesh_axes, name
+    assert sharding.RULES["activation_batch"] == ("data", "fsdp")
+    assert sharding.RULES["activation_embed"] is None  # the residual stream stays whole
+    with pytest.raises(KeyError, match="'activation_typo'.*not in examples.lm.sharding.RULES"):
+        sharding.mesh_axes(("activation_typo",))
+    x = jnp.zeros((2, 3))
+    assert sharding.constrain(x, "activation_batch", None) is x  # no mesh: nothing to do
+    with pytest.raises(ValueError, match="2 axis names"):
+        sharding.constrain(jnp.zeros((2, 3, 4)), "activation_batch", None)
+
+
+def _stack(unrolled_params):
+    """The unrolled model's parameters in the scanned layout: layers/i/x -> layers/x (L, ...)."""
+    blocks = unrolled_params["layers"]
+    out = dict(unrolled_params)
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[i] for i in sorted(blocks)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    """One set of weights in both layouts, and a jitted loss-and-gradient per (scan, remat)."""
+    unrolled = model_lib.Transformer(CFG, rngs=nnx.Rngs(5))
+    params = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))
+
+    @functools.cache  # one compile per layout: the unrolled reference is shared
+    def value_and_grad(scan, remat):
+        cfg = dataclasses.replace(CFG, scan_layers=scan, remat=remat)
+        abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+        gd, _, rest = nnx.split(abstract, nnx.Param, ...)
+        loss = lambda p, x, y: nnx.merge(gd, p, rest).loss(x, y)
+        return jax.jit(jax.value_and_grad(loss))
+
+    return params, value_and_grad
+
+
+@pytest.mark.parametrize("scan,remat", [(True, "none"), (False, "block"), (True, "dots")])
+def test_scan_and_remat_give_the_unrolled_loss_and_gradients(layouts, rng, scan, remat):
+    params, value_and_grad = layouts
+    x, y = _tokens(rng), _tokens(rng)
+    loss, grads = value_and_grad(False, "none")(params, x, y)
+    as_layout = _stack if scan else (lambda p: p)
+    loss2, grads2 = value_and_grad(scan, remat)(as_layout(params), x, y)
+    np.testing.assert_allclose(loss2, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+                 grads2, as_layout(grads))
+
+
+def test_scanned_blocks_are_initialised_layer_by_layer():
+    model = model_lib.Transformer(dataclasses.replace(CFG, scan_layers=True), rngs=nnx.Rngs(0))
+    q = np.asarray(model.layers.attn.q_proj.kernel[...])
+    assert q.shape == (CFG.num_layers, CFG.d_model, CFG.d_model)
+    assert not np.allclose(q[0], q[1])  # each layer has its own key
+    np.testing.assert_allclose(q.std(axis=(1, 2)), 1 / np.sqrt(CFG.d_model), rtol=0.15)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)  # its subprocess has 300 s
 def test_sharded_on_8_simulated_devices_matches_one_device(tmp_path):
-    """Parameters placed by their annotations on a (2, 2, 2) mesh give the single-device logits."""
+    """Parameters placed by their logical annotations on a (2, 2, 2) mesh give the single-device
+    logits, with activations constrained by the same table."""
     script = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         jax.config.update("jax_num_cpu_devices", 8)
         from flax import nnx
-        from examples.lm import model as M
+        from examples.lm import model as M, sharding as S
         cfg = M.ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, mlp_dim=64,
                             max_seq_len=16)
         tokens = jnp.arange(64, dtype=jnp.int32).reshape(4, 16) * 7 % 64
@@ -161,7 +257,9 @@ def test_sharded_on_8_simulated_devices_matches_one_device(tmp_path):
         expected = forward(state, tokens)
         axes = ("data", "fsdp", "tensor")
         mesh = jax.make_mesh((2, 2, 2), axes, axis_types=(jax.sharding.AxisType.Auto,) * 3)
-        state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
+        # flax's own logical partitioning reads the example's table (sharding.RULES).
+        with nnx.logical_axis_rules(tuple(S.RULES.items())):
+            state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
         kernel = state["layers"][0]["attn"]["q_proj"]["kernel"][...]
         assert kernel.sharding.spec == jax.P("fsdp", "tensor"), kernel.sharding
         assert len(kernel.addressable_shards) == 8 and kernel.addressable_shards[0].data.shape \\

@@ -1,0 +1,169 @@
+"""Reading a compiled XLA program: per-device memory, matmul FLOPs and collective bytes.
+
+`jax.jit(f).lower(abstract inputs).compile()` is the program a device runs; this module reads
+what it costs from the program itself rather than from a timer:
+
+- memory by kind from `compiled.memory_analysis()`;
+- matmul FLOPs and the bytes of every cross-device collective from the HLO text, each counted as
+  often as it runs. XLA's own `cost_analysis()` counts the body of a `while` loop once, so the
+  FLOPs of a scanned model would come out about L times too small; here every computation is
+  weighted by the number of times it is entered (a while loop's body by its trip count: XLA's
+  `known_trip_count`, or, before XLA annotates it, the bound of a `counter < N` condition, as
+  `lax.scan` writes it; every other call once; both branches of a conditional count, an upper
+  bound).
+
+A collective counts the larger of its result and its operands: an all-gather's whole result, a
+reduce-scatter's whole input, so an all-reduce and the reduce-scatter a backend may lower it to
+count alike.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s.*\{\s*$")
+# `%name = <shape, or a tuple of shapes> op(operands), attributes`
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\(.*?\)|\S+)\s+([\w-]+)\(([^)]*)\)(.*)$")
+_SHAPE = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
+_CALLEE = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)="
+                     r"%([\w.-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f16": 2, "bf16": 2,
+             "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
+             "c64": 8, "c128": 16}
+
+
+def _dims(shape: str) -> list[list[int]]:
+    return [[int(n) for n in dims.split(",") if n] for _, dims in _SHAPE.findall(shape)]
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (a tuple's elements summed)."""
+    return sum(math.prod(int(n) for n in dims.split(",") if n) * _ITEMSIZE.get(dtype, 4)
+               for dtype, dims in _SHAPE.findall(shape))
+
+
+def _parse(hlo_text: str):
+    """{computation: [(name, shape, op, operands, attributes)]}, the entry's name, and the
+    result shape of every instruction by name."""
+    computations: dict[str, list] = {}
+    shapes: dict[str, str] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and "=" not in line.split("(")[0]:
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction and current is not None:
+            name, shape, op, operands, attributes = instruction.groups()
+            shapes[name] = shape
+            computations[current].append((name, shape, op, operands, attributes))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry, shapes
+
+
+def _counter_bound(condition: list) -> int | None:
+    """N of a loop condition `counter < N` with a constant N (how `lax.scan` loops from 0)."""
+    constants = {name: operands.strip() for name, _, op, operands, _ in condition
+                 if op == "constant"}
+    for _, _, op, operands, attributes in condition:
+        names = [o.strip().lstrip("%") for o in operands.split(",")]
+        if op == "compare" and "direction=LT" in attributes and len(names) == 2:
+            bound = constants.get(names[1], "")
+            if bound.isdigit():
+                return int(bound)
+    return None
+
+
+def _trip_count(attributes: str, computations: dict) -> int | None:
+    count = _TRIP_COUNT.search(attributes)
+    if count:
+        return int(count.group(1))
+    condition = re.search(r"condition=%([\w.-]+)", attributes)
+    return _counter_bound(computations.get(condition.group(1), [])) if condition else None
+
+
+def _multiplicities(computations: dict, entry: str) -> tuple[dict[str, int], bool]:
+    """How many times each computation runs per execution of the entry, and whether every
+    while loop on the way had a known trip count."""
+    callers: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    known = True
+    for caller, instructions in computations.items():
+        for _, _, op, _, attributes in instructions:
+            trip = 1
+            if op == "while":
+                count = _trip_count(attributes, computations)
+                known &= count is not None
+                trip = count or 1
+            for kind, callee in _CALLEE.findall(attributes):
+                callers[callee].append((caller, trip if kind in ("body", "condition") else 1))
+            for group in _BRANCHES.findall(attributes):
+                for callee in re.findall(r"%([\w.-]+)", group):
+                    callers[callee].append((caller, 1))
+    memo: dict[str, int] = {entry: 1}
+
+    def runs(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # a cycle cannot happen in HLO; this only guards the recursion
+            memo[name] = sum(runs(caller) * factor for caller, factor in callers[name])
+        return memo[name]
+
+    return {name: runs(name) for name in computations}, known
+
+
+def analyse_hlo(hlo_text: str) -> dict:
+    """Matmul FLOPs and collective bytes (by kind) per device of one execution of the program,
+    every loop body counted by its trip count; `loops_known`: whether all trip counts were;
+    `largest_collectives`: the eight (kind, result shape) groups that move the most bytes."""
+    computations, entry, shapes = _parse(hlo_text)
+    runs, known = _multiplicities(computations, entry)
+    collectives = dict.fromkeys(COLLECTIVES, 0)
+    largest: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    flops = 0.0
+    for computation, instructions in computations.items():
+        times = runs[computation]
+        for _, shape, op, operands, attributes in instructions:
+            names = [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
+            kind = op.removesuffix("-start")
+            if kind in collectives:
+                inputs = sum(shape_bytes(shapes.get(n, "")) for n in names)
+                moved = max(shape_bytes(shape), inputs)
+                collectives[kind] += times * moved
+                entry = largest[kind, re.sub(r"\{[\d,]*\}", "", shape)]
+                entry[0] += times
+                entry[1] += times * moved
+            elif op == "dot" and names:
+                lhs = _dims(shapes.get(names[0], ""))
+                contracting = _CONTRACTING.search(attributes)
+                if lhs and contracting:
+                    k = math.prod(lhs[0][int(i)] for i in contracting.group(1).split(",") if i)
+                    flops += times * 2.0 * math.prod(_dims(shape)[0]) * k
+    top = sorted(((b, kind, shape, n) for (kind, shape), (n, b) in largest.items()), reverse=True)
+    return {"matmul_flops": flops, "collectives": collectives, "loops_known": known,
+            "largest_collectives": [{"kind": kind, "shape": shape, "times": n, "bytes": b}
+                                    for b, kind, shape, n in top[:8]]}
+
+
+def read_compiled(compiled) -> dict:
+    """Per-device memory by kind (bytes), its peak (arguments + outputs + temporaries - aliased),
+    XLA's FLOP count (`xla_flops`, loop bodies once) and `analyse_hlo`'s figures."""
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    kinds = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+             "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes,
+             "code": memory.generated_code_size_in_bytes}
+    kinds = {k: int(v) for k, v in kinds.items()}
+    peak = kinds["arguments"] + kinds["outputs"] + kinds["temporaries"] - kinds["aliased"]
+    return {"memory": kinds, "peak_bytes": peak, "xla_flops": float(cost.get("flops", 0.0)),
+            **analyse_hlo(compiled.as_text())}
