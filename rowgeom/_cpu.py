@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rowgeom._numerics import _HUGE_EXPONENT, _row_vector, _rownorm_scale
+from rowgeom._numerics import _guarded, _pivot, _row_vector
 
 # Token rows contiguous: rows per block are chosen so that one block of float32 rows stays in
 # cache while the two per-block reductions (row norms, weighted column sum) read it.
@@ -83,35 +83,10 @@ def rownorm(x, axis: int, *, eps: float, center_input: bool, center_output: bool
     return _row_blocks(x, axis, block_rows=block_rows, **opts)
 
 
-def _guarded(stats, x_valid, eps):
-    """``stats(scale, eps)`` at scale 1, redone at the overflow guard's scale when needed.
-
-    ``stats`` returns a tuple whose first entry is the valid rows' squared norms.
-    """
-    one = jnp.ones((), jnp.float32)
-    fast = stats(one, jnp.asarray(eps, jnp.float32))
-    suspect = ~(jnp.max(fast[0]) <= 2.0 ** (2 * _HUGE_EXPONENT))  # also NaN / inf
-
-    def rescaled():
-        scale, eps_scaled = _rownorm_scale(jnp.max(jnp.abs(x_valid())), eps)
-        return stats(scale, eps_scaled) + (scale, eps_scaled)
-
-    return lax.cond(suspect, rescaled, lambda: fast + (one, jnp.asarray(eps, jnp.float32)))
-
-
 def _in_cache(block):
     """Materialises a cache-sized block before it is reduced: XLA:CPU runs a plain reduction of a
     buffer through its fast kernel, but one fused with an elementwise producer as a generic loop."""
     return lax.optimization_barrier(block)
-
-
-def _pivot(x, axis: int, num_valid: int, scale=1.0):
-    """The mean of the first two valid rows, a float32 point inside the row cloud (why a pivot:
-    `rowgeom._rownorm._masked`). Two rows rather than one because XLA turns a single-row slice
-    into a view of ``x``, which then blocks writing the result in place over a donated input."""
-    k = min(2, num_valid)
-    rows = lax.slice_in_dim(x, 0, k, axis=axis) * scale
-    return jnp.sum(rows, axis=axis, keepdims=True) * (1.0 / k)
 
 
 def _row_blocks(x, axis, *, eps, center_input, center_output, num_valid, block_rows):
@@ -169,7 +144,7 @@ def _row_blocks(x, axis, *, eps, center_input, center_output, num_valid, block_r
         return sq, shift, acc
 
     sq, shift, acc, scale, eps = _guarded(
-            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=axis), eps)
+            stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=axis))), eps)
     weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
     if num_valid < vocab:
         weights = jnp.pad(weights, (0, vocab - num_valid))
@@ -237,7 +212,7 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
         return over_slabs(slab_stats, (jnp.zeros((num_valid,), f32), zeros, zeros))
 
     sq, pivot, mean, scale, eps = _guarded(
-            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=1), eps)
+            stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=1))), eps)
     weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
     if num_valid < vocab:
         weights = jnp.pad(weights, (0, vocab - num_valid))

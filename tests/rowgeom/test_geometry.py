@@ -7,6 +7,7 @@ and any mesh); the whole bracket is also run traced with each (`_formulations.tr
 """
 
 import functools
+import re
 
 import chex
 import hypothesis.extra.numpy as hnp
@@ -26,7 +27,14 @@ from rowgeom import (
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._geometry import _block_rows, _masked_sq_dists, _sq_dists, _token_view
+from rowgeom._geometry import (
+    _block_rows,
+    _masked_sq_dists,
+    _sq_dists,
+    _sweep_sq_dists,
+    _token_view,
+)
+from rowgeom._numerics import _take_rows
 
 
 def np_rows(s, axis):
@@ -193,8 +201,9 @@ BRACKET_SHAPES = [((300, 17), 0), ((17, 300), 1), ((3, 4, 130), -1), ((130, 3, 4
 
 
 def test_distance_pass_matches_float64(rng):
-    """||x_v - p||^2 to a given point and to a token's row against float64, for every layout's
-    view; with a leading feature axis also the CPU formulation's loop (`rowgeom._cpu`)."""
+    """||x_v - p||^2 to a given point, and a sweep's ||x_v - x_a||^2 to one of the rows (from the
+    centred norms and one matrix-vector product), against float64, for every layout's view; with
+    a leading feature axis also the CPU formulation's loop (`rowgeom._cpu`)."""
     for shape, axis in BRACKET_SHAPES:
         s = rng.normal(size=shape) * 2.0 + 1.5
         x, t = _token_view(jnp.asarray(s, jnp.float32), axis % len(shape))
@@ -208,10 +217,15 @@ def test_distance_pass_matches_float64(rng):
             got = jax.jit(fn)(x, jnp.asarray(point, jnp.float32))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{shape} {name}")
         token = x.shape[t] // 2
-        got = jax.jit(lambda x, i, t=t: _sq_dists(x, t, i))(x, jnp.int32(token))
-        np.testing.assert_allclose(got, ((rows - rows[token]) ** 2).sum(axis=1), rtol=1e-5,
-                                   atol=1e-5, err_msg=str(shape))
-        assert float(got[token]) == 0.0
+
+        def sweep(x, i, t=t):
+            centre = jnp.mean(x, axis=t, keepdims=True)
+            row = _take_rows(x, t, jnp.asarray([i], jnp.int32))
+            return _sweep_sq_dists(x, t, centre, _sq_dists(x, t, centre), row)
+
+        want = ((rows - rows[token]) ** 2).sum(axis=1)
+        got = jax.jit(sweep)(x, token)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * want.max(), err_msg=str(shape))
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -251,15 +265,17 @@ def test_bracket_non_finite_and_huge_rows(rng, formulation):
 
 
 def test_bracket_formulation_follows_the_device_count():
-    """One CPU device: the (d, V) distance pass is the CPU formulation's slab loop; traced as
-    under a mesh, plain reductions with no slice of the token or feature axis."""
+    """One CPU device: the (d, V) centred norms are the CPU formulation's loop over the leading
+    feature axis; traced as under a mesh, plain reductions with no slice of the token or feature
+    axis, and no loop but the sweeps' own (two iterations; a gather of one row each)."""
     spec = jax.ShapeDtypeStruct((64, 512), jnp.float32)
     jaxpr = lambda: str(jax.make_jaxpr(lambda s: row_diameter_bounds(s, vocab_axis=1))(spec))
     cpu = jaxpr()
-    assert "scan" in cpu and "platform_index" in cpu  # the slab loop, on CPU only
+    assert "length=64" in cpu and "platform_index" in cpu  # the feature loop, on CPU only
     with traced_as("masked"):
         masked = jaxpr()
-    assert not [op for op in ("scan", "while", "dynamic_slice", "platform_index") if op in masked]
+    assert not [op for op in ("dynamic_slice", "platform_index") if op in masked]
+    assert set(re.findall(r"length=(\d+)", masked)) == {"2"}  # the sweeps (and their rescaling)
 
 
 def test_sweeps_reach_exact_diameter_on_two_clusters(rng):
