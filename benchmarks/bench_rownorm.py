@@ -42,7 +42,7 @@ import numpy as np
 import optax
 
 import rowgeom
-from rowgeom import _cpu, _geometry
+from rowgeom import _cpu
 from rowgeom._rownorm import rownorm_direction
 
 # The memory floor: one read and one write of the head, in place over the donated input.
@@ -81,26 +81,8 @@ def steady_state(candidates: dict, x0, calls: int) -> dict:
     return best
 
 
-FORMULATIONS = ("cpu", "masked")
-_TRACED_JITS = (_geometry._bounds, _geometry._bounds_and_sum, _geometry._row_diameter)
-
-
-@contextlib.contextmanager
-def formulation(name: str):
-    """Traces rowgeom with one formulation: ``"cpu"`` as in a process with one CPU device,
-    ``"masked"`` as under a mesh or on an accelerator. The choice is made at trace time, so
-    compile (call) a function inside the block; the inner jitted functions' caches are cleared
-    on entry and exit so that no trace of the other formulation is reused."""
-    saved = _cpu.one_cpu_device
-    _cpu.one_cpu_device = lambda: name == "cpu"
-    for fn in _TRACED_JITS:
-        fn.clear_cache()
-    try:
-        yield
-    finally:
-        _cpu.one_cpu_device = saved
-        for fn in _TRACED_JITS:
-            fn.clear_cache()
+FORMULATIONS = _cpu.FORMULATIONS
+formulation = _cpu.traced_as
 
 
 def head_operations(axis: int) -> dict:

@@ -29,6 +29,9 @@ of the process can be sharded, whatever mesh or placement the caller used.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -45,14 +48,41 @@ _SLAB_BYTES = 4 * 2**20
 _SLAB_ROWS = 16
 
 
+FORMULATIONS = ("cpu", "masked")
+_traced_as: str | None = None  # set only by `traced_as`
+
+
 def one_cpu_device() -> bool:
     """True when the process has exactly one device and it is a CPU.
 
     Checked at trace time. It is the only condition under which the formulations here cannot be
     wrong: with more than one device an input may be sharded even where tracing cannot see it
     (an Auto-sharded array under ``jax.jit`` outside ``jax.set_mesh`` has no mesh in context).
+    Inside `traced_as` it answers for the formulation named there instead.
     """
+    if _traced_as is not None:
+        return _traced_as == "cpu"
     return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
+@contextlib.contextmanager
+def traced_as(name: str) -> Iterator[None]:
+    """Traces rowgeom with one formulation, whatever the process's devices: ``"cpu"`` (this
+    module's, as with one CPU device) or ``"masked"`` (every other backend and any mesh). For
+    rowgeom's tests and benchmarks, which compare both in one process; not thread-safe.
+
+    The choice is made when a function is traced, so trace (first call) a function inside the
+    block. rowgeom's own jitted helpers key their caches on the choice; a jitted function of the
+    caller's traced in one block is not retraced in another.
+    """
+    global _traced_as
+    if name not in FORMULATIONS:
+        raise ValueError(f"name must be one of {FORMULATIONS}, got {name!r}")
+    saved, _traced_as = _traced_as, name
+    try:
+        yield
+    finally:
+        _traced_as = saved
 
 
 # --- projected RowNorm ----------------------------------------------------------------------------

@@ -261,15 +261,19 @@ def _upper_bound(s, axis: int) -> jax.Array:
     return lax.cond(_out_of_range(fast), rescaled, lambda x: fast, x)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
 def _bounds(s, *, axis: int, sweeps: int):
     return _bounds_and_sum(s, axis=axis, sweeps=sweeps)[:2]
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
 def _bounds_and_sum(s, *, axis: int, sweeps: int):
     """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
     row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
+    return _jitted_bounds_and_sum(s, axis=axis, sweeps=sweeps, cpu=_cpu.one_cpu_device())
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "sweeps", "cpu"))
+def _jitted_bounds_and_sum(s, *, axis: int, sweeps: int, cpu: bool):
+    del cpu  # only a cache key: the formulation is chosen while tracing (`rowgeom._cpu`)
     x, t = _token_view(s, axis)
     total = jnp.sum(x, axis=t, keepdims=True)
     fast = _bounds_of_view(x, t, sweeps=sweeps, total=total)

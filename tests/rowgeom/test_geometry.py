@@ -3,7 +3,7 @@
 The bracket's distance pass over a leading feature axis has two formulations, each checked
 directly against float64 numpy: the XLA:CPU one (`rowgeom._cpu.sq_dists`, what this
 one-CPU-device process dispatches to) and the masked one (`_masked_sq_dists`, every other backend
-and any mesh); the whole bracket is also run traced with each (`_formulations.traced_as`).
+and any mesh); the whole bracket is also run traced with each (`rowgeom._cpu.traced_as`).
 """
 
 import functools
@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _formulations import FORMULATIONS, traced_as
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,6 +26,7 @@ from rowgeom import (
     row_diameter,
     row_diameter_bounds,
 )
+from rowgeom._cpu import FORMULATIONS, traced_as
 from rowgeom._geometry import (
     _block_rows,
     _masked_sq_dists,
@@ -276,6 +276,43 @@ def test_bracket_formulation_follows_the_device_count():
         masked = jaxpr()
     assert not [op for op in ("dynamic_slice", "platform_index") if op in masked]
     assert set(re.findall(r"length=(\d+)", masked)) == {"2"}  # the sweeps (and their rescaling)
+
+
+def np_double_sweep(s, axis):
+    """Independent float64 reference for the lower end with two sweeps: from the row farthest
+    from the centroid to the row farthest from it, then to the row farthest from that one; the
+    two sweeps' lengths."""
+    x = np_rows(s, axis)
+    anchor = int(np.argmax(np.linalg.norm(x - x.mean(axis=0), axis=1)))
+    lengths = []
+    for _ in range(2):
+        dists = np.linalg.norm(x - x[anchor], axis=1)
+        anchor = int(np.argmax(dists))
+        lengths.append(float(dists[anchor]))
+    return lengths
+
+
+# Six points of the plane whose diameter only the second sweep finds: the row farthest from
+# the centroid is (5, -4), the row farthest from it (-6, -3) at 11.05, the row farthest from
+# that one (5, 6) at D = 14.21. Clear gaps at every step: float32 picks the same rows.
+SECOND_SWEEP_POINTS = np.array([[-4, 2], [5, -4], [-6, -3], [1, 6], [-4, 0], [5, 6]], float)
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_bracket_lower_end_is_the_double_sweep(rng, formulation):
+    """The lower end with two sweeps is the float64 double sweep's, on rows whose diameter only
+    the second sweep finds: sweeps that never moved their anchor would stop at 0.78 D. The
+    plane is embedded in 8 features by a random rotation, with a common offset."""
+    basis = np.linalg.qr(rng.normal(size=(8, 8)))[0][:2]
+    s = (SECOND_SWEEP_POINTS @ basis + 3.0 * rng.normal(size=8)).astype(np.float32)
+    first, second = np_double_sweep(s, 0)
+    assert first < 0.8 * second  # the point set does what it is here for
+    np.testing.assert_allclose(second, np_diameter(s, 0), rtol=1e-6)
+    for x, axis in ((s, 0), (s.T, 1)):
+        with traced_as(formulation):
+            lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(x, vocab_axis=a))(x)
+        np.testing.assert_allclose(float(lower), second, rtol=1e-6, err_msg=f"axis={axis}")
+        assert float(upper) >= second
 
 
 def test_sweeps_reach_exact_diameter_on_two_clusters(rng):

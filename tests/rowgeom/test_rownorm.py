@@ -23,7 +23,7 @@ from rowgeom import _cpu, projected_rownorm, rownorm_direction
 from rowgeom._numerics import MIN_EPS
 from rowgeom._rownorm import _masked
 
-FORMULATIONS = ("cpu", "masked")
+FORMULATIONS = _cpu.FORMULATIONS
 _FNS = {"cpu": _cpu.rownorm, "masked": _masked}
 
 
