@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rowgeom
+from benchmarks.hlo_passes import head_traffic
 from rowgeom import (
     _cpu,
     hilbert_distance,
@@ -276,6 +277,21 @@ def test_bracket_formulation_follows_the_device_count():
         masked = jaxpr()
     assert not [op for op in ("dynamic_slice", "platform_index") if op in masked]
     assert set(re.findall(r"length=(\d+)", masked)) == {"2"}  # the sweeps (and their rescaling)
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+@pytest.mark.parametrize("sweeps", [0, 1, 2])
+def test_bracket_reads_the_rows_once_per_step_of_the_algorithm(formulation, sweeps):
+    """Compiled, the bracket reads the rows 2 + sweeps times and writes nothing of their size:
+    the centroid, the centred norms, and one pass per farthest-point sweep (its rows are
+    gathered, not found by a masked pass); the power-of-two rescaling runs only when the first
+    result is out of float32's safe range (a branch)."""
+    for shape, axis in (((1024, 96), 0), ((96, 1024), 1)):
+        spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+        with traced_as(formulation):
+            fn = jax.jit(lambda s, a=axis: row_diameter_bounds(s, vocab_axis=a, sweeps=sweeps))
+            traffic = head_traffic(fn.lower(spec).compile().as_text(), 1024 * 96)
+        assert (round(traffic.reads), round(traffic.writes)) == (2 + sweeps, 0), traffic.ops
 
 
 def np_double_sweep(s, axis):
