@@ -3,13 +3,14 @@
 Memory-bound head operations cost about their number of passes over the head, and the compiled
 program says how many it makes: ``head_traffic(compiled.as_text(), num_elements)`` walks the
 optimized HLO (``jax.jit(f).lower(...).compile().as_text()``) and adds, for every instruction
-that runs, the elements it reads from and writes to arrays with the head's number of elements,
-divided by that number. A fusion or dot reading the head is one read; a slice, gather or
-dynamic slice of it (also inside a fusion) counts the elements it takes, so taking two rows
-costs two rows; a dynamic-update-slice into it counts the update as a write. Loop bodies count
-once per iteration (XLA's known trip count); each branch of a conditional is counted apart, as
-it runs only when taken. Free instructions (parameters, tuples, bitcasts, optimization
-barriers) count nothing.
+that runs, the elements it reads from and writes to head-sized arrays (at least half the
+head's number of elements: a copy of the valid rows of a padded head counts), divided by that
+number. A fusion or dot reading the head is one read; a slice, gather or dynamic slice of it
+(also inside a fusion) counts the elements it takes, so taking two rows costs two rows; a
+dynamic-update-slice into it counts the update as a write. Loop bodies count once per
+iteration (XLA's known trip count); each branch of a conditional is counted apart, as it runs
+only when taken. Free instructions (parameters, tuples, bitcasts, optimization barriers) count
+nothing.
 
     python benchmarks/hlo_passes.py   # prints the counts of a few toy programs
 
@@ -120,6 +121,7 @@ def head_traffic(compiled_text: str, num_elements: int) -> Traffic:
     """Passes over arrays of ``num_elements`` elements in optimized HLO text (module docstring)."""
     comps, entry = _parse(compiled_text)
     elements = {i.name: i.elements for body in comps.values() for i in body}
+    big = lambda n: 2 * n >= num_elements  # noqa: E731
 
     def visit(name: str, times: float, out: Traffic) -> None:
         for instr in comps.get(name, []):
@@ -149,8 +151,8 @@ def head_traffic(compiled_text: str, num_elements: int) -> Traffic:
                 partial, write = _fusion_traffic(comps.get(callee, []), num_elements, elements)
             reads = 0.0
             for index, operand in enumerate(instr.operands):
-                if num_elements not in elements.get(operand, []) or (
-                        operand in instr.operands[:index]):
+                size = sum(e for e in elements.get(operand, []) if big(e))
+                if not size or operand in instr.operands[:index]:
                     continue
                 if instr.op in _SLICES and index == 0:
                     reads += sum(instr.elements)
@@ -158,13 +160,13 @@ def head_traffic(compiled_text: str, num_elements: int) -> Traffic:
                     continue
                 else:
                     taken = partial.get(index)
-                    reads += num_elements if taken is None else taken
+                    reads += size if taken is None else taken
             if instr.op == "dynamic-update-slice":
                 writes = float(sum(elements.get(instr.operands[1], [0])))
             elif write is not None:
                 writes = write
             else:
-                writes = float(sum(e for e in instr.elements if e == num_elements))
+                writes = float(sum(e for e in instr.elements if big(e)))
             out.add(instr.name, instr.op, times * reads / num_elements,
                     times * writes / num_elements)
 

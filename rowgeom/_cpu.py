@@ -38,14 +38,16 @@ from jax import lax
 
 from rowgeom._numerics import _guarded, _pivot, _row_vector
 
-# Token rows contiguous: rows per block are chosen so that one block of float32 rows stays in
-# cache while the two per-block reductions (row norms, weighted column sum) read it.
-_BLOCK_BYTES = 4 * 2**20
+# Token rows contiguous: rows per block are chosen so that one block of float32 rows, and the
+# centred copy the two per-block reductions (row norms, weighted column sum) read, stay in a
+# core's L2 cache (timed against larger blocks with benchmarks/bench_rownorm.py).
+_BLOCK_BYTES = 2**20
 # Tokens contiguous: feature rows per slab, read once for their mean and the token norms and once
-# to be reduced and written. At most 4 MiB, and few enough rows that their squares accumulate in
-# one unrolled elementwise fusion.
+# to be reduced and written. One row of a (768, 50304) kernel stays in cache while its uses read
+# it (one row timed faster than 2, 4 or 16 a slab); at most 4 MiB a slab, and few enough rows
+# that their squares accumulate in one unrolled elementwise fusion.
 _SLAB_BYTES = 4 * 2**20
-_SLAB_ROWS = 16
+_SLAB_ROWS = 1
 
 
 FORMULATIONS = ("cpu", "masked")
