@@ -1,20 +1,22 @@
-"""XLA:CPU formulations of projected RowNorm and of the row-diameter bracket's distance pass over
+"""XLA:CPU formulations of projected RowNorm and of the row-diameter bracket's centred norms over
 a leading feature axis.
 
-Why they exist: XLA:CPU reduces quickly only along the contiguous axis of a materialised buffer;
-a reduction fused with an elementwise producer, or one over a leading axis, runs as a slow
-generic loop. The masked formulations that run everywhere else (`rowgeom._rownorm._masked`,
-`rowgeom._geometry._sq_dists`) are made of exactly such reductions. The ones here walk the array
-in cache-sized blocks or slabs so that every reduction is of the fast kind and no full-size
-temporary is made (docs/benchmarks.md compares the two on CPU). The bracket needs one only for a
-leading feature axis (a Flax ``(d, V)`` kernel): with token rows first both formulations are the
-same reduction.
+Why they exist: XLA:CPU reduces a leading axis as a slow strided loop, and a reduction fused
+with some elementwise producers (a row sum of ``x - p``, a column sum weighted per row) as a
+slow generic one. The masked formulations that run everywhere else (`rowgeom._rownorm._masked`,
+`rowgeom._geometry._masked_sq_dists`) are made of whole-axis reductions, some of that kind. The
+ones here walk the array in cache-sized blocks or slabs so that every reduction is of a fast
+kind and no full-size temporary is made (docs/benchmarks.md times the two on CPU). The bracket
+needs one only for its centred norms over a leading feature axis (a Flax ``(d, V)`` kernel):
+with token rows first both formulations are the same reduction, and its sweeps are
+matrix-vector products in every formulation.
 
 Contract: `rownorm` is the same function as `rowgeom._rownorm._masked` (same pivot, eps rule
-and overflow guard) and `sq_dists` the same as the masked distance pass, up to float32 rounding
-order. Both slice the vocabulary and feature axes, which would gather a sharded head or fail on
-Explicit sharding types, so callers use them only when `one_cpu_device()` holds: then no array
-of the process can be sharded, whatever mesh or placement the caller used.
+and overflow guard, `rowgeom._numerics`) and `sq_dists` the same as the masked distance pass, up
+to float32 rounding order. Both slice the vocabulary and feature axes, which would gather a
+sharded head or fail on Explicit sharding types, so callers use them only when
+`one_cpu_device()` holds: then no array of the process can be sharded, whatever mesh or
+placement the caller used.
 
     >>> import jax.numpy as jnp
     >>> from rowgeom import _cpu
@@ -270,7 +272,8 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
 def sq_dists(x, point):
     """``||x_v - p||²`` per token ``v`` of an ``(F, V)`` or ``(A, V, B)`` float32 view with a
     leading feature axis (a Flax ``(d, V)`` kernel); ``point`` is shaped like ``x`` with a unit
-    token axis. The same function as `rowgeom._geometry._masked_sq_dists`.
+    token axis (the bracket's centroid). The same function as
+    `rowgeom._geometry._masked_sq_dists`.
 
     The leading axis is accumulated in a loop, each slice ``x[a]`` contiguous, so the only
     reduction left (over ``B``, if any) is along the trailing axis, which reduces fast.

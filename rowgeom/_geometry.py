@@ -12,9 +12,10 @@ change in Hilbert's projective distance. Token rows are slices along ``vocab_axi
 axis is flattened into features, so a Flax ``(d, V)`` Dense kernel uses ``vocab_axis=1`` and a
 ``(V, d)`` embedding ``vocab_axis=0``. Results are float32 whatever the input dtype, and finite
 input never gives NaN (power-of-two rescaling, `rowgeom._numerics`). Each works under any
-mesh and placement: the bracket only reduces whole axes (in a process with one CPU device its
-distance pass over a leading feature axis is `rowgeom._cpu.sq_dists`), and the exact diameter
-gathers the rows once.
+mesh and placement: the bracket reduces whole axes, multiplies by vectors and gathers single
+rows, so only vectors cross devices (in a process with one CPU device its centred norms over a
+leading feature axis are `rowgeom._cpu.sq_dists`), and the exact diameter gathers the rows
+once.
 
     >>> import jax.numpy as jnp, rowgeom
     >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0]])
@@ -333,14 +334,16 @@ def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Arr
 
     With centred rows ``x_i = s_i - xbar``, ``r_c = max_i ||x_i||``, ``rms_c^2 = mean ||x_i||^2``:
     ``upper = 2 r_c`` and ``lower = max(r_c, sqrt(2V/(V-1)) rms_c, farthest-point sweeps)``.
-    Each sweep is one ``O(Vd)`` pass: from the current anchor (first, the row farthest from the
-    centroid) find the farthest row, record the distance and move the anchor there. The upper
+    Each sweep is one ``O(Vd)`` pass, a matrix-vector product: from the current anchor (first,
+    the row farthest from the centroid) find the farthest row, record that pair's distance
+    (computed from the two rows) and move the anchor there. The upper
     end is at most 2x the diameter (``r_c <= D``); how tight both ends are on head steps is
     measured on the benchmarks page (docs/benchmarks.md). ``V = 1`` gives ``(0, 0)``.
 
     With ``sweeps >= 1`` the lower end is the length of an actual pair of rows, so it stays a
     lower bound when the float32 centroid is rounded (rows sharing a common offset much larger
-    than their spread); it is never below ``r_c``. With ``sweeps=0`` it is the centroid bound
+    than their spread); it is never below ``r_c`` (up to float32 rounding of the distances that
+    pick a sweep's row). With ``sweeps=0`` it is the centroid bound
     ``max(r_c, sqrt(2V/(V-1)) rms_c)``, which such rounding can push above ``D``. The upper end
     holds for any centre, rounded or not.
 
