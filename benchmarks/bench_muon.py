@@ -25,7 +25,6 @@ run to run): compare the ratios. Ratio = rowgeom / optax; < 1 means rowgeom is f
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -183,9 +182,7 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--docs", action="store_true",
-                        help=f"write the {BLOCK!r} block of docs/benchmarks.md")
-    parser.add_argument("--json", help="also write the results to this file")
+    provenance.add_arguments(parser, BLOCK)
     args = parser.parse_args()
     d, layers, reps = (128, 2, 5) if args.quick else (args.d, args.layers, args.reps)
 
@@ -196,13 +193,7 @@ def main() -> None:
     print(f"  orthogonalization only, grouped     {result['ratio_ortho']:.2f}x")
     print(f"  orthogonalization only, per leaf    {result['ratio_ortho_per_leaf']:.2f}x")
     print(f"  momentum + orthogonalization        {result['ratio_full']:.2f}x")
-    text = markdown(result)
-    print("\n" + text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.docs:
-        provenance.write_block(BLOCK, text)
+    provenance.publish(args, BLOCK, markdown(result), result)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Machines are noisy: each timing is the minimum of ``--repeats`` runs, candidates
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
@@ -29,7 +28,7 @@ import provenance
 import rowgeom
 from rowgeom._geometry import _block_rows
 
-BLOCK = "row-diameter"  # the generated block of docs/benchmarks.md
+BLOCK = "row_diameter"  # the generated block of docs/benchmarks.md (a run_all.py section)
 COMMAND = "python benchmarks/bench_row_diameter.py --docs"
 
 GEMM_ROWS = 4096
@@ -121,20 +120,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=1024)
-    parser.add_argument("--docs", action="store_true",
-                        help=f"write the {BLOCK!r} block of docs/benchmarks.md")
-    parser.add_argument("--json", help="also write the results to this file")
+    provenance.add_arguments(parser, BLOCK)
     args = parser.parse_args()
     sizes = [(4096, 256), (2048, 512)] if args.quick else [(32768, 512), (50304, 768)]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s)")
     results = run(sizes, repeats=args.repeats, block_size=args.block_size)
-    text = markdown(results)
-    print("\n" + text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    if args.docs:
-        provenance.write_block(BLOCK, text)
+    provenance.publish(args, BLOCK, markdown(results), results)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
 
 import hlo_passes
@@ -400,9 +399,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small sizes, few calls")
     parser.add_argument("--calls", type=int, help="interleaved timed calls (default 15)")
     parser.add_argument("--no-sizes", action="store_true", help="skip the size sweep")
-    parser.add_argument("--docs", action="store_true",
-                        help=f"write the {BLOCK!r} block of docs/benchmarks.md")
-    parser.add_argument("--json", help="also write the results to this file")
+    provenance.add_arguments(parser, BLOCK)
     args = parser.parse_args()
     cfg = dict(QUICK if args.quick else FULL)
     if args.calls:
@@ -411,13 +408,7 @@ def main():
           f"ratio = best-of-{cfg['calls']} time / best-of-{cfg['calls']} donated x*0.5 of the "
           f"same array, steady state, interleaved; load average {load_average()}", flush=True)
     results = run(cfg, sizes=not args.no_sizes)
-    text = markdown(results)
-    print("\n" + text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    if args.docs:
-        provenance.write_block(BLOCK, text)
+    provenance.publish(args, BLOCK, markdown(results), results)
     accuracy(np.random.default_rng(0), 4096, 256)
 
 

@@ -59,8 +59,9 @@ class _Instr:
     attrs: str
 
 
-def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
-    comps: dict[str, list[_Instr]] = {}
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """``({computation name: its instruction lines}, entry computation's name)`` of HLO text."""
+    comps: dict[str, list[str]] = {}
     entry, name = "", None
     for line in text.splitlines():
         head = _COMPUTATION.match(line)
@@ -68,18 +69,28 @@ def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
             name = head.group(2)
             comps[name] = []
             entry = name if head.group(1) else entry
-            continue
-        if line.startswith("}"):
+        elif line.startswith("}"):
             name = None
-            continue
-        match = _INSTRUCTION.match(line) if name else None
-        if match:
-            iname, shape, op, rest = match.groups()
-            args, _, attrs = rest.partition("),")
-            elements = [math.prod(int(v) for v in dims.split(",") if v)
-                        for dims in _SHAPE.findall(shape)]
-            comps[name].append(_Instr(iname, elements, op, re.findall(r"%([\w.\-]+)", args),
-                                      attrs if attrs else rest))
+        elif name is not None:
+            comps[name].append(line)
+    return comps, entry
+
+
+def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
+    bodies, entry = computations(text)
+    comps: dict[str, list[_Instr]] = {}
+    for name, lines in bodies.items():
+        comps[name] = []
+        for line in lines:
+            match = _INSTRUCTION.match(line)
+            if match:
+                iname, shape, op, rest = match.groups()
+                args, _, attrs = rest.partition("),")
+                elements = [math.prod(int(v) for v in dims.split(",") if v)
+                            for dims in _SHAPE.findall(shape)]
+                comps[name].append(_Instr(iname, elements, op,
+                                          re.findall(r"%([\w.\-]+)", args),
+                                          attrs if attrs else rest))
     return comps, entry
 
 

@@ -12,6 +12,7 @@ and the load average before and after the run. Nothing between the markers is ty
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pathlib
 import platform
@@ -92,3 +93,20 @@ def write_block(name: str, text: str, page: pathlib.Path = DOCS_PAGE) -> None:
     _, after = rest.split(end)
     page.write_text(before + block(name, text) + after)
     print(f"updated the {name} block of {page}")
+
+
+def add_arguments(parser, block_name: str) -> None:
+    """The ``--docs`` and ``--json`` options every benchmark takes."""
+    parser.add_argument("--docs", action="store_true",
+                        help=f"write the {block_name!r} block of docs/benchmarks.md")
+    parser.add_argument("--json", help="also write the results to this file")
+
+
+def publish(args, block_name: str, text: str, results: dict) -> None:
+    """Prints a benchmark's markdown, then writes its results (``--json``) and its block
+    (``--docs``) as the options `add_arguments` added ask."""
+    print("\n" + text)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
+    if args.docs:
+        write_block(block_name, text)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import rowgeom
-from benchmarks.hlo_passes import head_traffic
+from benchmarks.hlo_passes import computations, head_traffic
 from rowgeom import RowDiameterStats, _cpu, read_row_diameter, track_row_diameter
 
 
@@ -207,7 +207,6 @@ def test_every_k_steps_measures_steps_1_k_2k_and_keeps_stats_between(rng):
     assert stats.measured_at == {"lm_head/kernel": 6} and stats.count == {"lm_head/kernel": 7}
 
 
-_HLO_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{$")
 _HLO_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(")
 _HLO_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
 _HLO_BRANCHES = re.compile(
@@ -216,18 +215,7 @@ _HLO_BRANCHES = re.compile(
 
 def _reduces_outside_conditionals(hlo: str) -> tuple[int, int]:
     """(reduce ops run unconditionally, reduce ops inside conditional branches) of compiled HLO."""
-    bodies: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in hlo.splitlines():
-        head = _HLO_COMPUTATION.match(line)
-        if head:
-            name = head.group(2)
-            bodies[name] = []
-            entry = name if head.group(1) else entry
-        elif name is not None and line.strip() == "}":
-            name = None
-        elif name is not None:
-            bodies[name].append(line)
+    bodies, entry = computations(hlo)
 
     def reachable(roots, through_branches):
         seen, todo = set(), list(roots)
