@@ -13,6 +13,7 @@ Machines are noisy: each timing is the minimum of ``--repeats`` runs, candidates
 
     python benchmarks/bench_row_diameter.py            # (50304, 768) and (32768, 512)
     python benchmarks/bench_row_diameter.py --quick    # small sizes, a few seconds
+    python benchmarks/bench_row_diameter.py --docs     # also rewrite its block of the docs
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import provenance
 
 import rowgeom
 from rowgeom._geometry import _block_rows
+
+BLOCK = "row_diameter"  # the generated block of docs/benchmarks.md (a run_all.py section)
+COMMAND = "python benchmarks/bench_row_diameter.py --docs"
 
 GEMM_ROWS = 4096
 
@@ -85,16 +90,42 @@ def bench(num_rows, dim, *, block_size, repeats):
                 diameter=d_exact, lower_over_d=lower / d_exact, upper_over_d=upper / d_exact)
 
 
+def run(sizes, *, repeats: int, block_size: int = 1024) -> dict:
+    """`bench` at each ``(V, d)`` of ``sizes``, with the run's provenance."""
+    env = provenance.environment(provenance.load_average())
+    rows = [bench(v, d, block_size=block_size, repeats=repeats) for v, d in sizes]
+    return dict(rows=rows, environment=provenance.finish(env))
+
+
+def markdown(results: dict, command: str = COMMAND) -> str:
+    lines = [provenance.header(command, results["environment"]), "",
+             "### Row diameter: exact vs a matmul of the same FLOPs; the bracket's tightness", "",
+             "Exact `row_diameter` (wall time, best of the repeats, interleaved with the GEMM) "
+             "and the bracket's ends `row_diameter_bounds` (2 sweeps) over the exact diameter, "
+             "on rows `0.3 + 0.01 * N(0, 1)`.", "",
+             "| (V, d) | exact speed / GEMM speed (useful FLOP/s) | exact | GEMM GFLOP/s | "
+             "bracket lower/D | bracket upper/D |",
+             "|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        seconds = row["exact_seconds"]
+        time_ = f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+        lines.append(f"| {(row['vocab'], row['dim'])} | **{row['exact_vs_gemm']:.2f}x** | "
+                     f"{time_} | {row['gemm_gflops']:.0f} | {row['lower_over_d']:.4f} | "
+                     f"{row['upper_over_d']:.4f} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=1024)
+    provenance.add_arguments(parser, BLOCK)
     args = parser.parse_args()
-    sizes = [(4096, 256), (2048, 512)] if args.quick else [(50304, 768), (32768, 512)]
+    sizes = [(4096, 256), (2048, 512)] if args.quick else [(32768, 512), (50304, 768)]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {jax.device_count()} device(s)")
-    for num_rows, dim in sizes:
-        bench(num_rows, dim, block_size=args.block_size, repeats=args.repeats)
+    results = run(sizes, repeats=args.repeats, block_size=args.block_size)
+    provenance.publish(args, BLOCK, markdown(results), results)
 
 
 if __name__ == "__main__":

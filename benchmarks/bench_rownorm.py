@@ -1,30 +1,31 @@
-"""The O(Vd) head operations against the donated memory floor, in the steady state, and accuracy.
+"""The O(Vd) head operations against the donated memory floor, in the steady state; their passes.
 
 Times, at a GPT-2 head shape in both layouts (a ``(V, d)`` table and a Flax ``(d, V)`` kernel),
 the jitted ``projected_rownorm`` update, ``clip_row_diameter`` (bound mode), the bracket
 ``row_diameter_bounds`` and the ``track_row_diameter`` statistics, each in both of rowgeom's
 formulations: ``[masked]``, the one that runs on every backend and under any mesh, and
 ``[cpu]``, the XLA:CPU formulation (``rowgeom/_cpu.py``) that a process with one CPU device
-uses instead (for the bracket of a ``(V, d)`` table the two are the same program: the CPU one
-differs only over a leading feature axis). Each is next to the memory floor: a jitted
-``x * 0.5`` with its input donated (one read and one write). Then the tracker's cost per step
-in a chain, as a one-CPU process runs it: ``projected_rownorm`` alone, chained with the tracker
-on every step, and with ``every_k_steps=100`` (its off-steps), as stateful donated steps.
+uses instead. Each is next to the memory floor, a jitted ``x * 0.5`` with its input donated
+(one read and one write), and next to the number of times its compiled program reads and writes
+an array of the head's size (``hlo_passes.py``). Then ``projected_rownorm`` across head sizes
+(with the fitted exponent of its time in ``V·d``), and the tracker's cost per step in a chain as
+a one-CPU process runs it: ``projected_rownorm`` alone, chained with the tracker on every step,
+and with ``every_k_steps=100`` (its off-steps), as stateful donated steps.
 
-A formulation is chosen when a function is traced (``rowgeom._cpu.one_cpu_device``); here each
-candidate is traced with that choice fixed (`formulation`), so both run side by side in one
-process whatever its device count.
+A formulation is chosen when a function is traced; here each candidate is traced with that
+choice fixed (``rowgeom._cpu.traced_as``), so both run side by side in one process.
 
 Steady state, as in training: each donated function is applied to its own previous output
 (``y = f(y)``), so its buffer is reused and never page-faults; functions that return only
 statistics read the same input every call. All candidates are interleaved call by call and
 each ratio is best-of-``--calls`` over best-of-``--calls`` (the floor itself is bimodal on a
 shared machine, and timing fresh copies makes it jump between ~3 and ~17 ms). The machine's
-load average is printed before and after. Also prints the accuracy of three centring
+load average is recorded before and after. Also prints the accuracy of three centring
 formulations on adversarial rows (a large common vector plus a tiny spread).
 
-    python benchmarks/bench_rownorm.py             # (50304, 768) f32
+    python benchmarks/bench_rownorm.py             # (50304, 768) f32, a few minutes
     python benchmarks/bench_rownorm.py --quick     # small, for a smoke run
+    python benchmarks/bench_rownorm.py --docs      # also rewrite its block of docs/benchmarks.md
 
 Machines with 2 shared cores vary 20-40 % between runs: compare ratios, not milliseconds.
 """
@@ -33,24 +34,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import time
 
+import hlo_passes
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import provenance
+from provenance import load_average
 
 import rowgeom
-from rowgeom import _cpu, _geometry
+from rowgeom import _cpu
 from rowgeom._rownorm import rownorm_direction
+
+BLOCK = "rownorm"  # the generated block of docs/benchmarks.md
+COMMAND = "python benchmarks/bench_rownorm.py --docs"
 
 # The memory floor: one read and one write of the head, in place over the donated input.
 floor = jax.jit(lambda x: x * 0.5, donate_argnums=0)
-
-
-def load_average() -> str:
-    return " ".join(f"{v:.1f}" for v in os.getloadavg())
 
 
 def steady_state(candidates: dict, x0, calls: int) -> dict:
@@ -67,7 +69,7 @@ def steady_state(candidates: dict, x0, calls: int) -> dict:
     for name, (fn, donated, *rest) in candidates.items():  # compile, reach the steady state
         init, traced_as = (list(rest) + [None, None])[:2]
         x = init(jnp.array(x0)) if init else jnp.array(x0)
-        with formulation(traced_as) if traced_as else contextlib.nullcontext():
+        with _cpu.traced_as(traced_as) if traced_as else contextlib.nullcontext():
             out = jax.block_until_ready(fn(x))
         carry[name] = out if donated else x
     best = dict.fromkeys(candidates, float("inf"))
@@ -81,28 +83,6 @@ def steady_state(candidates: dict, x0, calls: int) -> dict:
     return best
 
 
-FORMULATIONS = ("cpu", "masked")
-_TRACED_JITS = (_geometry._bounds, _geometry._bounds_and_sum, _geometry._row_diameter)
-
-
-@contextlib.contextmanager
-def formulation(name: str):
-    """Traces rowgeom with one formulation: ``"cpu"`` as in a process with one CPU device,
-    ``"masked"`` as under a mesh or on an accelerator. The choice is made at trace time, so
-    compile (call) a function inside the block; the inner jitted functions' caches are cleared
-    on entry and exit so that no trace of the other formulation is reused."""
-    saved = _cpu.one_cpu_device
-    _cpu.one_cpu_device = lambda: name == "cpu"
-    for fn in _TRACED_JITS:
-        fn.clear_cache()
-    try:
-        yield
-    finally:
-        _cpu.one_cpu_device = saved
-        for fn in _TRACED_JITS:
-            fn.clear_cache()
-
-
 def head_operations(axis: int) -> dict:
     """The jitted O(Vd) head operations for token rows along ``axis``, in both formulations:
     ``"name[formulation]" -> (fn, donated, None, formulation)`` for `steady_state`."""
@@ -111,7 +91,7 @@ def head_operations(axis: int) -> dict:
 
     tracker = rowgeom.track_row_diameter(vocab_axis=axis)
     ops = {}
-    for name in FORMULATIONS:
+    for name in _cpu.FORMULATIONS:
         ops |= {
             f"projected_rownorm[{name}]": (
                 update(rowgeom.projected_rownorm(vocab_axis=axis)), True, None, name),
@@ -182,8 +162,21 @@ def measure_tracker(vocab: int, dim: int, *, calls: int, k: int = 100, seed: int
     return rows
 
 
-def measure(vocab: int, dim: int, *, calls: int, names=None, seed: int = 0) -> list[dict]:
-    """Both layouts of a (vocab, dim) head: one row per (operation, layout) with its ratio."""
+def passes(fn, shape, traced_as: str) -> dict:
+    """Reads and writes of head-sized arrays in ``fn``'s compiled program (``hlo_passes``), and
+    the same for the branches that run only when taken (the rescaling of huge input)."""
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    with _cpu.traced_as(traced_as):
+        text = fn.lower(spec).compile().as_text()
+    traffic = hlo_passes.head_traffic(text, int(np.prod(shape)))
+    return dict(reads=traffic.reads, writes=traffic.writes,
+                branch_reads=max((b.reads for b in traffic.branches), default=0.0))
+
+
+def measure(vocab: int, dim: int, *, calls: int, names=None, seed: int = 0,
+            count_passes: bool = True) -> list[dict]:
+    """Both layouts of a (vocab, dim) head: one row per (operation, layout) with its ratio to
+    the floor and (``count_passes``) its full-size reads and writes."""
     rng = np.random.default_rng(seed)
     rows = []
     for axis, shape in ((0, (vocab, dim)), (1, (dim, vocab))):
@@ -191,20 +184,147 @@ def measure(vocab: int, dim: int, *, calls: int, names=None, seed: int = 0) -> l
         ops = head_operations(axis)
         ops = {name: ops[name] for name in (names or ops)}
         best = steady_state(ops, x0, calls)
-        for name in ops:
-            rows.append(dict(name=name, vocab_axis=axis, shape=list(shape), seconds=best[name],
-                             floor_seconds=best["floor"], ratio=best[name] / best["floor"]))
+        for name, (fn, _, _, traced_as) in ops.items():
+            row = dict(name=name, formulation=traced_as, vocab_axis=axis, shape=list(shape),
+                       seconds=best[name], floor_seconds=best["floor"],
+                       ratio=best[name] / best["floor"])
+            if count_passes:
+                row.update(passes(fn, shape, traced_as))
+            rows.append(row)
     return rows
+
+
+def fit_exponent(sizes, seconds) -> float:
+    """Least-squares slope of log(time) in log(V·d): 1 means linear in the head size."""
+    x = np.log([v * d for v, d in sizes])
+    return float(np.polyfit(x, np.log(seconds), 1)[0])
+
+
+def measure_sizes(sizes, *, repeats: int, calls: int) -> dict:
+    """``projected_rownorm[cpu]`` against the floor at each size and layout, best of
+    ``repeats`` interleaved measurements (all kept), and the fitted exponents."""
+    rows = []
+    for vocab, dim in sizes:
+        got = [measure(vocab, dim, calls=calls, names=["projected_rownorm[cpu]"],
+                       count_passes=False) for _ in range(repeats)]
+        for per_layout in zip(*got, strict=True):
+            best = min(per_layout, key=lambda r: r["ratio"])
+            rows.append(dict(best, vocab=vocab, dim=dim,
+                             ratio_repeats=[r["ratio"] for r in per_layout]))
+        for row in rows[-2:]:
+            print(f"  rownorm {tuple(row['shape'])} axis={row['vocab_axis']}: ratio "
+                  f"{row['ratio']:.2f} ({row['seconds'] * 1e3:.2f} ms)", flush=True)
+    exponents = {}
+    for axis in (0, 1):
+        sel = [row for row in rows if row["vocab_axis"] == axis]
+        sizes_ = [(row["vocab"], row["dim"]) for row in sel]
+        exponents[axis] = dict(rownorm=fit_exponent(sizes_, [r["seconds"] for r in sel]),
+                               floor=fit_exponent(sizes_, [r["floor_seconds"] for r in sel]))
+    return dict(rows=rows, exponents=exponents)
 
 
 def print_rows(rows):
     for row in rows:
+        counts = (f"  {row['reads']:.3g} reads, {row['writes']:.3g} writes" if "reads" in row
+                  else "")
         print(f"  {row['name']:30s} {str(tuple(row['shape'])):14s} vocab_axis={row['vocab_axis']}"
               f"  {row['seconds'] * 1e3:8.2f} ms  floor {row['floor_seconds'] * 1e3:6.2f} ms"
-              f"  ratio {row['ratio']:5.2f}"
+              f"  ratio {row['ratio']:5.2f}{counts}"
               + (f"  off-step / rownorm {row['off_over_rownorm']:.3f}, amortized ratio "
                  f"{row['amortized_ratio']:.2f}" if "off_over_rownorm" in row else ""),
               flush=True)
+
+
+def tracker_over_rownorm(rows) -> dict:
+    """``{(formulation, vocab_axis): track_row_diameter time / projected_rownorm time}``."""
+    time = {(r["name"].split("[")[0], r["formulation"], r["vocab_axis"]): r["seconds"]
+            for r in rows}
+    return {(f, a): time["track_row_diameter", f, a] / time["projected_rownorm", f, a]
+            for (name, f, a) in time if name == "projected_rownorm"
+            and ("track_row_diameter", f, a) in time}
+
+
+# --- the generated block ---------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def _passes(row: dict) -> str:
+    """``"4 reads, 1 write"`` of a row with pass counts."""
+    def count(value: float, what: str) -> str:
+        text = f"{value:.2f}".rstrip("0").rstrip(".")
+        return f"{text} {what}" + ("" if text == "1" else "s")
+
+    return f"{count(row['reads'], 'read')}, {count(row['writes'], 'write')}"
+
+
+def markdown(results: dict, command: str = COMMAND) -> str:
+    """The ``rownorm`` block: head operations with passes, the size sweep, the in-chain tracker."""
+    lines = [provenance.header(command, results["environment"]), ""]
+    head = results["head_ops"]
+    shape = tuple(head[0]["shape"])
+    lines += [f"### Every O(Vd) head operation vs the donated floor, {shape} and its transpose",
+              "", "One interleaved run (steady state, best of "
+              f"{results['calls']} calls each). `[cpu]`: the XLA:CPU formulation, which a "
+              "process with one CPU device runs; `[masked]`: the formulation of every other "
+              "backend and of any mesh, here on one CPU device. Each cell: time over the "
+              "donated floor's; then the full-size reads and writes of the compiled program "
+              "(`benchmarks/hlo_passes.py`).", "",
+              "| operation | (V, d), vocab_axis=0 | (d, V), vocab_axis=1 |", "|---|---|---|"]
+    for name in dict.fromkeys(row["name"] for row in head):
+        cells = []
+        for axis in (0, 1):
+            (r,) = [r for r in head if r["name"] == name and r["vocab_axis"] == axis]
+            counts = f"; {_passes(r)}" if "reads" in r else ""
+            cells.append(f"**{r['ratio']:.2f}x** ({_ms(r['seconds'])}, floor "
+                         f"{_ms(r['floor_seconds'])}{counts})")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    ratios = tracker_over_rownorm(head)
+    for formulation in _cpu.FORMULATIONS:
+        if (formulation, 0) in ratios:
+            lines.append(f"| `track_row_diameter` / `projected_rownorm` [{formulation}] | "
+                         + " | ".join(f"{ratios[formulation, a]:.2f}" for a in (0, 1)) + " |")
+    lines.append("")
+    if results.get("sizes"):
+        sizes = results["sizes"]
+        lines += ["### projected_rownorm vs a donated `x * 0.5` across head sizes (`[cpu]`)", "",
+                  "| head shape | vocab_axis | ratio (best repeat) | repeats | rownorm | floor |",
+                  "|---|---|---|---|---|---|"]
+        for row in sizes["rows"]:
+            reps = " ".join(f"{r:.2f}" for r in row["ratio_repeats"])
+            lines.append(f"| {tuple(row['shape'])} | {row['vocab_axis']} | "
+                         f"**{row['ratio']:.2f}x** | {reps} | {_ms(row['seconds'])} | "
+                         f"{_ms(row['floor_seconds'])} |")
+        lines += ["", "Fitted exponent of time in `V·d` (1 = linear): " + "; ".join(
+                f"vocab_axis={ax}: rownorm {e['rownorm']:.2f}, floor {e['floor']:.2f}"
+                for ax, e in sizes["exponents"].items()) + ".", ""]
+    if results.get("tracker"):
+        lines += _tracker_table(results["tracker"])
+    return "\n".join(lines)
+
+
+def _tracker_table(rows: list) -> list:
+    """The tracker's cost per step, with and without every_k_steps (stateful donated steps)."""
+    shape = tuple(rows[0]["shape"])
+    k = next(r["k"] for r in rows if "k" in r)
+    lines = [f"### The in-chain tracker's cost per step, {shape} and its transpose", "",
+             "Stateful donated steps `(updates, state) -> (updates, state)` as a process with "
+             f"one CPU device runs them (`[cpu]` formulation). Every timed call of the `k={k}` "
+             f"chain is an off-step; *amortized* adds one measured step in {k}.", "",
+             "| step | (V, d), vocab_axis=0 | (d, V), vocab_axis=1 |", "|---|---|---|"]
+    for name in dict.fromkeys(row["name"] for row in rows):
+        cells = [next(f"**{r['ratio']:.2f}x** ({_ms(r['seconds'])}, floor "
+                      f"{_ms(r['floor_seconds'])})" for r in rows
+                      if r["name"] == name and r["vocab_axis"] == axis) for axis in (0, 1)]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    off = {r["vocab_axis"]: r for r in rows if "off_over_rownorm" in r}
+    lines.append(f"| off-step / bare `projected_rownorm` | {off[0]['off_over_rownorm']:.3f} | "
+                 f"{off[1]['off_over_rownorm']:.3f} |")
+    lines.append(f"| amortized `k={k}` chain vs the floor | {off[0]['amortized_ratio']:.2f}x | "
+                 f"{off[1]['amortized_ratio']:.2f}x |")
+    return lines + [""]
 
 
 def np_reference(u):
@@ -246,23 +366,49 @@ def accuracy(rng, vocab, dim):
         print(f"  {name:44s} {np.abs(got - want).max():.2e}")
 
 
+QUICK = dict(vocab=8192, dim=256, calls=5, sizes=[(2048, 128), (4096, 256)], repeats=1)
+FULL = dict(vocab=50304, dim=768, calls=15,
+            sizes=[(4096, 256), (8192, 512), (16384, 768), (32768, 768), (50304, 768)],
+            repeats=3)
+
+
+def run(cfg: dict, *, sizes: bool = True, tracker: bool = True) -> dict:
+    """Every measurement of this benchmark (``cfg``: `QUICK` or `FULL`), as a JSON-able dict."""
+    env = provenance.environment(load_average())
+    print(f"head operations at ({cfg['vocab']}, {cfg['dim']}), both formulations", flush=True)
+    results = dict(calls=cfg["calls"],
+                   head_ops=measure(cfg["vocab"], cfg["dim"], calls=cfg["calls"]))
+    print_rows(results["head_ops"])
+    for (formulation, axis), ratio in tracker_over_rownorm(results["head_ops"]).items():
+        print(f"  track_row_diameter / projected_rownorm [{formulation}] vocab_axis={axis}: "
+              f"{ratio:.2f}")
+    if sizes:
+        print("projected_rownorm[cpu] across sizes", flush=True)
+        results["sizes"] = measure_sizes(cfg["sizes"], repeats=cfg["repeats"],
+                                         calls=cfg["calls"])
+    if tracker:
+        print("the tracker in a chain, one CPU device", flush=True)
+        results["tracker"] = measure_tracker(cfg["vocab"], cfg["dim"], calls=cfg["calls"])
+        print_rows(results["tracker"])
+    results["environment"] = provenance.finish(env)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few calls")
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--calls", type=int, default=15, help="interleaved timed calls")
+    parser.add_argument("--calls", type=int, help="interleaved timed calls (default 15)")
+    parser.add_argument("--no-sizes", action="store_true", help="skip the size sweep")
+    provenance.add_arguments(parser, BLOCK)
     args = parser.parse_args()
-    if args.quick:
-        args.vocab, args.dim, args.calls = 8192, 256, 5
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.calls:
+        cfg["calls"] = args.calls
     print(f"jax {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device), "
-          f"{os.cpu_count()} cpus, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '<unset>')}")
-    print(f"ratio = best-of-{args.calls} time / best-of-{args.calls} donated x*0.5 of the same "
-          f"array, steady state, interleaved")
-    print(f"load average before: {load_average()}")
-    print_rows(measure(args.vocab, args.dim, calls=args.calls))
-    print_rows(measure_tracker(args.vocab, args.dim, calls=args.calls))
-    print(f"load average after: {load_average()}")
+          f"ratio = best-of-{cfg['calls']} time / best-of-{cfg['calls']} donated x*0.5 of the "
+          f"same array, steady state, interleaved; load average {load_average()}", flush=True)
+    results = run(cfg, sizes=not args.no_sizes)
+    provenance.publish(args, BLOCK, markdown(results), results)
     accuracy(np.random.default_rng(0), 4096, 256)
 
 

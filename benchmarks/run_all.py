@@ -1,152 +1,95 @@
-"""Every rowgeom benchmark in one process, side by side: a markdown table of ratios plus raw JSON.
+"""Every rowgeom benchmark, each in the process that matches what it measures; ratios, side by side.
 
 Each comparison times a rowgeom operation next to a reference measured interleaved in the same
 run, so both see the same machine load; the tables report ratios (absolute times only as
-context). Shared machines vary 20-40 % between runs: compare ratios, not milliseconds.
+context) and the passes read from compiled programs. Shared machines vary 20-40 % between runs:
+compare ratios, not milliseconds. Sections, each run in its own subprocess:
 
-1. ``projected_rownorm`` as a process with one CPU device runs it (the XLA:CPU formulation,
-   ``rowgeom/_cpu.py``) vs a donated plain scale ``x * 0.5`` of the same array (the memory
-   floor), across head sizes up to (50304, 768), both layouts, with the fitted exponent of its
-   time in ``V·d``; then every O(Vd) head operation (``projected_rownorm``,
-   ``clip_row_diameter``, ``row_diameter_bounds``, ``track_row_diameter``) at the largest size
-   in both layouts and both formulations (``[cpu]`` and ``[masked]``, the one every other
-   backend and any mesh runs). Steady state: each donated function applied to its own previous
-   output, interleaved with the floor, best of ``rownorm_calls`` each (``bench_rownorm.py``,
-   which traces each candidate with its formulation fixed, so this 8-device process measures
-   both). Then the in-chain tracker's cost per step on one CPU device: ``projected_rownorm``
-   alone vs chained with ``track_row_diameter`` on every step vs with ``every_k_steps=100``
-   (its off-steps).
-2. ``muon_orthogonalize`` vs optax ``scale_by_muon`` on the hidden matrices of a small LM
-   (``bench_muon.py``).
-3. Exact ``row_diameter`` vs a float32 matmul of the same useful FLOPs, and the ``O(Vd)``
-   bracket ``row_diameter_bounds`` vs the donated floor (``bench_row_diameter.py``).
-4. One full optimizer step (update + apply, params and state donated) of ``lm_optimizer`` vs
-   ``optax.contrib.muon`` with an AdamW head on the same small LM.
-5. Optimizer-state bytes of the head: RowNorm (one float32 momentum) vs AdamW (two moments).
-6. On 8 simulated CPU devices: which collectives the compiled head update contains, for a
-   vocabulary-sharded and a feature-sharded head.
+- ``rownorm`` (one CPU device): every O(Vd) head operation in both formulations and both
+  layouts vs the donated memory floor, with its full-size passes; ``projected_rownorm`` across
+  head sizes; the in-chain tracker's cost (``bench_rownorm.py``).
+- ``muon`` (one CPU device): ``muon_orthogonalize`` vs optax ``scale_by_muon`` on the hidden
+  matrices of a small LM (``bench_muon.py``).
+- ``row_diameter`` (one CPU device): exact ``row_diameter`` vs a float32 matmul of the same
+  useful FLOPs, and the bracket's tightness (``bench_row_diameter.py``).
+- ``lm`` (one CPU device): one full optimizer step (update + apply, params and state donated)
+  of ``lm_optimizer`` vs ``optax.contrib.muon`` with an AdamW head on the same small LM.
+- ``state`` (abstract shapes): optimizer-state bytes of the head, RowNorm vs AdamW.
+- ``sharding`` (8 simulated CPU devices): which collectives the compiled head update contains,
+  for a vocabulary-sharded and a feature-sharded head.
+
+A one-device section runs what a user with one CPU runs (the XLA:CPU formulation, ``[cpu]``,
+unless a row says ``[masked]``); only the sharded section simulates devices, and it runs the
+masked formulation, as every mesh does. Each section's table says which.
 
     python benchmarks/run_all.py                  # full CPU run (several minutes)
     python benchmarks/run_all.py --quick          # smoke run (CI; no thresholds)
     python benchmarks/run_all.py --gpu            # larger sizes on an accelerator
+    python benchmarks/run_all.py --docs           # also rewrite the tables of docs/benchmarks.md
 
 Writes ``results.md`` and ``results.json`` to ``--out`` (default ``runs/benchmarks``) and prints
-the markdown; ``--docs`` also replaces the table in ``docs/benchmarks.md`` (between its
-``benchmark-table`` markers), which is how the committed CPU table is produced.
+the markdown; ``--docs`` also replaces the generated blocks of ``docs/benchmarks.md``: the
+``benchmark-table`` block, made of one block per section (each with its own date, commit,
+machine and load), which ``bench_rownorm.py --docs`` and the other benchmarks can also rewrite
+one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import pathlib
+import re
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 
-_GPU = "--gpu" in sys.argv
-if not _GPU:
-    # 8 simulated CPU devices for section 6. Set before jax starts; single-device timings run
-    # on device 0 and are unaffected (one shared thread pool).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import provenance
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import datetime  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import pathlib  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import bench_muon  # noqa: E402
-import bench_row_diameter  # noqa: E402
-import bench_rownorm  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import rowgeom  # noqa: E402
+import rowgeom
 
 # Per mode: sizes and repetitions. "quick" is a smoke test (seconds), not a measurement.
 MODES = {
-    "quick": dict(rownorm_sizes=[(2048, 128), (4096, 256)], rownorm_repeats=1, rownorm_calls=3,
+    "quick": dict(rownorm=dict(vocab=8192, dim=256, calls=3, sizes=[(2048, 128), (4096, 256)],
+                               repeats=1),
                   muon=(64, 1, 3), diameter_sizes=[(2048, 128)], diameter_repeats=1,
                   lm=dict(vocab=1024, d=64, layers=2), lm_reps=3, sharded=(64, 512)),
-    "cpu": dict(rownorm_sizes=[(4096, 256), (8192, 512), (16384, 768), (32768, 768),
-                               (50304, 768)],
-                rownorm_repeats=3, rownorm_calls=15, muon=(256, 4, 15),
-                diameter_sizes=[(32768, 512), (50304, 768)], diameter_repeats=2,
-                lm=dict(vocab=8192, d=256, layers=4), lm_reps=15, sharded=(256, 8192)),
-    "gpu": dict(rownorm_sizes=[(8192, 512), (32768, 768), (50304, 768), (131072, 1024),
-                               (262144, 2048)],
-                rownorm_repeats=3, rownorm_calls=50, muon=(1024, 12, 30),
-                diameter_sizes=[(50304, 768), (131072, 1024)], diameter_repeats=3,
-                lm=dict(vocab=50304, d=768, layers=12), lm_reps=30, sharded=None),
+    "cpu": dict(rownorm=dict(vocab=50304, dim=768, calls=15,
+                             sizes=[(4096, 256), (8192, 512), (16384, 768), (32768, 768),
+                                    (50304, 768)], repeats=3),
+                muon=(256, 4, 15), diameter_sizes=[(32768, 512), (50304, 768)],
+                diameter_repeats=2, lm=dict(vocab=8192, d=256, layers=4), lm_reps=15,
+                sharded=(256, 8192)),
+    "gpu": dict(rownorm=dict(vocab=50304, dim=768, calls=50,
+                             sizes=[(8192, 512), (32768, 768), (50304, 768), (131072, 1024),
+                                    (262144, 2048)], repeats=3),
+                muon=(1024, 12, 30), diameter_sizes=[(50304, 768), (131072, 1024)],
+                diameter_repeats=3, lm=dict(vocab=50304, d=768, layers=12), lm_reps=30,
+                sharded=None),
 }
 # The head of a GPT-2-small-sized model, for the state-size table (shapes only, never built).
 GPT2_HEAD = (768, 50304)
-DOCS_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-MARKERS = ("<!-- benchmark-table:start -->", "<!-- benchmark-table:end -->")
+COMMAND = "python benchmarks/run_all.py --docs"
+OUTER_BLOCK = "benchmark-table"
 # "%name = f32[64,512]{1,0} all-gather(...)": the result shape(s), then the op.
 COLLECTIVE = re.compile(
     r"=\s*(.+?)\s+(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
     r"(?:-start)?\(")
 SHAPE = re.compile(r"[a-z]+\d*\[[\d,]*\]")
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
-# --- 1. projected RowNorm vs the donated memory floor -----------------------------------------
-
-
-def fit_exponent(sizes, seconds) -> float:
-    """Least-squares slope of log(time) in log(V·d): 1 means linear in the head size."""
-    x = np.log([v * d for v, d in sizes])
-    return float(np.polyfit(x, np.log(seconds), 1)[0])
-
-
-TRACKER_EVERY_K = 100  # the tracker's every_k_steps in the head section (a log interval)
-
-
-def rownorm_section(cfg) -> dict:
-    """projected_rownorm at each size and layout, then every O(Vd) head operation at the
-    largest size, all in the steady state against the donated floor (``bench_rownorm``)."""
-    rows = []
-    for vocab, dim in cfg["rownorm_sizes"]:
-        for _ in range(cfg["rownorm_repeats"]):  # repeats of one interleaved measurement
-            got = bench_rownorm.measure(vocab, dim, calls=cfg["rownorm_calls"],
-                                        names=["projected_rownorm[cpu]"])
-            for row in got:
-                match = [r for r in rows if r["shape"] == row["shape"]]
-                if match:
-                    match[0]["ratio_repeats"].append(row["ratio"])
-                    if row["ratio"] < match[0]["ratio"]:
-                        match[0].update(row, ratio_repeats=match[0]["ratio_repeats"])
-                else:
-                    rows.append(dict(row, vocab=vocab, dim=dim, ratio_repeats=[row["ratio"]]))
-        for row in rows[-2:]:
-            print(f"  rownorm {tuple(row['shape'])} axis={row['vocab_axis']}: ratio "
-                  f"{row['ratio']:.2f} ({row['seconds'] * 1e3:.2f} ms)", flush=True)
-    exponents = {}
-    for axis in (0, 1):
-        sel = [row for row in rows if row["vocab_axis"] == axis]
-        sizes = [(row["vocab"], row["dim"]) for row in sel]
-        exponents[axis] = dict(rownorm=fit_exponent(sizes, [row["seconds"] for row in sel]),
-                               floor=fit_exponent(sizes, [row["floor_seconds"] for row in sel]))
-    vocab, dim = cfg["rownorm_sizes"][-1]
-    load_before = bench_rownorm.load_average()
-    head_ops = bench_rownorm.measure(vocab, dim, calls=cfg["rownorm_calls"])
-    bench_rownorm.print_rows(head_ops)
-    load_between = bench_rownorm.load_average()
-    tracker = bench_rownorm.measure_tracker(vocab, dim, calls=cfg["rownorm_calls"],
-                                            k=TRACKER_EVERY_K)
-    bench_rownorm.print_rows(tracker)
-    return dict(rows=rows, exponents=exponents, head_ops=head_ops,
-                head_ops_load=[load_before, load_between], tracker=tracker,
-                tracker_load=[load_between, bench_rownorm.load_average()])
-
-
-# --- 4. One optimizer step on a small LM -------------------------------------------------------
+# --- lm: one optimizer step on a small LM -------------------------------------------------------
 
 
 def lm_params(vocab: int, d: int, layers: int, seed: int = 0) -> dict:
@@ -224,7 +167,7 @@ def lm_section(cfg) -> dict:
                 baseline="optax.contrib.muon (AdamW head)")
 
 
-# --- 5. Head optimizer-state bytes -------------------------------------------------------------
+# --- state: head optimizer-state bytes ---------------------------------------------------------
 
 
 def state_section(cfg) -> dict:
@@ -247,7 +190,7 @@ def state_section(cfg) -> dict:
     return out
 
 
-# --- 6. Collectives of the sharded head update -------------------------------------------------
+# --- sharding: collectives of the sharded head update ------------------------------------------
 
 
 def collectives(hlo_text: str) -> dict:
@@ -299,126 +242,112 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.2f} MiB"
 
 
-def _tracker_table(rows: list, load: list) -> list:
-    """The tracker's cost per step, with and without every_k_steps (stateful donated chains)."""
-    shape = tuple(rows[0]["shape"])
-    k = next(r["k"] for r in rows if "k" in r)
-    lines = [f"### The in-chain tracker's cost per step, {shape} and its transpose", "",
-             f"Stateful donated steps `(updates, state) -> (updates, state)`, one interleaved "
-             f"run; load average {load[0]} before / {load[1]} after. Every timed call of the "
-             f"`k={k}` chain is an off-step; *amortized* adds one measured step in {k}.", "",
-             "| step | (V, d), vocab_axis=0 | (d, V), vocab_axis=1 |", "|---|---|---|"]
-    for name in dict.fromkeys(row["name"] for row in rows):
-        cells = [next(f"**{r['ratio']:.2f}x** ({_ms(r['seconds'])}, floor "
-                      f"{_ms(r['floor_seconds'])})" for r in rows
-                      if r["name"] == name and r["vocab_axis"] == axis) for axis in (0, 1)]
-        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    off = {r["vocab_axis"]: r for r in rows if "off_over_rownorm" in r}
-    lines.append(f"| off-step / bare `projected_rownorm` | {off[0]['off_over_rownorm']:.3f} | "
-                 f"{off[1]['off_over_rownorm']:.3f} |")
-    lines.append(f"| amortized `k={k}` chain vs the floor | {off[0]['amortized_ratio']:.2f}x | "
-                 f"{off[1]['amortized_ratio']:.2f}x |")
-    return lines + [""]
+def _process(env: dict) -> str:
+    """Which devices a section ran on, and so which formulation of RowNorm and the bracket."""
+    if env["backend"] == "cpu" and env["devices"] == 1:
+        return "Process: one CPU device, so RowNorm and the bracket run the XLA:CPU formulation."
+    devices = (f"{env['devices']} simulated CPU devices" if env["backend"] == "cpu"
+               else f"{env['devices']} {env['backend']} device(s)")
+    return f"Process: {devices}, so RowNorm and the bracket run the masked formulation."
 
 
-def markdown(results: dict) -> str:
-    env = results["environment"]
-    lines = [f"Run {env['date']} on {env['machine']}: jax {env['jax']}, optax {env['optax']}, "
-             f"backend {env['backend']} ({env['devices']} device(s)), {env['cpus']} CPUs, "
-             f"load average {env['load_before']} before / {env['load_after']} after, "
-             f"mode `{env['mode']}`, total {env['total_seconds']:.0f} s.", ""]
-
-    rn = results["rownorm"]
-    lines += ["### projected_rownorm vs a donated `x * 0.5` of the same array", "",
-              "The XLA:CPU formulation, which a process with one CPU device runs. Steady state "
-              "(each function applied to its own previous, donated output), interleaved call by "
-              "call; ratio = best time / best floor time.", "",
-              "| head shape | vocab_axis | ratio (best repeat) | repeats | rownorm | floor |",
-              "|---|---|---|---|---|---|"]
-    for row in rn["rows"]:
-        reps = " ".join(f"{r:.2f}" for r in row["ratio_repeats"])
-        lines.append(f"| {tuple(row['shape'])} | {row['vocab_axis']} | **{row['ratio']:.2f}x** | "
-                     f"{reps} | {_ms(row['seconds'])} | {_ms(row['floor_seconds'])} |")
-    lines += ["", "Fitted exponent of time in `V·d` (1 = linear): "
-              + "; ".join(f"vocab_axis={ax}: rownorm {e['rownorm']:.2f}, floor {e['floor']:.2f}"
-                          for ax, e in rn["exponents"].items()) + ".", ""]
-    shape = tuple(rn["head_ops"][0]["shape"])
-    lines += [f"### Every O(Vd) head operation vs the donated floor, {shape} and its transpose",
-              "", f"One interleaved run; load average {rn['head_ops_load'][0]} before / "
-              f"{rn['head_ops_load'][1]} after. `[cpu]`: the XLA:CPU formulation (one CPU "
-              "device in the process); `[masked]`: the formulation of every other backend and "
-              "of any mesh, here on one CPU device.", "",
-              "| operation | (V, d), vocab_axis=0 | (d, V), vocab_axis=1 |", "|---|---|---|"]
-    for name in dict.fromkeys(row["name"] for row in rn["head_ops"]):
-        cells = [next(f"**{r['ratio']:.2f}x** ({_ms(r['seconds'])}, floor "
-                      f"{_ms(r['floor_seconds'])})" for r in rn["head_ops"]
-                      if r["name"] == name and r["vocab_axis"] == axis) for axis in (0, 1)]
-        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines.append("")
-    if "tracker" in rn:
-        lines += _tracker_table(rn["tracker"], rn["tracker_load"])
-
-    mu = results["muon"]
-    d, layers, _ = results["config"]["muon"]
-    lines += [f"### muon_orthogonalize vs optax (hidden matrices, d={d}, {layers} layers)", "",
-              "| comparison | ratio rowgeom / optax | rowgeom | optax | max abs diff |",
-              "|---|---|---|---|---|",
-              f"| orthogonalization only (grouped) | **{mu['ratio_ortho']:.2f}x** | "
-              f"{_ms(mu['ortho']['rowgeom muon_orthogonalize(scale=None)'])} | "
-              f"{_ms(mu['ortho']['optax orthogonalize_via_newton_schulz'])} | "
-              f"{mu['ortho_err']:.1e} |",
-              f"| orthogonalization only (per leaf) | {mu['ratio_ortho_per_leaf']:.2f}x | "
-              f"{_ms(mu['ortho']['rowgeom newton_schulz per leaf (no grouping)'])} | "
-              f"{_ms(mu['ortho']['optax orthogonalize_via_newton_schulz'])} | |",
-              f"| EMA momentum + orthogonalization vs `scale_by_muon` | "
-              f"**{mu['ratio_full']:.2f}x** | "
-              f"{_ms(mu['full']['rowgeom chain(ema(0.95), muon_orthogonalize)'])} | "
-              f"{_ms(mu['full']['optax scale_by_muon(beta=0.95, nesterov=False)'])} | "
-              f"{mu['full_err']:.1e} |", ""]
-
-    lines += ["### Row diameter: exact vs a matmul of the same FLOPs; the bracket's tightness", "",
-              "| (V, d) | exact speed / GEMM speed (useful FLOP/s) | exact | GEMM GFLOP/s | "
-              "bracket lower/D | bracket upper/D |",
-              "|---|---|---|---|---|---|"]
-    for row in results["row_diameter"]:
-        lines.append(
-                f"| {(row['vocab'], row['dim'])} | **{row['exact_vs_gemm']:.2f}x** | "
-                f"{_ms(row['exact_seconds'])} | {row['gemm_gflops']:.0f} | "
-                f"{row['lower_over_d']:.4f} | {row['upper_over_d']:.4f} |")
-    lines.append("")
-
-    lm = results["lm"]
+def lm_markdown(lm: dict, env: dict) -> str:
     base = lm["seconds"][lm["baseline"]]
     s = lm["shape"]
-    lines += [f"### One optimizer step on a small LM (vocab {s['vocab']}, d {s['d']}, "
-              f"{s['layers']} layers, {lm['num_params'] / 1e6:.2f}M params; donated)", "",
-              "| optimizer | time / optax.contrib.muon | time |", "|---|---|---|"]
+    lines = [provenance.header(COMMAND, env), "", _process(env), "",
+             f"### One optimizer step on a small LM (vocab {s['vocab']}, d {s['d']}, "
+             f"{s['layers']} layers, {lm['num_params'] / 1e6:.2f}M params; donated)", "",
+             "Median of interleaved steps.", "",
+             "| optimizer | time / optax.contrib.muon | time |", "|---|---|---|"]
     for name, t in lm["seconds"].items():
         lines.append(f"| {name} | **{t / base:.2f}x** | {_ms(t)} |")
-    lines.append("")
+    return "\n".join(lines)
 
-    lines += ["### Head optimizer-state bytes", "",
-              "| head | parameter | " + " | ".join(next(iter(results["state"].values()))
-                                                   ["state_bytes"]) + " |",
-              "|---|---|" + "---|" * len(next(iter(results["state"].values()))["state_bytes"])]
-    for model, row in results["state"].items():
+
+def state_markdown(state: dict, env: dict) -> str:
+    first = next(iter(state.values()))["state_bytes"]
+    lines = [provenance.header(COMMAND, env), "", "### Head optimizer-state bytes", "",
+             "From abstract shapes (`jax.eval_shape`); exact, not timed.", "",
+             "| head | parameter | " + " | ".join(first) + " |",
+             "|---|---|" + "---|" * len(first)]
+    for model, row in state.items():
         cells = [f"{_mib(b)} ({b / row['param_bytes']:.2f}x)"
                  for b in row["state_bytes"].values()]
         lines.append(f"| {model} | {_mib(row['param_bytes'])} | " + " | ".join(cells) + " |")
-    lines.append("")
-
-    sh = results["sharding"]
-    if sh is not None:
-        lines += [f"### Collectives in the compiled head update ((d, V) = {tuple(sh['shape'])}, "
-                  f"{sh['devices']} simulated devices)", "",
-                  "| layout | transform | collectives |", "|---|---|---|"]
-        for layout, per_tx in sh["collectives"].items():
-            for name, counts in per_tx.items():
-                text = ", ".join(f"`{op}`" + (f" x{n}" if n > 1 else "")
-                                 for op, n in sorted(counts.items())) or "none"
-                lines.append(f"| {layout} | {name} | {text} |")
-        lines.append("")
     return "\n".join(lines)
+
+
+def sharding_markdown(sh: dict | None, env: dict) -> str:
+    lines = [provenance.header(COMMAND, env), ""]
+    if sh is None:
+        return "\n".join(lines + ["### Collectives in the compiled head update", "",
+                                   "Not run: fewer than 8 devices in this mode."])
+    lines += [_process(env), "",
+              f"### Collectives in the compiled head update ((d, V) = {tuple(sh['shape'])}, "
+              f"{sh['devices']} simulated devices)", "",
+              "Read from the compiled program: each collective's result shape and count.", "",
+              "| layout | transform | collectives |", "|---|---|---|"]
+    for layout, per_tx in sh["collectives"].items():
+        for name, counts in per_tx.items():
+            text = ", ".join(f"`{op}`" + (f" x{n}" if n > 1 else "")
+                             for op, n in sorted(counts.items())) or "none"
+            lines.append(f"| {layout} | {name} | {text} |")
+    return "\n".join(lines)
+
+
+# --- Sections, each in its own process -----------------------------------------------------------
+
+
+def run_section(name: str, cfg: dict) -> dict:
+    """Runs one section in this process: ``{"results": ..., "markdown": ...}``."""
+    import bench_muon
+    import bench_row_diameter
+    import bench_rownorm
+
+    env = provenance.environment(provenance.load_average())
+    if name == "rownorm":
+        results = bench_rownorm.run(cfg["rownorm"])
+        return dict(results=results, markdown=bench_rownorm.markdown(results, COMMAND))
+    if name == "muon":
+        results = bench_muon.run(*cfg["muon"])
+        return dict(results=results, markdown=bench_muon.markdown(results, COMMAND))
+    if name == "row_diameter":
+        results = bench_row_diameter.run(cfg["diameter_sizes"], repeats=cfg["diameter_repeats"])
+        return dict(results=results, markdown=bench_row_diameter.markdown(results, COMMAND))
+    if name == "lm":
+        results = lm_section(cfg)
+        return dict(results=results, markdown=lm_markdown(results, provenance.finish(env)))
+    if name == "state":
+        results = state_section(cfg)
+        return dict(results=results, markdown=state_markdown(results, provenance.finish(env)))
+    if name == "sharding":
+        results = sharding_section(cfg)
+        return dict(results=results, markdown=sharding_markdown(results, provenance.finish(env)))
+    raise ValueError(f"unknown section {name!r}")
+
+
+# Section name -> (simulated CPU devices, or None: leave the devices alone).
+SECTIONS = {"rownorm": 1, "muon": 1, "row_diameter": 1, "lm": 1, "state": 1, "sharding": 8}
+
+
+def _env(devices: int | None, gpu: bool) -> dict:
+    """The child's environment: one CPU device, or ``devices`` simulated CPU devices."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG)]
+    if not gpu and devices and devices > 1:
+        flags.append(f"{_DEVICE_FLAG}={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def _spawn(name: str, mode: str, gpu: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / f"{name}.json"
+        cmd = [sys.executable, __file__, "--section", name, "--mode", mode, "--json", str(out)]
+        proc = subprocess.run(cmd, env=_env(SECTIONS[name], gpu), check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"section {name} failed (exit status {proc.returncode})")
+        return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -427,53 +356,46 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="accelerator sizes, no simulated mesh")
     parser.add_argument("--out", default="runs/benchmarks", help="folder for results.md/.json")
     parser.add_argument("--docs", action="store_true",
-                        help="also write the table into docs/benchmarks.md")
+                        help="also write the generated blocks of docs/benchmarks.md")
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS),
+                        help="run these sections only (with --docs: rewrite only their blocks)")
+    parser.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.section:  # a child: one section in this process
+        cfg = MODES[args.mode]
+        print(f"[{args.section}] jax {jax.__version__} on {jax.default_backend()}, "
+              f"{jax.device_count()} device(s); load {provenance.load_average()}", flush=True)
+        got = run_section(args.section, cfg)
+        pathlib.Path(args.json).write_text(json.dumps(got, indent=1, default=str) + "\n")
+        return
     mode = "quick" if args.quick else ("gpu" if args.gpu else "cpu")
-    cfg = MODES[mode]
-    if args.quick and args.gpu:
-        cfg = dict(cfg, sharded=None)
     start = time.perf_counter()
-    load_before = " ".join(f"{v:.1f}" for v in os.getloadavg())
-    print(f"mode {mode}: jax {jax.__version__} on {jax.default_backend()}, "
-          f"{jax.device_count()} device(s); load {load_before}", flush=True)
-
-    results = {"config": cfg}
-    print("1. projected_rownorm vs donated floor", flush=True)
-    results["rownorm"] = rownorm_section(cfg)
-    print("2. muon_orthogonalize vs optax", flush=True)
-    results["muon"] = bench_muon.measure(*cfg["muon"])
-    print("3. row diameter", flush=True)
-    results["row_diameter"] = [
-        bench_row_diameter.bench(v, d, block_size=1024, repeats=cfg["diameter_repeats"])
-        for v, d in cfg["diameter_sizes"]]
-    print("4. optimizer step on a small LM", flush=True)
-    results["lm"] = lm_section(cfg)
-    print("5. head state bytes", flush=True)
-    results["state"] = state_section(cfg)
-    print("6. collectives of the sharded head update", flush=True)
-    results["sharding"] = sharding_section(cfg)
-
-    results["environment"] = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            machine=f"{platform.machine()} {platform.system()}", cpus=os.cpu_count(),
-            jax=jax.__version__, optax=optax.__version__, backend=jax.default_backend(),
-            devices=jax.device_count(), mode=mode, load_before=load_before,
-            load_after=" ".join(f"{v:.1f}" for v in os.getloadavg()),
-            glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
-            total_seconds=time.perf_counter() - start)
-    text = markdown(results)
+    names = args.only or list(SECTIONS)
+    results: dict = {"config": MODES[mode], "mode": mode}
+    blocks = {}
+    for name in names:
+        print(f"== {name} ({SECTIONS[name]} device(s))", flush=True)
+        got = _spawn(name, mode, args.gpu)
+        results[name] = got["results"]
+        blocks[name] = got["markdown"]
+    results["total_seconds"] = time.perf_counter() - start
+    text = "\n\n".join(blocks.values())
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     print("\n" + text)
-    print(f"wrote {out / 'results.md'} and {out / 'results.json'}")
+    print(f"wrote {out / 'results.md'} and {out / 'results.json'} "
+          f"({results['total_seconds']:.0f} s)")
     if args.docs:
-        page = DOCS_PAGE.read_text()
-        start, end = page.index(MARKERS[0]) + len(MARKERS[0]), page.index(MARKERS[1])
-        DOCS_PAGE.write_text(page[:start] + "\n" + text + "\n" + page[end:])
-        print(f"updated {DOCS_PAGE}")
+        if args.only:
+            for name, markdown in blocks.items():
+                provenance.write_block(name, markdown)
+        else:
+            provenance.write_block(OUTER_BLOCK, "\n\n".join(
+                    provenance.block(name, markdown) for name, markdown in blocks.items()))
 
 
 if __name__ == "__main__":

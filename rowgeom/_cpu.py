@@ -1,20 +1,22 @@
-"""XLA:CPU formulations of projected RowNorm and of the row-diameter bracket's distance pass over
+"""XLA:CPU formulations of projected RowNorm and of the row-diameter bracket's centred norms over
 a leading feature axis.
 
-Why they exist: XLA:CPU reduces quickly only along the contiguous axis of a materialised buffer;
-a reduction fused with an elementwise producer, or one over a leading axis, runs as a slow
-generic loop. The masked formulations that run everywhere else (`rowgeom._rownorm._masked`,
-`rowgeom._geometry._sq_dists`) are made of exactly such reductions. The ones here walk the array
-in cache-sized blocks or slabs so that every reduction is of the fast kind and no full-size
-temporary is made (docs/benchmarks.md compares the two on CPU). The bracket needs one only for a
-leading feature axis (a Flax ``(d, V)`` kernel): with token rows first both formulations are the
-same reduction.
+Why they exist: XLA:CPU reduces a leading axis as a slow strided loop, and a reduction fused
+with some elementwise producers (a row sum of ``x - p``, a column sum weighted per row) as a
+slow generic one. The masked formulations that run everywhere else (`rowgeom._rownorm._masked`,
+`rowgeom._geometry._masked_sq_dists`) are made of whole-axis reductions, some of that kind. The
+ones here walk the array in cache-sized blocks or slabs so that every reduction is of a fast
+kind and no full-size temporary is made (docs/benchmarks.md times the two on CPU). The bracket
+needs one only for its centred norms over a leading feature axis (a Flax ``(d, V)`` kernel):
+with token rows first both formulations are the same reduction, and its sweeps are
+matrix-vector products in every formulation.
 
 Contract: `rownorm` is the same function as `rowgeom._rownorm._masked` (same pivot, eps rule
-and overflow guard) and `sq_dists` the same as the masked distance pass, up to float32 rounding
-order. Both slice the vocabulary and feature axes, which would gather a sharded head or fail on
-Explicit sharding types, so callers use them only when `one_cpu_device()` holds: then no array
-of the process can be sharded, whatever mesh or placement the caller used.
+and overflow guard, `rowgeom._numerics`) and `sq_dists` the same as the masked distance pass, up
+to float32 rounding order. Both slice the vocabulary and feature axes, which would gather a
+sharded head or fail on Explicit sharding types, so callers use them only when
+`one_cpu_device()` holds: then no array of the process can be sharded, whatever mesh or
+placement the caller used.
 
     >>> import jax.numpy as jnp
     >>> from rowgeom import _cpu
@@ -29,20 +31,29 @@ of the process can be sharded, whatever mesh or placement the caller used.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rowgeom._numerics import _HUGE_EXPONENT, _row_vector, _rownorm_scale
+from rowgeom._numerics import _guarded, _pivot, _row_vector
 
-# Token rows contiguous: rows per block are chosen so that one block of float32 rows stays in
-# cache while the two per-block reductions (row norms, weighted column sum) read it.
-_BLOCK_BYTES = 4 * 2**20
+# Token rows contiguous: rows per block are chosen so that one block of float32 rows, and the
+# centred copy the two per-block reductions (row norms, weighted column sum) read, stay in a
+# core's L2 cache (timed against larger blocks with benchmarks/bench_rownorm.py).
+_BLOCK_BYTES = 2**20
 # Tokens contiguous: feature rows per slab, read once for their mean and the token norms and once
-# to be reduced and written. At most 4 MiB, and few enough rows that their squares accumulate in
-# one unrolled elementwise fusion.
+# to be reduced and written. One row of a (768, 50304) kernel stays in cache while its uses read
+# it (one row timed faster than 2, 4 or 16 a slab); at most 4 MiB a slab, and few enough rows
+# that their squares accumulate in one unrolled elementwise fusion.
 _SLAB_BYTES = 4 * 2**20
-_SLAB_ROWS = 16
+_SLAB_ROWS = 1
+
+
+FORMULATIONS = ("cpu", "masked")
+_traced_as: str | None = None  # set only by `traced_as`
 
 
 def one_cpu_device() -> bool:
@@ -51,8 +62,31 @@ def one_cpu_device() -> bool:
     Checked at trace time. It is the only condition under which the formulations here cannot be
     wrong: with more than one device an input may be sharded even where tracing cannot see it
     (an Auto-sharded array under ``jax.jit`` outside ``jax.set_mesh`` has no mesh in context).
+    Inside `traced_as` it answers for the formulation named there instead.
     """
+    if _traced_as is not None:
+        return _traced_as == "cpu"
     return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
+@contextlib.contextmanager
+def traced_as(name: str) -> Iterator[None]:
+    """Traces rowgeom with one formulation, whatever the process's devices: ``"cpu"`` (this
+    module's, as with one CPU device) or ``"masked"`` (every other backend and any mesh). For
+    rowgeom's tests and benchmarks, which compare both in one process; not thread-safe.
+
+    The choice is made when a function is traced, so trace (first call) a function inside the
+    block. rowgeom's own jitted helpers key their caches on the choice; a jitted function of the
+    caller's traced in one block is not retraced in another.
+    """
+    global _traced_as
+    if name not in FORMULATIONS:
+        raise ValueError(f"name must be one of {FORMULATIONS}, got {name!r}")
+    saved, _traced_as = _traced_as, name
+    try:
+        yield
+    finally:
+        _traced_as = saved
 
 
 # --- projected RowNorm ----------------------------------------------------------------------------
@@ -83,35 +117,10 @@ def rownorm(x, axis: int, *, eps: float, center_input: bool, center_output: bool
     return _row_blocks(x, axis, block_rows=block_rows, **opts)
 
 
-def _guarded(stats, x_valid, eps):
-    """``stats(scale, eps)`` at scale 1, redone at the overflow guard's scale when needed.
-
-    ``stats`` returns a tuple whose first entry is the valid rows' squared norms.
-    """
-    one = jnp.ones((), jnp.float32)
-    fast = stats(one, jnp.asarray(eps, jnp.float32))
-    suspect = ~(jnp.max(fast[0]) <= 2.0 ** (2 * _HUGE_EXPONENT))  # also NaN / inf
-
-    def rescaled():
-        scale, eps_scaled = _rownorm_scale(jnp.max(jnp.abs(x_valid())), eps)
-        return stats(scale, eps_scaled) + (scale, eps_scaled)
-
-    return lax.cond(suspect, rescaled, lambda: fast + (one, jnp.asarray(eps, jnp.float32)))
-
-
 def _in_cache(block):
     """Materialises a cache-sized block before it is reduced: XLA:CPU runs a plain reduction of a
     buffer through its fast kernel, but one fused with an elementwise producer as a generic loop."""
     return lax.optimization_barrier(block)
-
-
-def _pivot(x, axis: int, num_valid: int, scale=1.0):
-    """The mean of the first two valid rows, a float32 point inside the row cloud (why a pivot:
-    `rowgeom._rownorm._masked`). Two rows rather than one because XLA turns a single-row slice
-    into a view of ``x``, which then blocks writing the result in place over a donated input."""
-    k = min(2, num_valid)
-    rows = lax.slice_in_dim(x, 0, k, axis=axis) * scale
-    return jnp.sum(rows, axis=axis, keepdims=True) * (1.0 / k)
 
 
 def _row_blocks(x, axis, *, eps, center_input, center_output, num_valid, block_rows):
@@ -169,7 +178,7 @@ def _row_blocks(x, axis, *, eps, center_input, center_output, num_valid, block_r
         return sq, shift, acc
 
     sq, shift, acc, scale, eps = _guarded(
-            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=axis), eps)
+            stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=axis))), eps)
     weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
     if num_valid < vocab:
         weights = jnp.pad(weights, (0, vocab - num_valid))
@@ -188,9 +197,9 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
     A slab of feature rows holds every token's value of those features, so the column mean of
     those features is known as soon as the slab is read: the mean and the token norms take one
     walk over slabs (row sums, then squares accumulated into the token norms while the slab is in
-    cache), and the write takes each slab's weighted sum just before writing it. Row sums are
-    matrix-vector products on the slab, because XLA:CPU runs a row reduction fused with an
-    elementwise producer as a serial chain.
+    cache), and the write takes each slab's weighted sum just before writing it. The row sums
+    are plain reductions of the slab (timed faster than matrix-vector products with a vector of
+    ones in this XLA); they are what this layout's time goes to.
     """
     feats, vocab = x.shape
     f32 = jnp.float32
@@ -198,15 +207,15 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
         slab_rows = min(_SLAB_ROWS, _SLAB_BYTES // (4 * vocab))
     slab_rows = max(1, min(feats, slab_rows))
     num_slabs, tail = divmod(feats, slab_rows)
-    ones = jnp.ones((num_valid,), f32)
 
     def over_slabs(fn, carry):
-        """carry = fn(carry, start, size) over slabs of feature rows (a loop, then the tail)."""
+        """carry = fn(carry, start, size) over slabs of feature rows (a loop, then the tail).
+        The loop is unrolled to about 8 feature rows an iteration: fewer, larger steps."""
         if num_slabs == 1:
             carry = fn(carry, 0, slab_rows)
         elif num_slabs > 1:
             carry = lax.fori_loop(0, num_slabs, lambda i, c: fn(c, i * slab_rows, slab_rows),
-                                  carry)
+                                  carry, unroll=max(1, min(8 // slab_rows, num_slabs)))
         if tail:
             carry = fn(carry, num_slabs * slab_rows, tail)
         return carry
@@ -223,7 +232,7 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
             if center_input:
                 p = jnp.sum(rows[:, :k], axis=1, keepdims=True) * (1.0 / k)
                 d = rows - p
-                m = (jnp.dot(d, ones) / num_valid)[:, None]
+                m = (jnp.sum(d, axis=1) / num_valid)[:, None]
                 d = d - m
                 shift_p = lax.dynamic_update_slice_in_dim(shift_p, p[:, 0], start, axis=0)
                 shift_m = lax.dynamic_update_slice_in_dim(shift_m, m[:, 0], start, axis=0)
@@ -237,7 +246,7 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
         return over_slabs(slab_stats, (jnp.zeros((num_valid,), f32), zeros, zeros))
 
     sq, pivot, mean, scale, eps = _guarded(
-            stats, lambda: lax.slice_in_dim(x, 0, num_valid, axis=1), eps)
+            stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=1))), eps)
     weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
     if num_valid < vocab:
         weights = jnp.pad(weights, (0, vocab - num_valid))
@@ -248,7 +257,7 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
         m = lax.dynamic_slice_in_dim(mean, start, size)[:, None]
         out = ((rows_of(y, start, size) * scale - p) - m) * weights[None, :]
         if center_output:
-            s = jnp.dot(out[:, :num_valid], ones) / num_valid
+            s = jnp.sum(out[:, :num_valid], axis=1) / num_valid
             out = out - s[:, None]
         if num_valid < vocab:
             out = jnp.where(valid[None, :], out, jnp.zeros((), f32))
@@ -263,7 +272,8 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
 def sq_dists(x, point):
     """``||x_v - p||²`` per token ``v`` of an ``(F, V)`` or ``(A, V, B)`` float32 view with a
     leading feature axis (a Flax ``(d, V)`` kernel); ``point`` is shaped like ``x`` with a unit
-    token axis. The same function as `rowgeom._geometry._masked_sq_dists`.
+    token axis (the bracket's centroid). The same function as
+    `rowgeom._geometry._masked_sq_dists`.
 
     The leading axis is accumulated in a loop, each slice ``x[a]`` contiguous, so the only
     reduction left (over ``B``, if any) is along the trailing axis, which reduces fast.

@@ -12,9 +12,10 @@ change in Hilbert's projective distance. Token rows are slices along ``vocab_axi
 axis is flattened into features, so a Flax ``(d, V)`` Dense kernel uses ``vocab_axis=1`` and a
 ``(V, d)`` embedding ``vocab_axis=0``. Results are float32 whatever the input dtype, and finite
 input never gives NaN (power-of-two rescaling, `rowgeom._numerics`). Each works under any
-mesh and placement: the bracket only reduces whole axes (in a process with one CPU device its
-distance pass over a leading feature axis is `rowgeom._cpu.sq_dists`), and the exact diameter
-gathers the rows once.
+mesh and placement: the bracket reduces whole axes, multiplies by vectors and gathers single
+rows, so only vectors cross devices (in a process with one CPU device its centred norms over a
+leading feature axis are `rowgeom._cpu.sq_dists`), and the exact diameter gathers the rows
+once.
 
     >>> import jax.numpy as jnp, rowgeom
     >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0]])
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from rowgeom import _cpu
 from rowgeom._numerics import (
@@ -43,6 +45,7 @@ from rowgeom._numerics import (
     _pow2_exponent,
     _replicated,
     _rescale_rows,
+    _take_rows,
     _times_pow2,
 )
 from rowgeom._validation import (
@@ -170,21 +173,15 @@ def _features(x: jax.Array, t: int) -> tuple[int, ...]:
     return tuple(i for i in range(x.ndim) if i != t)
 
 
-def _sq_dists(x: jax.Array, t: int, point) -> jax.Array:
-    """``||x_v - p||^2`` per token ``v`` of a `_token_view` ``x``; ``point`` is one token row
-    (shaped like ``x`` with a unit token axis), or an int32 scalar token index whose row is the
-    point.
+def _sq_dists(x: jax.Array, t: int, point: jax.Array) -> jax.Array:
+    """``||x_v - p||^2`` per token ``v`` of a `_token_view` ``x``; ``point`` is shaped like ``x``
+    with a unit token axis.
 
-    Plain reductions over whole axes: under a mesh only a reduced vector crosses devices (a
-    ``V``-vector for a feature-sharded head). A token's row is a one-hot contraction, a local
-    product plus an all-reduce of one row on a vocabulary-sharded array, where a slice would
-    gather the head or fail on Explicit sharding types (and, on one device, make XLA copy a
-    donated head that was just written in place). In a process with one CPU device a leading
-    feature axis is reduced by `rowgeom._cpu.sq_dists` instead (the same function).
+    A plain reduction over whole axes: under a mesh only a reduced vector crosses devices (a
+    ``V``-vector for a feature-sharded head). In a process with one CPU device a leading feature
+    axis is reduced by `rowgeom._cpu.sq_dists` instead (the same function), because XLA:CPU
+    reduces a leading axis as a slow strided loop.
     """
-    if jnp.ndim(point) == 0:
-        onehot = (jnp.arange(x.shape[t]) == point).astype(x.dtype)
-        point = jnp.expand_dims(jnp.tensordot(onehot, x, axes=(0, t), precision=_HIGHEST), t)
     if t == 1 and x.shape[0] > 1 and _cpu.one_cpu_device():
         # Lowered for another platform (jax.export), still the plain reduction.
         return lax.platform_dependent(x, point, cpu=_cpu.sq_dists,
@@ -193,8 +190,31 @@ def _sq_dists(x: jax.Array, t: int, point) -> jax.Array:
 
 
 def _masked_sq_dists(x: jax.Array, t: int, point: jax.Array) -> jax.Array:
-    """`_sq_dists` to a given point as one reduction over whole axes (any device, any mesh)."""
+    """`_sq_dists` as one reduction over whole axes (any device, any mesh)."""
     return jnp.sum(jnp.square(x - point), axis=_features(x, t))
+
+
+def _sweep_sq_dists(x: jax.Array, t: int, centre, sq_centred, row) -> jax.Array:
+    """``||x_v - r||^2`` per token of a `_token_view` ``x`` for one of its rows ``r``, from the
+    centred squared norms ``sq_centred = ||x_v - c||^2`` (``c = centre``) already at hand:
+    ``||x_v - c||^2 - 2 (x_v - c)·(r - c) + ||r - c||^2`` with ``(x_v - c)·u = x_v·u - c·u``.
+
+    One matrix-vector product over the feature axes: a single read of ``x`` in either layout,
+    at memory speed on every backend (XLA:CPU runs the direct reduction over a leading feature
+    axis as a slow strided loop), and under a mesh it moves a ``V``-vector at most. Its
+    rounding, about ``eps (||c|| + ||x_v - c||) ||u||`` per token, only decides which row a sweep
+    moves to: the bracket records the distance of the pair it picked, computed directly.
+    """
+    u = row - centre
+    feat = _features(x, t)
+    sharding = jax.typeof(x).sharding
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    out = None
+    if any(part is not None for part in spec):  # Explicit axes: the tokens' sharding, summed
+        out = NamedSharding(sharding.mesh, PartitionSpec(spec[t] if t < len(spec) else None))
+    dot = lax.dot_general(x, jnp.squeeze(u, t), ((feat, tuple(range(u.ndim - 1))), ((), ())),
+                          precision=_HIGHEST, out_sharding=out)
+    return sq_centred - 2.0 * (dot - jnp.sum(centre * u)) + jnp.sum(u * u)
 
 
 def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -216,11 +236,13 @@ def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return lax.reduce((n2, index, n2), init, combine, (0,))
 
 
-def _centroid_sq_dists(x: jax.Array, t: int, total: jax.Array | None = None) -> jax.Array:
-    """``||x_i - xbar||^2`` per token of a `_token_view`; ``total``: its sum over tokens."""
+def _centroid_sq_dists(x: jax.Array, t: int, total: jax.Array | None = None):
+    """``(c, ||x_i - c||^2 per token)`` of a `_token_view`, ``c`` its centroid; ``total``: the
+    rows' sum (``c * V``) when already at hand."""
     if total is None:
         total = jnp.sum(x, axis=t, keepdims=True)
-    return _sq_dists(x, t, total / x.shape[t])
+    centre = total / x.shape[t]
+    return centre, _sq_dists(x, t, centre)
 
 
 def _upper_bound(s, axis: int) -> jax.Array:
@@ -230,7 +252,7 @@ def _upper_bound(s, axis: int) -> jax.Array:
     ``[2^-60, 2^60]`` (squares may have over/underflowed), so the usual case costs one pass.
     """
     x, t = _token_view(s, axis)
-    bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x, t))[0])
+    bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x, t)[1])[0])
     fast = bound(x)
 
     def rescaled(x):
@@ -240,15 +262,19 @@ def _upper_bound(s, axis: int) -> jax.Array:
     return lax.cond(_out_of_range(fast), rescaled, lambda x: fast, x)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
 def _bounds(s, *, axis: int, sweeps: int):
     return _bounds_and_sum(s, axis=axis, sweeps=sweeps)[:2]
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "sweeps"))
 def _bounds_and_sum(s, *, axis: int, sweeps: int):
     """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
     row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
+    return _jitted_bounds_and_sum(s, axis=axis, sweeps=sweeps, cpu=_cpu.one_cpu_device())
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "sweeps", "cpu"))
+def _jitted_bounds_and_sum(s, *, axis: int, sweeps: int, cpu: bool):
+    del cpu  # only a cache key: the formulation is chosen while tracing (`rowgeom._cpu`)
     x, t = _token_view(s, axis)
     total = jnp.sum(x, axis=t, keepdims=True)
     fast = _bounds_of_view(x, t, sweeps=sweeps, total=total)
@@ -266,12 +292,18 @@ def _bounds_and_sum(s, *, axis: int, sweeps: int):
 
 
 def _bounds_of_view(x, t: int, *, sweeps: int, total=None):
-    """``(lower, upper)`` of a `_token_view` (see `row_diameter_bounds`)."""
+    """``(lower, upper)`` of a `_token_view` (see `row_diameter_bounds`).
+
+    The passes over ``x`` the algorithm needs and no more: its sum (the centroid; skipped when
+    ``total`` is given), the centred squared norms, and one matrix-vector product per sweep
+    (`_sweep_sq_dists`); a sweep's own rows are taken by a gather of one row.
+    """
     num_rows = x.shape[t]
     if num_rows <= 1:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
-    top, anchor, sum_n2 = _max_index_sum(_centroid_sq_dists(x, t, total))
+    centre, sq_centred = _centroid_sq_dists(x, t, total)
+    top, anchor, sum_n2 = _max_index_sum(sq_centred)
     r_c = jnp.sqrt(top)
     upper = 2.0 * r_c  # 2 max_i ||x_i - c|| >= D for *any* point c: the rounded centroid too
     if sweeps == 0:
@@ -282,10 +314,17 @@ def _bounds_of_view(x, t: int, *, sweeps: int, total=None):
     # an actual pair, hence a lower bound whatever the centroid's rounding, and usually lands on
     # (or near) a diametral pair. The first sweep is >= ||x_a - xbar|| (the mean lies in the
     # rows' hull), so it already dominates the centroid's own lower bounds.
-    lower = jnp.zeros((), jnp.float32)
-    for _ in range(sweeps):
-        top, anchor, _ = _max_index_sum(_sq_dists(x, t, anchor))
-        lower = jnp.maximum(lower, jnp.sqrt(top))
+    def sweep(_, carry):
+        lower, anchor = carry
+        row = _take_rows(x, t, anchor[None])
+        far = _max_index_sum(_sweep_sq_dists(x, t, centre, sq_centred, row))[1]
+        pair = jnp.sqrt(jnp.sum(jnp.square(_take_rows(x, t, far[None]) - row)))
+        return jnp.maximum(lower, pair), far
+
+    # A loop, not unrolled: its body reads x's buffer as it is. Unrolled, XLA would recompute
+    # the gathered rows from x's producer, and for a head step written in place over its
+    # donated input, read that input after it was overwritten (so copy it first).
+    lower, _ = lax.fori_loop(0, sweeps, sweep, (jnp.zeros((), jnp.float32), anchor))
     # Equal in exact arithmetic when D = 2 r_c (e.g. V = 2); keep the order under rounding.
     return jnp.minimum(lower, upper), upper
 
@@ -295,14 +334,16 @@ def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Arr
 
     With centred rows ``x_i = s_i - xbar``, ``r_c = max_i ||x_i||``, ``rms_c^2 = mean ||x_i||^2``:
     ``upper = 2 r_c`` and ``lower = max(r_c, sqrt(2V/(V-1)) rms_c, farthest-point sweeps)``.
-    Each sweep is one ``O(Vd)`` pass: from the current anchor (first, the row farthest from the
-    centroid) find the farthest row, record the distance and move the anchor there. The upper
+    Each sweep is one ``O(Vd)`` pass, a matrix-vector product: from the current anchor (first,
+    the row farthest from the centroid) find the farthest row, record that pair's distance
+    (computed from the two rows) and move the anchor there. The upper
     end is at most 2x the diameter (``r_c <= D``); how tight both ends are on head steps is
     measured on the benchmarks page (docs/benchmarks.md). ``V = 1`` gives ``(0, 0)``.
 
     With ``sweeps >= 1`` the lower end is the length of an actual pair of rows, so it stays a
     lower bound when the float32 centroid is rounded (rows sharing a common offset much larger
-    than their spread); it is never below ``r_c``. With ``sweeps=0`` it is the centroid bound
+    than their spread); it is never below ``r_c`` (up to float32 rounding of the distances that
+    pick a sweep's row). With ``sweeps=0`` it is the centroid bound
     ``max(r_c, sqrt(2V/(V-1)) rms_c)``, which such rounding can push above ``D``. The upper end
     holds for any centre, rounded or not.
 

@@ -1,5 +1,6 @@
-"""Float32 plumbing shared by the geometry and the transforms: exact power-of-two rescaling
-and replicating rows for the exact diameter.
+"""Float32 and sharding plumbing shared by the geometry and the transforms: exact power-of-two
+rescaling, RowNorm's overflow guard, taking a few token rows under any mesh, and replicating rows
+for the exact diameter.
 
 Contract: every helper here is exact or a no-op on ordinary input. Rescaling by a power of two
 changes no mantissa, so a diameter, bound or range computed on rescaled rows and scaled back is
@@ -82,6 +83,58 @@ def _rownorm_scale(amax, eps):
     scale = jnp.where(huge, jnp.exp2(20.0 - jnp.floor(jnp.log2(jnp.where(huge, amax, 1.0)))),
                       1.0)
     return scale, jnp.where(huge, jnp.maximum(eps * scale, MIN_EPS), eps)
+
+
+def _guarded(stats, amax, eps):
+    """RowNorm's overflow guard, at no cost on ordinary input: ``stats(scale, eps)`` at scale 1,
+    recomputed at `_rownorm_scale`'s scale only when its first result, the rows' squared norms,
+    could have overflowed (above ``2**100``: an entry may exceed ``2**50``; also inf or NaN).
+
+    ``amax`` is a thunk for the valid input's largest ``|entry|``, called only in the rescaled
+    branch (a ``lax.cond``: on CPU, GPU and TPU only the taken branch runs), so the usual case
+    costs no pass of its own. Returns ``stats(...) + (scale, eps)`` with ``stats`` a tuple.
+    """
+    one = jnp.ones((), jnp.float32)
+    fast = stats(one, jnp.asarray(eps, jnp.float32))
+    suspect = ~(jnp.max(fast[0]) <= 2.0 ** (2 * _HUGE_EXPONENT))  # also NaN / inf
+
+    def rescaled():
+        scale, eps_scaled = _rownorm_scale(amax(), eps)
+        return stats(scale, eps_scaled) + (scale, eps_scaled)
+
+    return lax.cond(suspect, rescaled, lambda: fast + (one, jnp.asarray(eps, jnp.float32)))
+
+
+def _take_rows(x: jax.Array, axis: int, index: jax.Array) -> jax.Array:
+    """``x``'s token rows at ``index`` (an int32 vector, in range) along ``axis``, as a gather.
+
+    A few rows cost a few rows of memory traffic, not a pass over ``x``, under any mesh: the
+    partitioner turns a gather along a sharded axis into a local gather and an all-reduce of
+    the rows, where a slice would gather the whole array (Auto axes) or fail (Explicit axes,
+    whose result sharding is then named here: the token axis replicated, the rest as ``x``).
+    """
+    where = tuple(index if i == axis else slice(None) for i in range(x.ndim))
+    sharding = jax.typeof(x).sharding
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    out = None
+    if axis < len(spec) and spec[axis] is not None:  # Explicit axes shard the token axis
+        parts = list(spec) + [None] * (x.ndim - len(spec))
+        parts[axis] = None
+        out = NamedSharding(sharding.mesh, PartitionSpec(*parts))
+    return x.at[where].get(mode="promise_in_bounds", out_sharding=out)
+
+
+def _pivot(x: jax.Array, axis: int, num_valid: int, scale=1.0) -> jax.Array:
+    """The mean of the first two valid token rows of ``x * scale`` (one row if there is one), a
+    float32 point inside the row cloud that RowNorm centres around before taking the mean: for
+    rows that are a large common vector plus a small spread, ``x_i - p`` is exact and the mean
+    is then taken of small numbers (``x_i - fl(mean(x))`` would round at the scale of the
+    common vector). Each row is halved before the sum (exact), so huge rows cannot overflow.
+    Two rows rather than one also because XLA makes a one-row slice a view of ``x``, which then
+    blocks writing a result in place over a donated ``x``."""
+    k = min(2, num_valid)
+    rows = _take_rows(x, axis, jnp.arange(k, dtype=jnp.int32))
+    return jnp.sum(rows * (scale * (1.0 / k)), axis=axis, keepdims=True)
 
 
 def _out_of_range(d):

@@ -40,7 +40,7 @@ from jax.typing import ArrayLike
 
 from rowgeom import _cpu
 from rowgeom._geometry import _row_diameter, _upper_bound
-from rowgeom._numerics import MIN_EPS, _row_vector, _rownorm_scale
+from rowgeom._numerics import MIN_EPS, _guarded, _pivot, _row_vector
 from rowgeom._tree import map_head_leaves, vocab_axes
 from rowgeom._validation import canonical_axis, check_floating, check_int, check_min_rank
 
@@ -81,16 +81,18 @@ def _check_num_valid(num_valid, vocab_size: int | None = None) -> int | None:
 
 
 def _masked(x, axis, *, eps, center_input, center_output, num_valid):
-    """The formulation that runs everywhere: a few fused reductions over whole axes.
+    """The formulation that runs everywhere: whole-axis reductions, masks instead of slices.
 
-    Masks instead of slices along the vocabulary axis, so a vocabulary-sharded array only
-    all-reduces d-vectors (the pivot, the two means); row norms stay local to each shard.
+    A vocabulary-sharded array only all-reduces d-vectors (the pivot's two rows, the two
+    means), a feature-sharded one V-vectors (the squared norms); row norms stay local.
 
-    Centring is computed as ``(x_i - p) - mean(x - p)`` with the pivot ``p`` the mean of the first
-    two valid rows: for rows that are a large common vector plus a small spread, ``x_i - p`` is
-    exact and the mean is taken of small numbers, so the centred rows keep their accuracy
-    (``x_i - fl(mean(x))`` would not: the mean itself rounds at the scale of the common vector).
-    Identical rows give exactly zero.
+    Centring is ``(x_i - p) - mean(x - p)`` with ``p`` the mean of the first two valid rows
+    (`_pivot`: rows that are a large common vector plus a small spread keep their accuracy;
+    identical rows give exactly zero). The algorithm reads the head four times and writes it
+    once, and this is all it does: the column mean of ``x - p``, the squared norms of the
+    centred rows (they need the mean), the weighted column sum ``s = Σ_i (x_i - m) / n_i`` of
+    the outer centring (it needs the norms) and the write ``(x_i - m) / n_i - s / N`` (it needs
+    ``s``). The overflow guard costs no pass (`_guarded`); the pivot reads two rows.
     """
     vocab = x.shape[axis]
     feat = tuple(i for i in range(x.ndim) if i != axis)
@@ -101,19 +103,30 @@ def _masked(x, axis, *, eps, center_input, center_output, num_valid):
     def mask(v):  # padding rows may hold anything (even inf): never let them into a sum
         return v if valid is None else jnp.where(valid, v, zero)
 
-    xc = mask(x)
-    scale, eps = _rownorm_scale(jnp.max(jnp.abs(xc)), eps)
-    xc, x = xc * scale, x * scale
-    if center_input:
-        k = min(2, num_valid)
-        pivot = jnp.sum(jnp.where(token < k, x, zero), axis=axis, keepdims=True) * (1.0 / k)
-        d = mask(xc - pivot)
-        xc = mask(d - jnp.sum(d, axis=axis, keepdims=True) / num_valid)
-    w = 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(xc * xc, axis=feat, keepdims=True)), eps)
-    y = xc * w
-    if center_output:
-        y = mask(y - jnp.sum(y, axis=axis, keepdims=True) / num_valid)
-    return y
+    def centred(scale, pivot, mean):
+        return mask((x * scale - pivot) - mean)
+
+    def stats(scale, eps):
+        del eps
+        if center_input:
+            pivot = _pivot(x, axis, num_valid, scale)
+            mean = jnp.sum(mask(x * scale - pivot), axis=axis, keepdims=True) / num_valid
+        else:
+            pivot = mean = jnp.zeros((), jnp.float32)
+        xc = centred(*lax.optimization_barrier((scale, pivot, mean)))  # see below
+        return jnp.sum(xc * xc, axis=feat, keepdims=True), pivot, mean
+
+    sq, pivot, mean, scale, eps = _guarded(stats, lambda: jnp.max(jnp.abs(mask(x))), eps)
+    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
+    if not center_output:
+        return centred(scale, pivot, mean) * weights
+    # One copy of the small operands per pass (optimization barriers): with a single copy, XLA
+    # computes the full-size product both passes share once and stores it, a write and a read
+    # more.
+    shift, w = lax.optimization_barrier(((scale, pivot, mean), weights))
+    total = jnp.sum(centred(*shift) * w, axis=axis, keepdims=True)
+    shift, w = lax.optimization_barrier((shift, w))
+    return mask(centred(*shift) * w - total / num_valid)
 
 
 def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, argname):

@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import rowgeom
-from rowgeom import RowDiameterStats, read_row_diameter, track_row_diameter
+from benchmarks.hlo_passes import computations, head_traffic
+from rowgeom import RowDiameterStats, _cpu, read_row_diameter, track_row_diameter
 
 
 def np_diameter(s, axis=0):
@@ -206,7 +207,6 @@ def test_every_k_steps_measures_steps_1_k_2k_and_keeps_stats_between(rng):
     assert stats.measured_at == {"lm_head/kernel": 6} and stats.count == {"lm_head/kernel": 7}
 
 
-_HLO_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{$")
 _HLO_OPCODE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(")
 _HLO_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
 _HLO_BRANCHES = re.compile(
@@ -215,18 +215,7 @@ _HLO_BRANCHES = re.compile(
 
 def _reduces_outside_conditionals(hlo: str) -> tuple[int, int]:
     """(reduce ops run unconditionally, reduce ops inside conditional branches) of compiled HLO."""
-    bodies: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in hlo.splitlines():
-        head = _HLO_COMPUTATION.match(line)
-        if head:
-            name = head.group(2)
-            bodies[name] = []
-            entry = name if head.group(1) else entry
-        elif name is not None and line.strip() == "}":
-            name = None
-        elif name is not None:
-            bodies[name].append(line)
+    bodies, entry = computations(hlo)
 
     def reachable(roots, through_branches):
         seen, todo = set(), list(roots)
@@ -279,6 +268,20 @@ def test_tracker_after_an_in_place_step_copies_nothing(vocab_axis):
     head = f"f32[{shape[0]},{shape[1]}]"
     copies = [line for line in hlo.splitlines() if " copy(" in line and head in line]
     assert not copies, copies
+
+
+@pytest.mark.parametrize("formulation", _cpu.FORMULATIONS)
+def test_tracker_reads_the_update_four_times(formulation):
+    """A measured step reads the update as often as the bracket needs and no more: the row sum
+    (which is also the centroid's), the centred norms and the two sweeps."""
+    for shape, axis in (((1024, 96), 0), ((96, 1024), 1)):
+        spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+        tx = track_row_diameter(vocab_axis=axis)
+        with _cpu.traced_as(formulation):
+            stats = jax.jit(lambda u, state, tx=tx: tx.update(u, state)[1])  # updates pass through
+            hlo = stats.lower(spec, tx.init(spec)).compile().as_text()
+        traffic = head_traffic(hlo, 1024 * 96)
+        assert (round(traffic.reads), round(traffic.writes)) == (4, 0), traffic.ops
 
 
 def test_every_k_steps_counts_only_applied_inner_updates(rng):

@@ -3,10 +3,11 @@
 The bracket's distance pass over a leading feature axis has two formulations, each checked
 directly against float64 numpy: the XLA:CPU one (`rowgeom._cpu.sq_dists`, what this
 one-CPU-device process dispatches to) and the masked one (`_masked_sq_dists`, every other backend
-and any mesh); the whole bracket is also run traced with each (`_formulations.traced_as`).
+and any mesh); the whole bracket is also run traced with each (`rowgeom._cpu.traced_as`).
 """
 
 import functools
+import re
 
 import chex
 import hypothesis.extra.numpy as hnp
@@ -14,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _formulations import FORMULATIONS, traced_as
 from hypothesis import given
 from hypothesis import strategies as st
 
 import rowgeom
+from benchmarks.hlo_passes import head_traffic
 from rowgeom import (
     _cpu,
     hilbert_distance,
@@ -26,7 +27,15 @@ from rowgeom import (
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._geometry import _block_rows, _masked_sq_dists, _sq_dists, _token_view
+from rowgeom._cpu import FORMULATIONS, traced_as
+from rowgeom._geometry import (
+    _block_rows,
+    _masked_sq_dists,
+    _sq_dists,
+    _sweep_sq_dists,
+    _token_view,
+)
+from rowgeom._numerics import _take_rows
 
 
 def np_rows(s, axis):
@@ -193,8 +202,9 @@ BRACKET_SHAPES = [((300, 17), 0), ((17, 300), 1), ((3, 4, 130), -1), ((130, 3, 4
 
 
 def test_distance_pass_matches_float64(rng):
-    """||x_v - p||^2 to a given point and to a token's row against float64, for every layout's
-    view; with a leading feature axis also the CPU formulation's loop (`rowgeom._cpu`)."""
+    """||x_v - p||^2 to a given point, and a sweep's ||x_v - x_a||^2 to one of the rows (from the
+    centred norms and one matrix-vector product), against float64, for every layout's view; with
+    a leading feature axis also the CPU formulation's loop (`rowgeom._cpu`)."""
     for shape, axis in BRACKET_SHAPES:
         s = rng.normal(size=shape) * 2.0 + 1.5
         x, t = _token_view(jnp.asarray(s, jnp.float32), axis % len(shape))
@@ -208,10 +218,15 @@ def test_distance_pass_matches_float64(rng):
             got = jax.jit(fn)(x, jnp.asarray(point, jnp.float32))
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{shape} {name}")
         token = x.shape[t] // 2
-        got = jax.jit(lambda x, i, t=t: _sq_dists(x, t, i))(x, jnp.int32(token))
-        np.testing.assert_allclose(got, ((rows - rows[token]) ** 2).sum(axis=1), rtol=1e-5,
-                                   atol=1e-5, err_msg=str(shape))
-        assert float(got[token]) == 0.0
+
+        def sweep(x, i, t=t):
+            centre = jnp.mean(x, axis=t, keepdims=True)
+            row = _take_rows(x, t, jnp.asarray([i], jnp.int32))
+            return _sweep_sq_dists(x, t, centre, _sq_dists(x, t, centre), row)
+
+        want = ((rows - rows[token]) ** 2).sum(axis=1)
+        got = jax.jit(sweep)(x, token)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * want.max(), err_msg=str(shape))
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -251,15 +266,69 @@ def test_bracket_non_finite_and_huge_rows(rng, formulation):
 
 
 def test_bracket_formulation_follows_the_device_count():
-    """One CPU device: the (d, V) distance pass is the CPU formulation's slab loop; traced as
-    under a mesh, plain reductions with no slice of the token or feature axis."""
+    """One CPU device: the (d, V) centred norms are the CPU formulation's loop over the leading
+    feature axis; traced as under a mesh, plain reductions with no slice of the token or feature
+    axis, and no loop but the sweeps' own (two iterations; a gather of one row each)."""
     spec = jax.ShapeDtypeStruct((64, 512), jnp.float32)
     jaxpr = lambda: str(jax.make_jaxpr(lambda s: row_diameter_bounds(s, vocab_axis=1))(spec))
     cpu = jaxpr()
-    assert "scan" in cpu and "platform_index" in cpu  # the slab loop, on CPU only
+    assert "length=64" in cpu and "platform_index" in cpu  # the feature loop, on CPU only
     with traced_as("masked"):
         masked = jaxpr()
-    assert not [op for op in ("scan", "while", "dynamic_slice", "platform_index") if op in masked]
+    assert not [op for op in ("dynamic_slice", "platform_index") if op in masked]
+    assert set(re.findall(r"length=(\d+)", masked)) == {"2"}  # the sweeps (and their rescaling)
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+@pytest.mark.parametrize("sweeps", [0, 1, 2])
+def test_bracket_reads_the_rows_once_per_step_of_the_algorithm(formulation, sweeps):
+    """Compiled, the bracket reads the rows 2 + sweeps times and writes nothing of their size:
+    the centroid, the centred norms, and one pass per farthest-point sweep (its rows are
+    gathered, not found by a masked pass); the power-of-two rescaling runs only when the first
+    result is out of float32's safe range (a branch)."""
+    for shape, axis in (((1024, 96), 0), ((96, 1024), 1)):
+        spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+        with traced_as(formulation):
+            fn = jax.jit(lambda s, a=axis: row_diameter_bounds(s, vocab_axis=a, sweeps=sweeps))
+            traffic = head_traffic(fn.lower(spec).compile().as_text(), 1024 * 96)
+        assert (round(traffic.reads), round(traffic.writes)) == (2 + sweeps, 0), traffic.ops
+
+
+def np_double_sweep(s, axis):
+    """Independent float64 reference for the lower end with two sweeps: from the row farthest
+    from the centroid to the row farthest from it, then to the row farthest from that one; the
+    two sweeps' lengths."""
+    x = np_rows(s, axis)
+    anchor = int(np.argmax(np.linalg.norm(x - x.mean(axis=0), axis=1)))
+    lengths = []
+    for _ in range(2):
+        dists = np.linalg.norm(x - x[anchor], axis=1)
+        anchor = int(np.argmax(dists))
+        lengths.append(float(dists[anchor]))
+    return lengths
+
+
+# Six points of the plane whose diameter only the second sweep finds: the row farthest from
+# the centroid is (5, -4), the row farthest from it (-6, -3) at 11.05, the row farthest from
+# that one (5, 6) at D = 14.21. Clear gaps at every step: float32 picks the same rows.
+SECOND_SWEEP_POINTS = np.array([[-4, 2], [5, -4], [-6, -3], [1, 6], [-4, 0], [5, 6]], float)
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_bracket_lower_end_is_the_double_sweep(rng, formulation):
+    """The lower end with two sweeps is the float64 double sweep's, on rows whose diameter only
+    the second sweep finds: sweeps that never moved their anchor would stop at 0.78 D. The
+    plane is embedded in 8 features by a random rotation, with a common offset."""
+    basis = np.linalg.qr(rng.normal(size=(8, 8)))[0][:2]
+    s = (SECOND_SWEEP_POINTS @ basis + 3.0 * rng.normal(size=8)).astype(np.float32)
+    first, second = np_double_sweep(s, 0)
+    assert first < 0.8 * second  # the point set does what it is here for
+    np.testing.assert_allclose(second, np_diameter(s, 0), rtol=1e-6)
+    for x, axis in ((s, 0), (s.T, 1)):
+        with traced_as(formulation):
+            lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(x, vocab_axis=a))(x)
+        np.testing.assert_allclose(float(lower), second, rtol=1e-6, err_msg=f"axis={axis}")
+        assert float(upper) >= second
 
 
 def test_sweeps_reach_exact_diameter_on_two_clusters(rng):
