@@ -31,22 +31,18 @@ os.environ["XLA_FLAGS"] = (
     "--xla_dump_hlo_module_re=.*_step.*")
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+import provenance  # noqa: E402  (beside this script)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.lm import configs, plan  # noqa: E402
 
-DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
-MARKERS = ("<!-- lm-plan:begin -->", "<!-- lm-plan:end -->")
+BLOCK = "lm-plan"
 MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}
 GIB = 2**30
 BUDGET = 16 * GIB  # a TPU v5e chip
@@ -66,6 +62,7 @@ def _plan(name: str, mesh: str, step: str = "train_step", **fields) -> dict:
 
 
 def run(quick: bool) -> dict:
+    env = provenance.environment(provenance.load_average())
     start = time.perf_counter()
     names = ["test"] if quick else ["190m", "380m", "640m"]
     first = names[0]
@@ -77,13 +74,8 @@ def run(quick: bool) -> dict:
         "compile": [_plan(names[-1], "fsdp 8", **{"model.scan_layers": s})
                     for s in (True, False)],
     }
-    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, check=False).stdout.strip()
-    out["environment"] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "git": git or "?", "jax": jax.__version__, "cores": os.cpu_count(),
-        "machine": platform.machine(), "load": " ".join(f"{v:.1f}" for v in os.getloadavg()),
-        "total_s": time.perf_counter() - start}
+    out["environment"] = provenance.finish(env) | {"total_s": time.perf_counter() - start,
+                                                    "quick": quick}
     return out
 
 
@@ -111,11 +103,11 @@ HEADER = ["| {} | global batch (per data-parallel rank) | temporaries | peak per
 
 def markdown(results: dict) -> str:
     env = results["environment"]
-    lines = [f"Run {env['date']} at `{env['git']}`: jax {env['jax']}, 8 simulated CPU devices on "
-             f"{env['cores']} {env['machine']} cores (load {env['load']}); {env['total_s']:.0f} s "
-             "in all. Every number is read from the compiled step (abstract inputs, nothing "
-             "allocated); collectives as partitioned (bf16 where the step moves bf16; XLA:CPU "
-             "itself widens them to float32).", "",
+    command = "python benchmarks/bench_lm_plan.py" + (" --quick" if env["quick"] else "")
+    lines = [provenance.header(command + " --docs", env), "",
+             f"{env['total_s']:.0f} s in all. Every number is read from the compiled step "
+             "(abstract inputs, nothing allocated); collectives as partitioned (bf16 where the "
+             "step moves bf16; XLA:CPU itself widens them to float32).", "",
              "### Each size on each mesh, the configs' own settings", "",
              HEADER[0].format("config, mesh"), HEADER[1]]
     lines += [_row(r, f"{r['config']}, {r['mesh_name']}") for r in results["sizes"]]
@@ -144,23 +136,14 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the test config only")
-    parser.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's section")
-    parser.add_argument("--json", type=pathlib.Path, help="write the raw results here")
+    provenance.add_arguments(parser, BLOCK)
     args = parser.parse_args()
     assert jax.device_count() == 8, jax.devices()
     try:
         results = run(args.quick)
     finally:
         shutil.rmtree(DUMP_DIR, ignore_errors=True)
-    text = markdown(results)
-    print("\n" + text)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.docs:
-        page = DOCS_PAGE.read_text()
-        begin, end = page.index(MARKERS[0]) + len(MARKERS[0]), page.index(MARKERS[1])
-        DOCS_PAGE.write_text(page[:begin] + "\n" + text + "\n" + page[end:])
-        print(f"updated {DOCS_PAGE}")
+    provenance.publish(args, BLOCK, markdown(results), results)
 
 
 if __name__ == "__main__":

@@ -7,22 +7,19 @@ batch, the variants interleaved round after round, the best of the rounds kept. 
 variant's best time over the unchunked one's.
 
 Run: `python benchmarks/bench_lm_step.py` (a few minutes on 2 cores; `--docs`: rewrite its
-section of docs/benchmarks.md; `--rounds N`).
+block of docs/benchmarks.md; `--json PATH`; `--rounds N`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
-import platform
-import subprocess
 import sys
 import time
 
 import jax
 import numpy as np
+import provenance  # beside this script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,8 +28,7 @@ from examples.lm import configs  # noqa: E402
 from examples.lm import mesh as mesh_lib  # noqa: E402
 from examples.lm.trainer import Trainer  # noqa: E402
 
-DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
-MARKERS = ("<!-- lm-step:begin -->", "<!-- lm-step:end -->")
+BLOCK = "lm-step"
 CHUNKS = (None, 64, 32, 16)
 
 
@@ -60,6 +56,7 @@ class _Step:
 
 
 def run(rounds: int) -> dict:
+    env = provenance.environment(provenance.load_average())
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     out = {}
     for name in ("cpu-tiny", "cpu-small"):
@@ -72,21 +69,15 @@ def run(rounds: int) -> dict:
         out[name] = {"default": base.model.loss_chunk, "best_s": best,
                      "tokens": base.data.batch_size * base.seq_len,
                      "vocab": base.model.vocab_size}
-    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, check=False).stdout.strip()
-    out["environment"] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "git": git or "?", "jax": jax.__version__, "cores": os.cpu_count(),
-        "machine": platform.machine(), "rounds": rounds,
-        "load": " ".join(f"{v:.1f}" for v in os.getloadavg())}
+    out["environment"] = provenance.finish(env) | {"rounds": rounds}
     return out
 
 
 def markdown(results: dict) -> str:
     env = results["environment"]
-    lines = [f"Run {env['date']} at `{env['git']}`: jax {env['jax']}, one CPU device on "
-             f"{env['cores']} {env['machine']} cores (load {env['load']}); best of "
-             f"{env['rounds']} interleaved rounds each.", "",
+    lines = [provenance.header(f"python benchmarks/bench_lm_step.py --rounds {env['rounds']} "
+                               "--docs", env), "",
+             f"The best of {env['rounds']} interleaved rounds each.", "",
              "| config (tokens per step, V) | " + " | ".join(
                  "all logits at once" if c is None else f"chunks of {c}" for c in CHUNKS) + " |",
              "|---|" + "---|" * len(CHUNKS)]
@@ -103,15 +94,10 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's section")
+    provenance.add_arguments(parser, BLOCK)
     args = parser.parse_args()
-    text = markdown(run(args.rounds))
-    print(text)
-    if args.docs:
-        page = DOCS_PAGE.read_text()
-        begin, end = page.index(MARKERS[0]) + len(MARKERS[0]), page.index(MARKERS[1])
-        DOCS_PAGE.write_text(page[:begin] + "\n" + text + "\n" + page[end:])
-        print(f"updated {DOCS_PAGE}")
+    results = run(args.rounds)
+    provenance.publish(args, BLOCK, markdown(results), results)
 
 
 if __name__ == "__main__":
