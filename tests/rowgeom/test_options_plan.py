@@ -71,6 +71,18 @@ def test_every_flat_keyword_has_a_test_value_and_names_a_field():
         assert where[-1] in owner.__dataclass_fields__, name
 
 
+def beside(name):
+    """Another field of the same object, given by its canonical spelling: the flat keyword
+    merges with it (a group's other field; a head optimizer named by string)."""
+    where = rowgeom.FLAT_KEYWORDS[name]
+    if where[0] == "groups":
+        other = "weight_decay" if where[2] == "learning_rate" else "learning_rate"
+        return {"groups": {where[1]: rowgeom.GroupOptions(**{other: 1e-4})}}
+    if where[0] == "head" and name != "head_rescale":
+        return {"head": "muon"}
+    return {}
+
+
 @pytest.mark.parametrize("name", sorted(FLAT_VALUES))
 def test_deprecated_flat_keyword_still_works_and_warns_once(name):
     value, params = FLAT_VALUES[name], tree()
@@ -89,6 +101,16 @@ def test_deprecated_flat_keyword_still_works_and_warns_once(name):
     field = rowgeom.FLAT_KEYWORDS[name]  # the value is no default: the check can fail
     default = (rowgeom.GroupOptions() if field[0] == "groups" else OBJECTS[field[0]]())
     assert getattr(default, field[-1]) != value
+    # Beside another field of its object it merges into that object.
+    other = beside(name)
+    with pytest.warns(DeprecationWarning):
+        merged = rowgeom.lm_optimizer_hparams(LR, **{name: value}, **other)
+    if field[0] == "groups":
+        both = dataclasses.replace(other["groups"][field[1]], **{field[2]: value})
+        assert merged == rowgeom.lm_optimizer_hparams(LR, groups={field[1]: both})
+    elif other:
+        assert merged == rowgeom.lm_optimizer_hparams(
+            LR, head=rowgeom.HeadOptions(optimizer="muon", **{field[1]: value}))
 
 
 @pytest.mark.parametrize("name", sorted(FLAT_VALUES))
@@ -105,15 +127,6 @@ def test_a_flat_keyword_beside_its_object_is_an_error_naming_both(name):
         with pytest.raises(ValueError) as err:
             rowgeom.lm_optimizer(LR, **{name: FLAT_VALUES[name]}, **other)
     assert f"{name}= and {spelled} both set" in str(err.value)
-
-
-def test_a_flat_group_keyword_beside_another_field_of_the_group_merges():
-    with pytest.warns(DeprecationWarning):
-        hp = rowgeom.lm_optimizer_hparams(
-            LR, head="adamw", head_weight_decay=0.0,
-            groups={"head": rowgeom.GroupOptions(learning_rate=2e-3)})
-    assert (hp["head"].learning_rate, hp["head"].weight_decay) == (2e-3, 0.0)
-    assert hp.head.optimizer == "adamw"  # a head named by string keeps its optimizer
 
 
 # --- One spelling per field -----------------------------------------------------------------
