@@ -1,18 +1,13 @@
 """The optimizer plan: every choice `lm_optimizer` makes for each leaf, read from the whole tree.
 
 Contract: `make_plan(tree, hparams)` is a pure function of the tree's paths, shapes and dtypes
-and the resolved `LMHyperparams`. It labels every leaf (the `Labeler`, or the given labels),
-reads the model structure (`rowgeom._structure`, where every axis is inferred) and gives each
-leaf a `LeafPlan` holding every resolved choice: its optimizer, whether RowNorm centres it, its
-axes (Muon's matrix axes, the head's vocabulary axis, a RowNorm router's expert axis, the batch
-axes), its rate, decay and momentum, and why it has its label. `rowgeom._recipe` only turns a
-plan into chains; `describe` returns it for a user to read. The rules decided here, each here
-only: a leaf's optimizer from its label (`_optimizer`), a tied head is not centred and a RowNorm
-router is (`_centred`), a Muon head is one matrix, a model has a head unless it is tied.
-
-`PlanCache` keeps the plans (and what was built from them) of one `lm_optimizer` transform,
-keyed on the paths, shapes and dtypes of the trees it was given: an eager ``update`` on a tree
-seen before plans nothing. Nothing is shared between transforms.
+and the resolved `LMHyperparams`: it labels every leaf, reads the model structure
+(`rowgeom._structure`, where every axis is inferred) and gives each leaf a `LeafPlan` of every
+resolved choice. `rowgeom._recipe` only turns a plan into chains; `describe` returns it. Rules
+decided here, and only here: a label's optimizer (`_optimizer`), a tied head is not centred and
+a RowNorm router is (`_centred`), a Muon head is one matrix, a model has a head unless tied.
+`PlanCache` keeps one transform's plans keyed on the structure, shapes and dtypes of its trees:
+an eager ``update`` on a tree seen before plans nothing. Nothing is shared between transforms.
 """
 
 from __future__ import annotations
@@ -46,17 +41,15 @@ class LeafPlan(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every choice made for it.
 
     ``path``: ``"/"``-joined key path; ``label``: its group; ``geometry``: the update rule with
-    its axes, as text; ``learning_rate``, ``weight_decay``: the group's resolved values (None
-    without a learning rate; a schedule is kept as the callable); ``muon_dims``: Muon's matrix
-    axes (hidden leaves, a Muon head or router; None elsewhere); ``vocab_axis``: the head's
-    vocabulary axis (a RowNorm router's expert axis); ``note``: what a reader should check (the
-    expert and layer axes of an expert stack or router, a head that is probably unused);
-    ``batch_axes``: the axes Muon or a router's RowNorm treats as a batch of matrices;
-    ``optimizer``: ``"muon"``, ``"rownorm"`` or ``"adamw"`` (``""`` for a custom label);
-    ``centred``: whether RowNorm centres the rows (None when it is no RowNorm leaf);
-    ``momentum``: the group's Muon/RowNorm momentum or AdamW's ``b1``; ``reason``: why the leaf
-    has its label (``"name"``, ``"rule"``, ``"shape"``, ``"block"``, ``"tied"``, ...;
-    ``"given"`` for labels given as a tree or callable).
+    its axes, as text; ``learning_rate``, ``weight_decay``, ``momentum``: the group's resolved
+    values (a schedule kept as the callable; None without a learning rate); ``muon_dims``: Muon's
+    matrix axes (hidden leaves, a Muon head or router); ``vocab_axis``: the head's vocabulary
+    axis (a RowNorm router's expert axis); ``note``: what a reader should check (an expert
+    stack's axes, a head that is probably unused); ``batch_axes``: the axes Muon or a router's
+    RowNorm takes as a batch of matrices; ``optimizer``: ``"muon"``, ``"rownorm"`` or
+    ``"adamw"`` (``""``: a custom label); ``centred``: whether RowNorm centres the rows (None: no
+    RowNorm leaf); ``reason``: why the leaf has its label (``"name"``, ``"rule"``, ``"shape"``,
+    ``"block"``, ``"tied"``, ...; ``"given"`` for labels given as a tree or callable).
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
