@@ -280,7 +280,7 @@ def main() -> None:
     variants = {"default": lambda: rowgeom.lm_optimizer(1e-3)}
     if supports_shard_matrices(rowgeom.lm_optimizer):
         variants["shard_matrices=False"] = lambda: rowgeom.lm_optimizer(
-                1e-3, shard_matrices=False)
+                1e-3, muon=rowgeom.MuonOptions(shard_matrices=False))
     if args.quick:
         trees = {"tiny": TINY}
         meshes = {"tiny": list(MESHES)}

@@ -6,6 +6,7 @@ measure a head step the way the softmax sees it.
 """
 
 from rowgeom._clip import clip_row_diameter
+from rowgeom._deprecated import FLAT_KEYWORDS, make_labeler, renamed
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import (
     hilbert_distance,
@@ -13,7 +14,8 @@ from rowgeom._geometry import (
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._labels import Labeler, label_params, make_labeler, partition_by_label
+from rowgeom._hparams import GroupHyperparams, LMHyperparams, lm_optimizer_hparams
+from rowgeom._labels import Labeler, label_params
 from rowgeom._muon import MuonDimensionNumbers, muon_orthogonalize
 from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
@@ -26,18 +28,15 @@ from rowgeom._names import (
 )
 from rowgeom._newton_schulz import newton_schulz, ns_coefficients
 from rowgeom._options import (
-    FLAT_KEYWORDS,
     HEAD_LR_MULTIPLIERS,
     AdamOptions,
-    GroupHyperparams,
     GroupOptions,
     HeadOptions,
-    LMHyperparams,
     MuonOptions,
     RouterOptions,
-    lm_optimizer_hparams,
 )
 from rowgeom._oracle import common_ball_oracle, diameter_oracle
+from rowgeom._partition import partition_by_label
 from rowgeom._plan import LeafPlan, OptimizerPlan, describe
 from rowgeom._recipe import STATIC_ARGS, lm_optimizer
 from rowgeom._rownorm import project_rownorm, projected_rownorm, rownorm_direction
@@ -93,12 +92,5 @@ __all__ = (
 
 
 def __getattr__(name: str):
-    # Names of 0.1.0 kept as deprecated aliases (CHANGELOG.md).
-    renamed = {"Description": "OptimizerPlan", "ParamRow": "LeafPlan"}
-    if name in renamed:
-        import warnings
-
-        warnings.warn(f"rowgeom.{name} is deprecated; use rowgeom.{renamed[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return globals()[renamed[name]]
-    raise AttributeError(f"module 'rowgeom' has no attribute {name!r}")
+    # Names of 0.1.0 kept as deprecated aliases (CHANGELOG.md, rowgeom._deprecated).
+    return globals()[renamed(name)]

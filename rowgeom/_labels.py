@@ -1,14 +1,13 @@
-"""Parameter labels for per-block update geometry, and a checked `optax.partition`.
+"""Parameter labels for per-block update geometry: `Labeler` and `label_params`.
 
 Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
 (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW), ``"router"`` (a mixture-of-experts
 router the expert stacks beside it confirm) — by path names first, with shapes as a cross-check,
 never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
 silently sends the embedding table and the head to Muon); a matrix nothing names is an error
-naming it, unless the caller opts into a fallback. `partition_by_label` is ``optax.partition``
-with labels matched by path (`rowgeom._tree`), so one labels tree serves plain dicts, Flax Linen
-(boxed ``nn.Partitioned``), Flax NNX (``tx.init``'s Variables and ``tx.update``'s arrays) and
-abstract trees (only shapes are read).
+naming it, unless the caller opts into a fallback. Boxed trees (Flax NNX Variables, Linen
+``nn.Partitioned``) and abstract trees are labelled alike (only paths and shapes are read); the
+error messages are written by `rowgeom._label_problems`.
 
 The rules with examples, public layouts and tied embeddings: docs/guides/labels.md.
 """
@@ -17,40 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-import optax
-
+from rowgeom._label_problems import Shapes, problems_message, show
 from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
     DEFAULT_HIDDEN_NAMES,
     DEFAULT_ROUTER_NAMES,
     DEFAULT_VECTOR_NAMES,
-    MATRIX_LEAF_NAMES,
-    NORM_MODULE,
     TIED_POLICIES,
     TOKEN_EMBEDDING_NAMES,
 )
-from rowgeom._structure import (
-    ModelStructure,
-    in_blocks,
-    is_nameless,
-    is_position_embedding,
-    model_structure,
-    naming_path,
-    stack_of,
-)
-from rowgeom._tree import (
-    Path,
-    leaf_shape,
-    lookup_prefix,
-    map_with_paths,
-    path_str,
-    prefix_entries,
-    tree_paths,
-)
+from rowgeom._paths import is_nameless, is_position_embedding, is_vector_name, naming_path
+from rowgeom._structure import ModelStructure, in_blocks, model_structure, stack_of
+from rowgeom._tree import leaf_shape, map_with_paths, path_str, tree_paths
 
 
 def _check_names(names, argname) -> frozenset[str]:
@@ -74,15 +55,6 @@ def _compile_rules(rules):
         except (re.error, TypeError) as e:
             raise ValueError(f"rules[{i}] has an invalid regex {pattern!r}: {e}") from None
     return tuple(compiled)
-
-
-def _regex(path: tuple[str, ...]) -> str:
-    """A rule regex matching exactly this path (what error messages suggest)."""
-    return "^" + re.escape(path_str(path)) + "$"
-
-
-def _show(entries) -> str:
-    return ", ".join(f"{path_str(p)} {tuple(s)}" for p, s in entries)
 
 
 class _Leaf(NamedTuple):
@@ -116,135 +88,94 @@ def _first_pass(path, shape, cfg: Labeler) -> _Leaf:
             return _Leaf(path, shape, label, "rule")
     if sum(n > 1 for n in shape) < 2:  # (1, V), (d, 1): no matrix structure
         return _Leaf(path, shape, "vector", "rank")
-    names = naming_path(path)
-    if names and (names[-1].lower() in cfg.vector_names or names[-1].lower().endswith("_bias")
-                  or (len(names) > 1 and NORM_MODULE.search(names[-2].lower())
-                      and names[-1].lower() not in MATRIX_LEAF_NAMES)):
+    if is_vector_name(path, cfg.vector_names):
         return _Leaf(path, shape, "vector", "vector name")
     label = _by_name(path, cfg)
     return _Leaf(path, shape, label, None if label is None else "name")
 
 
-def _fitting(shape, vocabs, width, nameless: bool) -> list[str]:
-    """The labels a leaf of this shape can have (what an error may offer for it)."""
-    if vocabs and not nameless:
-        if vocabs & set(shape) and len(shape) == 2:
-            return ["head", "embedding"]
-        return ["hidden", "router"] if len(shape) == 2 and width in shape else ["hidden"]
-    if len(shape) == 2:
-        return ["embedding", "head", "hidden", "vector"] if nameless else \
-            ["head", "embedding", "hidden"]
-    return ["hidden", "vector"] if nameless else ["hidden"]
+class _Reading(NamedTuple):
+    """What `_resolve` reads a leaf against: the first structure and the vocabulary sizes."""
+
+    layout: ModelStructure
+    vocabs: set[int]
+    default: str | None
 
 
-def _offer(entries, vocabs, width, nameless=False) -> str:
-    return ", ".join(f"{path_str(p)} {tuple(s)}: "
-                     + " or ".join(repr(x) for x in _fitting(s, vocabs, width, nameless))
-                     for p, s in entries)
-
-
-def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStructure]:
-    """Structural cross-checks and inference on top of the names (module docstring)."""
+def _first_structure(leaves: list[_Leaf], cfg: Labeler) -> _Reading:
+    """The structure the names alone give (labels other than by name or rule left out), and
+    every token table's size (an encoder-decoder may have two vocabularies)."""
     named = {lf.path for lf in leaves if lf.source in ("rule", "name", "rank", "vector name")}
     ruled = {lf.path for lf in leaves if lf.source == "rule"}
     layout = model_structure(
         [lf if lf.path in named else lf._replace(label=None) for lf in leaves],
         router_names=cfg.router_names, movable=lambda p: p not in ruled)
-    vocab, width, source = layout.vocab_size, layout.width, layout.source
-    where_v = f"V={vocab}" + (f", from {path_str(source)}" if source else "")
-    # Every token table's size counts (an encoder-decoder may have two vocabularies).
-    vocabs = {vocab} | {lf.shape[0] for lf in leaves if lf.label == "embedding"
-                        and lf.source == "name" and len(lf.shape) == 2
-                        and not is_position_embedding(lf.path)} if vocab is not None else set()
-    out: list[_Leaf] = []
-    unmatched, nameless, ambiguous, not_hidden, not_head, unchecked = [], [], [], [], [], []
-    for leaf in leaves:
-        path, shape, label, why = leaf
-        if why in ("rank", "rule", "vector name"):
-            out.append(leaf)
-            continue
-        blocks = in_blocks(path, layout.stacks)
-        stack = stack_of(path, layout.stacks)
-        if stack is not None and stack[1] is not None and len(shape) == 2 \
-                and shape[stack[1][0]] == stack[1][1] and label in (None, "hidden"):
-            out.append(_Leaf(path, shape, "vector", "stack"))  # a vector with a layer axis
-            continue
-        if path in layout.routers and label in (None, "hidden"):
-            out.append(_Leaf(path, shape, "router", "router"))
-            continue
-        if is_nameless(path) and label is None:
-            nameless.append((path, shape))
-            out.append(leaf)
-            continue
-        if label is None and blocks:
-            label, why = "hidden", "block"
-        if label is None and vocab is not None and len(shape) == 2 and path != source:
-            if shape[0] == width and shape[1] in vocabs:
-                label, why = "head", "shape"
-            elif shape[1] == width and shape[0] in vocabs:
-                ambiguous.append((path, shape))
-        if label is None and cfg.default is not None:
-            label, why = cfg.default, "default"
-            if vocab is None and not blocks and label in ("hidden", "router"):
-                unchecked.append((path, shape))
-        if label is None:
-            unmatched.append((path, shape))
-        elif (label == "hidden" and not blocks and vocabs & set(shape)
-              and path != source):
-            not_hidden.append((path, shape, why))
-        elif label == "head" and why == "name" and vocabs and not vocabs & set(shape):
-            not_head.append((path, shape))
-        out.append(_Leaf(path, shape, label, why))
-    problems = []
-    if nameless:
-        problems.append(
-            f"{len(nameless)} parameter(s) have no names in their paths (a tree of bare values, "
-            "such as penzai's unbind_params tuple), and a matrix is never labelled by its shape "
-            f"alone: {_offer(nameless, vocabs, width, nameless=True)}. Label them with "
-            f"lm_optimizer(labels=...) or label_params(rules=...), e.g. "
-            f"{{{path_str(nameless[0][0])!r}: "
-            f"{_fitting(nameless[0][1], vocabs, width, True)[0]!r}, ...}} (a flat mapping from "
-            "paths to labels), or pass the tree whose paths carry the module names")
-    if not_hidden:
-        path, shape, why = not_hidden[0]
-        reason = "default='hidden'" if why == "default" else "its name"
-        problems.append(
-            f"{_show([(p, s) for p, s, _ in not_hidden])} would be 'hidden' (by "
-            f"{reason}) but has an axis of the vocabulary size ({where_v}) and sits outside the "
-            "repeated blocks: it is the output head or an embedding table, not a hidden matrix. "
-            f"Label it explicitly: rules=[({_regex(path)!r}, 'head')] for the output matrix, or "
-            "'embedding' for a lookup table ('hidden' only if it truly is one)")
-    if not_head:
-        path, shape = not_head[0]
-        problems.append(
-            f"{_show(not_head)} is named as the head but has no axis of the "
-            f"vocabulary size ({where_v}). If it is not the LM head, label it with "
-            f"rules=[({_regex(path)!r}, 'hidden')]; if it is, label the true token table with "
-            "rules=[(regex, 'embedding')]")
-    if unchecked:
-        path, shape = unchecked[0]
-        problems.append(
-            f"default={cfg.default!r} cannot be checked for {_show(unchecked)}: the vocabulary "
-            "size cannot be read from the tree (no token embedding or head is named), so each "
-            "of these matrices outside the repeated blocks may be the output head or an "
-            f"embedding table ({_offer(unchecked, vocabs, width)}). Label them with rules, e.g. "
-            f"rules=[({_regex(path)!r}, 'head')], or name the token table with "
-            "extra_embedding_names=")
-    if unmatched:
-        path, shape = unmatched[0]
-        note = ""
-        if ambiguous:
-            note = (f" ({_show(ambiguous)} is (V, d)-shaped: the head stored (V, d) -> 'head', or "
-                    "a lookup table -> 'embedding')")
-        first = _fitting(shape, vocabs, width, False)[0]
-        problems.append(
-            "no label for these matrices: " + _show(unmatched) + note
-            + f". Name them with a (regex, label) rule, e.g. rules=[({_regex(path)!r}, "
-            f"{first!r})] (labels that fit: {_offer(unmatched, vocabs, width)}), add their "
-            "names with extra_hidden_names=/extra_head_names=/extra_embedding_names=, or pass "
-            "default='hidden' to send every unnamed matrix to Muon explicitly")
-    if problems:
-        raise ValueError("label_params: " + " Also: ".join(problems))
+    vocabs = set()
+    if layout.vocab_size is not None:
+        vocabs = {layout.vocab_size} | {
+            lf.shape[0] for lf in leaves if lf.label == "embedding" and lf.source == "name"
+            and len(lf.shape) == 2 and not is_position_embedding(lf.path)}
+    return _Reading(layout, vocabs, cfg.default)
+
+
+def _by_structure(leaf: _Leaf, ctx: _Reading, problems: dict[str, list]) -> _Leaf:
+    """A leaf's label from the structure where its names gave none, and the cross-checks of
+    its names against the shapes (each failed check goes to `problems`)."""
+    path, shape, label, why = leaf
+    layout, vocabs = ctx.layout, ctx.vocabs
+    blocks = in_blocks(path, layout.stacks)
+    if label is None and blocks:
+        label, why = "hidden", "block"
+    if label is None and layout.vocab_size is not None and len(shape) == 2 \
+            and path != layout.source:
+        if shape[0] == layout.width and shape[1] in vocabs:
+            label, why = "head", "shape"
+        elif shape[1] == layout.width and shape[0] in vocabs:
+            problems["ambiguous"].append((path, shape))
+    if label is None and ctx.default is not None:
+        label, why = ctx.default, "default"
+        if layout.vocab_size is None and not blocks and label in ("hidden", "router"):
+            problems["unchecked"].append((path, shape))
+    if label is None:
+        problems["unmatched"].append((path, shape))
+    elif label == "hidden" and not blocks and vocabs & set(shape) and path != layout.source:
+        problems["not_hidden"].append((path, shape, why))
+    elif label == "head" and why == "name" and vocabs and not vocabs & set(shape):
+        problems["not_head"].append((path, shape))
+    return _Leaf(path, shape, label, why)
+
+
+def _resolve_leaf(leaf: _Leaf, ctx: _Reading, problems: dict[str, list]) -> _Leaf:
+    """One leaf after the first pass: kept (rank, rule, vector name), a stacked vector, a
+    router the shapes confirm, a nameless leaf (a problem), else `_by_structure`."""
+    path, shape, label, why = leaf
+    if why in ("rank", "rule", "vector name"):
+        return leaf
+    stack = stack_of(path, ctx.layout.stacks)
+    if stack is not None and stack[1] is not None and len(shape) == 2 \
+            and shape[stack[1][0]] == stack[1][1] and label in (None, "hidden"):
+        return _Leaf(path, shape, "vector", "stack")  # a vector with a layer axis
+    if path in ctx.layout.routers and label in (None, "hidden"):
+        return _Leaf(path, shape, "router", "router")
+    if is_nameless(path) and label is None:
+        problems["nameless"].append((path, shape))
+        return leaf
+    return _by_structure(leaf, ctx, problems)
+
+
+def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStructure]:
+    """Structural cross-checks and inference on top of the names (module docstring); every
+    problem of the tree in one ValueError."""
+    ctx = _first_structure(leaves, cfg)
+    problems: dict[str, list] = {kind: [] for kind in (
+        "nameless", "not_hidden", "not_head", "unchecked", "unmatched", "ambiguous")}
+    out = [_resolve_leaf(leaf, ctx, problems) for leaf in leaves]
+    layout = ctx.layout
+    where_v = f"V={layout.vocab_size}" + (
+        f", from {path_str(layout.source)}" if layout.source else "")
+    message = problems_message(problems, Shapes(ctx.vocabs, layout.width, where_v), cfg.default)
+    if message:
+        raise ValueError(message)
     return out, layout
 
 
@@ -252,14 +183,13 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
     """Checks the tied-embedding policy: ``(path of a table to relabel "head", unused heads)``."""
     heads = [lf for lf in leaves if lf.label == "head"]
     embeds = [lf for lf in leaves if lf.label == "embedding"]
-    show = lambda lfs: _show([(lf.path, lf.shape) for lf in lfs])
     if tied is None:
         if embeds and not heads:
             tokens = [lf for lf in embeds if not is_position_embedding(lf.path)] or embeds
             table = max(tokens, key=lambda lf: lf.shape[0] if lf.shape else 0)
             raise ValueError(
-                f"label_params: found embedding table(s) {show(embeds)} but no head matrix: the "
-                f"pattern of tied embeddings (GPT-2, Gemma, OPT, nanodo), a token table "
+                f"label_params: found embedding table(s) {show(embeds)} but no head matrix: "
+                f"the pattern of tied embeddings (GPT-2, Gemma, OPT, nanodo), a token table "
                 f"{path_str(table.path)} {tuple(table.shape)} and no (d, V) or (V, d) output "
                 "matrix anywhere in the tree. If the logits reuse the token table (logits = "
                 "h @ E.T), pass tied='embedding' (train the table with AdamW as an embedding) or "
@@ -383,22 +313,6 @@ class Labeler:
         return leaves, structure
 
 
-def make_labeler(**options: Any) -> Labeler:
-    """``Labeler(**options)``: `label_params` with its options bound, as a label function.
-
-    The result suits ``optax.partition`` and `partition_by_label`, which call it with the
-    params at init and the updates at update. `options` are `Labeler`'s attributes.
-
-    Examples:
-      >>> import jax.numpy as jnp, rowgeom
-      >>> labeler = rowgeom.make_labeler(extra_hidden_names={"router"})
-      >>> labeler({"router": {"kernel": jnp.zeros((16, 4))},
-      ...          "lm_head": {"kernel": jnp.zeros((16, 100))}})["router"]["kernel"]
-      'hidden'
-    """
-    return Labeler(**options)
-
-
 def label_params(params: Any, **options: Any) -> Any:
     """Labels every leaf of `params` with one of `LABELS` (or a custom label from `rules`).
 
@@ -447,7 +361,7 @@ def label_params(params: Any, **options: Any) -> Any:
 
     Returns:
       A tree of label strings with the structure of `params` (boxes replaced by labels).
-      For an ``optax.partition`` label function use `Labeler` (or `make_labeler`).
+      For an ``optax.partition`` label function use `Labeler`.
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
@@ -469,82 +383,3 @@ def label_params(params: Any, **options: Any) -> Any:
       'hidden'
     """
     return Labeler(**options)(params)
-
-
-def label_table(labels: Any, params: Any) -> dict[Path, Any]:
-    """``{path: label}`` of a labels tree (or of ``labels(params)`` for a callable).
-
-    Labels boxed in Variables (a ``jax.tree.map`` over an ``nnx.State`` without ``is_leaf``) are
-    unboxed to their strings. Look a parameter up with ``lookup_prefix``: a labels tree may be a
-    prefix of the parameters.
-    """
-    return prefix_entries(labels(params) if callable(labels) else labels)
-
-
-def partition_by_label(
-    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
-) -> optax.GradientTransformationExtraArgs:
-    """``optax.partition`` with labels checked and matched to the tree by path.
-
-    `labels` is a tree of label strings (the same structure as the params or a prefix of
-    it) or a callable ``params -> such a tree``. Labels are looked up by normalised key
-    path, not by tree structure, so one labels tree serves both calls ``nnx.Optimizer``
-    makes: ``tx.init`` with an ``nnx.State`` of ``nnx.Variable`` and ``tx.update`` with the
-    plain arrays. (Plain ``optax.partition`` fails on the update when the labels tree still
-    holds Variables, e.g. ``jax.tree.map(f, state)`` without ``is_leaf``, or when the labels
-    are a dict but the params an ``nnx.State``.)
-
-    Every parameter needs a label and every label a transform; otherwise a ValueError at
-    init (and update) lists the missing labels and their paths.
-
-    Returns:
-      The ``optax.partition`` transformation.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, optax, rowgeom
-      >>> params = {"mlp": {"kernel": jnp.zeros((8, 8))}, "lm_head": {"kernel": jnp.zeros((8, 32))}}
-      >>> head = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
-      ...                    optax.scale_by_learning_rate(1e-2))
-      >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(1e-2), "head": head},
-      ...                                 rowgeom.label_params)
-      >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
-      >>> rowgeom.partition_by_label({"hidden": optax.sgd(1e-2)}, rowgeom.label_params).init(params)
-      Traceback (most recent call last):
-      ...
-      ValueError: partition_by_label: no transform for label(s) 'head' (used by lm_head/kernel). ...
-    """
-    if not isinstance(transforms, Mapping):
-        raise TypeError(f"transforms must be a mapping label -> transformation, got "
-                        f"{type(transforms).__name__}")
-    for name, tx in transforms.items():
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise TypeError(f"transforms[{name!r}] must be an optax GradientTransformation, "
-                            f"got {type(tx).__name__}")
-
-    def label_fn(params):
-        table = label_table(labels, params)
-        missing_label: list[str] = []
-        missing_tx: dict[str, list[str]] = {}
-
-        def label_of(path, _):
-            found, label = lookup_prefix(table, path)
-            if not found:
-                missing_label.append(path_str(path))
-                return None
-            if label not in transforms:
-                missing_tx.setdefault(label, []).append(path_str(path))
-            return label
-
-        out = map_with_paths(label_of, params)
-        if missing_label:
-            raise ValueError("partition_by_label: no label for parameter(s) "
-                             + ", ".join(missing_label))
-        if missing_tx:
-            detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})"
-                               for lab, paths in missing_tx.items())
-            raise ValueError(
-                f"partition_by_label: no transform for label(s) {detail}. "
-                f"transforms has {sorted(map(str, transforms))}")
-        return out
-
-    return optax.partition(dict(transforms), label_fn)

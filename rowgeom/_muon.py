@@ -13,6 +13,7 @@ what that costs: docs/benchmarks.md; why it matters under sharding: docs/guides/
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, NamedTuple
@@ -77,7 +78,8 @@ def as_dimension_numbers(dims: Any) -> MuonDimensionNumbers | None:
     return None
 
 
-def _is_dims(x) -> bool:
+def is_dimension_numbers(x) -> bool:
+    """Whether `x` is a `MuonDimensionNumbers` (rowgeom's or optax.contrib's)."""
     return as_dimension_numbers(x) is not None
 
 
@@ -91,10 +93,10 @@ def _dims_per_leaf(dims, leaves: list[tuple[Path, Any]]) -> list:
     ``None`` at the root means the rank-2 default rule, checked per leaf. A tree is matched by
     path: its entry covers every leaf below it; a masked update leaf may lack one.
     """
-    if dims is None or _is_dims(dims):
+    if dims is None or is_dimension_numbers(dims):
         return [dims] * len(leaves)
     per_leaf = resolve_per_leaf(dims, [path for path, _ in leaves],
-                                is_value=lambda d: is_masked(d) or _is_dims(d),
+                                is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
                                 argname="dimension_numbers")
     missing = [path_str(path) for (path, x), (found, _) in zip(leaves, per_leaf, strict=True)
                if not found and not is_masked(x)]
@@ -141,7 +143,7 @@ def _plan(path, x, dims, *, scale, rms_scale) -> _Plan:
                     "MuonDimensionNumbers for it (e.g. (L, in, out) -> reduction_axis=1, "
                     "output_axis=2), or None there to pass it through unchanged")
         dims = _DEFAULT_DIMS
-    if not _is_dims(dims):
+    if not is_dimension_numbers(dims):
         raise TypeError(f"dimension_numbers for {where} must be a MuonDimensionNumbers (rowgeom's "
                         f"or optax.contrib's) or None, got {dims!r}")
     dims = as_dimension_numbers(dims)
@@ -230,8 +232,8 @@ def _as_leaf(part: jax.Array, plan: _Plan, x: jax.Array) -> jax.Array:
     return jnp.transpose(part.reshape(permuted), inverse)
 
 
-def _check_options(*, scale: str | None, eps: float, rms_scale: float,
-                   compute_dtype: Any) -> str:
+def check_muon_options(*, scale: str | None, eps: float, rms_scale: float,
+                       compute_dtype: Any) -> str:
     """Checks `muon_orthogonalize`'s options (traced ``eps``/``rms_scale`` pass); the scale."""
     if scale is None:
         scale = "none"
@@ -313,91 +315,123 @@ def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: flo
       True
     """
     table, norm_scale = resolve_coefficients(ns_coeffs, ns_steps)
-    scale = _check_options(scale=scale, eps=eps, rms_scale=rms_scale,
-                           compute_dtype=compute_dtype)
+    scale = check_muon_options(scale=scale, eps=eps, rms_scale=rms_scale,
+                               compute_dtype=compute_dtype)
     if not isinstance(shard_matrices, (bool, np.bool_)):
         raise TypeError(f"shard_matrices must be a Python bool, got {shard_matrices!r}")
-
-    def plans(tree):
-        dims = dimension_numbers(tree) if callable(dimension_numbers) else dimension_numbers
-        leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
-        per_leaf = _dims_per_leaf(dims, leaves)
-        result = []
-        for (path, x), d in zip(leaves, per_leaf, strict=True):
-            skip = is_masked(x) or d is _PASS
-            result.append(None if skip else _plan(path, x, d, scale=scale, rms_scale=rms_scale))
-        return [x for _, x in leaves], treedef, result
+    options = _Options(_Polar(table, norm_scale, eps, compute_dtype), dimension_numbers, scale,
+                       rms_scale, bool(shard_matrices))
 
     def init_fn(params):
-        plans(params)  # report bad shapes/dtypes/dimension numbers at init time
+        _leaf_plans(params, options)  # report bad shapes/dtypes/dimension numbers at init time
         return optax.EmptyState()
 
-    def polar_of(stack):
-        return orthogonalize(stack, table, norm_scale=norm_scale, eps=eps,
-                             compute_dtype=compute_dtype)
-
-    def local(group, leaves, leaf_plans):
-        """One group's results, orthogonalized wherever the partitioner places them."""
-        mats = [_as_matrices(leaves[i], leaf_plans[i]) for i in group]
-        # Explicit-mode sharding is part of the type: only equally sharded stacks concatenate.
-        by_sharding: dict[Any, list[int]] = {}
-        for k, m in enumerate(mats):
-            by_sharding.setdefault(jax.typeof(m).sharding.spec, []).append(k)
-        out: dict[int, jax.Array] = {}
-        for ks in by_sharding.values():
-            parts = _orthogonalize_group(
-                    [mats[k] for k in ks], [leaves[group[k]] for k in ks],
-                    [leaf_plans[group[k]] for k in ks],
-                    lambda stack: polar_of(_whole_matrices(stack)))
-            out.update((group[k], part) for k, part in zip(ks, parts, strict=True))
-        return [sharded_like(out[i], leaves[i]) for i in group]
-
-    steps = table.shape[0]
-
-    def spread_over(where, groups, leaf_plans):
-        """The groups' results, each matrix orthogonalized whole on one device of `where` (a
-        group of fewer, wide matrices: each split along its long side over every device)."""
-        def polar_on_devices(stack):
-            batch, m, n = stack.shape
-            if splits_long_side(batch, m, n, where, steps):
-                polar = polar_of(split_long_side(stack, where))
-                return gather(polar, batch, where, long_side=True)
-            return gather(polar_of(spread(stack, where)), batch, where)
-
-        def results(inputs):  # one list of leaves per group
-            out = []
-            for group, leaves in zip(groups, inputs, strict=True):
-                group_plans = [leaf_plans[i] for i in group]
-                mats = [_as_matrices(x, plan) for x, plan in
-                        zip(leaves, group_plans, strict=True)]
-                out.append(_orthogonalize_group(mats, leaves, group_plans, polar_on_devices))
-            return out
-        return results
-
     def update_fn(updates, state, params=None):
-        leaves, treedef, leaf_plans = plans(updates)  # shapes come from the updates
-        groups = _shape_groups(leaves, leaf_plans)
-        where = (matrix_mesh([leaves[i] for group in groups for i in group])
-                 if shard_matrices else None)
-        spread_groups = [group for group in groups if where is not None
-                         and not all(known_replicated(leaves[i], where) for i in group)]
-        out = list(leaves)
-        for group in groups:
-            if group not in spread_groups:
-                for i, result in zip(group, local(group, leaves, leaf_plans), strict=True):
-                    out[i] = result
-        if where is not None and spread_groups:
-            inputs = [[leaves[i] for i in group] for group in spread_groups]
-            results = on_mesh(spread_over(where, spread_groups, leaf_plans), inputs, where)
-            anchors = _param_leaves(params, len(leaves)) if not where.explicit_axes else None
-            for group, group_results in zip(spread_groups, results, strict=True):
-                for i, result in zip(group, group_results, strict=True):
-                    # Under Auto axes a parameter's sharding is fixed where the update's is
-                    # not: tie the result to it, so the update comes back in its sharding.
-                    anchor = None if anchors is None else anchors[i]
-                    if anchor is not None and anchor.shape == result.shape:
-                        result = shard_alike(result, anchor)[0]
-                    out[i] = result
-        return jax.tree_util.tree_unflatten(treedef, out), state
+        return _orthogonalized(updates, params, options), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _Polar(NamedTuple):
+    """The Newton–Schulz iteration of one transform, resolved."""
+
+    table: np.ndarray
+    norm_scale: float
+    eps: Any
+    compute_dtype: Any
+
+    def __call__(self, stack: jax.Array) -> jax.Array:
+        return orthogonalize(stack, self.table, norm_scale=self.norm_scale, eps=self.eps,
+                             compute_dtype=self.compute_dtype)
+
+    def whole(self, stack: jax.Array) -> jax.Array:
+        """Of a stack whose Explicit-mode shards of the matrix axes are gathered first."""
+        return self(_whole_matrices(stack))
+
+    def on_devices(self, stack: jax.Array, where) -> jax.Array:
+        """Of a stack with each matrix whole on one device of `where` (a stack of fewer, wide
+        matrices: each split along its long side over every device, when that moves less)."""
+        batch, m, n = stack.shape
+        if splits_long_side(batch, m, n, where, self.table.shape[0]):
+            return gather(self(split_long_side(stack, where)), batch, where, long_side=True)
+        return gather(self(spread(stack, where)), batch, where)
+
+
+class _Options(NamedTuple):
+    polar: _Polar
+    dimension_numbers: Any
+    scale: str
+    rms_scale: Any
+    shard_matrices: bool
+
+
+def _leaf_plans(tree, options: _Options):
+    """``(leaves, treedef, [_Plan or None])`` of a tree (None: the leaf passes unchanged)."""
+    dims = options.dimension_numbers
+    dims = dims(tree) if callable(dims) else dims
+    leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
+    plans = [None if is_masked(x) or d is _PASS else
+             _plan(path, x, d, scale=options.scale, rms_scale=options.rms_scale)
+             for (path, x), d in zip(leaves, _dims_per_leaf(dims, leaves), strict=True)]
+    return [x for _, x in leaves], treedef, plans
+
+
+def _local(group: list[int], leaves, leaf_plans, polar: _Polar) -> list[jax.Array]:
+    """One group's results, orthogonalized wherever the partitioner places them."""
+    mats = [_as_matrices(leaves[i], leaf_plans[i]) for i in group]
+    # Explicit-mode sharding is part of the type: only equally sharded stacks concatenate.
+    by_sharding: dict[Any, list[int]] = {}
+    for k, m in enumerate(mats):
+        by_sharding.setdefault(jax.typeof(m).sharding.spec, []).append(k)
+    out: dict[int, jax.Array] = {}
+    for ks in by_sharding.values():
+        parts = _orthogonalize_group([mats[k] for k in ks], [leaves[group[k]] for k in ks],
+                                     [leaf_plans[group[k]] for k in ks], polar.whole)
+        out.update((group[k], part) for k, part in zip(ks, parts, strict=True))
+    return [sharded_like(out[i], leaves[i]) for i in group]
+
+
+def _spread(inputs, *, groups, leaf_plans, where, polar: _Polar) -> list[list[jax.Array]]:
+    """The groups' results (one list of leaves per group), each matrix orthogonalized whole
+    on one device of `where` (`_Polar.on_devices`); run inside `on_mesh`."""
+    out = []
+    for group, leaves in zip(groups, inputs, strict=True):
+        group_plans = [leaf_plans[i] for i in group]
+        mats = [_as_matrices(x, plan) for x, plan in zip(leaves, group_plans, strict=True)]
+        out.append(_orthogonalize_group(mats, leaves, group_plans,
+                                        functools.partial(polar.on_devices, where=where)))
+    return out
+
+
+def _tied(result: jax.Array, anchor) -> jax.Array:
+    """Under Auto axes a parameter's sharding is fixed where the update's is not: the result
+    tied to it, so the update comes back in its sharding."""
+    if anchor is not None and anchor.shape == result.shape:
+        return shard_alike(result, anchor)[0]
+    return result
+
+
+def _orthogonalized(updates, params, options: _Options):
+    """`muon_orthogonalize`'s update: every planned matrix replaced by its scaled polar factor,
+    groups of one shape in one call, spread over the mesh the updates live on."""
+    leaves, treedef, leaf_plans = _leaf_plans(updates, options)  # shapes from the updates
+    groups = _shape_groups(leaves, leaf_plans)
+    where = (matrix_mesh([leaves[i] for group in groups for i in group])
+             if options.shard_matrices else None)
+    spread_groups = [group for group in groups if where is not None
+                     and not all(known_replicated(leaves[i], where) for i in group)]
+    out = list(leaves)
+    for group in groups:
+        if group not in spread_groups:
+            for i, result in zip(group, _local(group, leaves, leaf_plans, options.polar),
+                                 strict=True):
+                out[i] = result
+    if where is not None and spread_groups:
+        results = on_mesh(functools.partial(_spread, groups=spread_groups, leaf_plans=leaf_plans,
+                                            where=where, polar=options.polar),
+                          [[leaves[i] for i in group] for group in spread_groups], where)
+        anchors = _param_leaves(params, len(leaves)) if not where.explicit_axes else None
+        for group, group_results in zip(spread_groups, results, strict=True):
+            for i, result in zip(group, group_results, strict=True):
+                out[i] = _tied(result, None if anchors is None else anchors[i])
+    return jax.tree_util.tree_unflatten(treedef, out)

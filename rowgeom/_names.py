@@ -2,7 +2,7 @@
 
 Labels (`rowgeom.label_params`) and the model structure (`rowgeom._structure`) read whole,
 case-insensitive path components against these sets; the public ones are the defaults a user
-can replace or extend (``make_labeler(extra_hidden_names=...)``). Nothing here is logic.
+can replace or extend (``Labeler(extra_hidden_names=...)``). Nothing here is logic.
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ POSITION_EMBEDDING_NAMES = frozenset({
     "embed_positions", "posembed_input", "posembed_output",
 })
 """Path components that name a position table: an embedding, never the source of ``V``."""
+
+POSITION_WORD = re.compile(r"(?:pos|positions?|positional)(?:emb\w*)?")
+"""A ``_``-separated word of a component that names positions (``W_pos``, ``abs_pos_emb``,
+``PositionEmbedding``), matched whole: ``composer`` or ``transposed`` are no position words."""
 
 DEFAULT_EMBEDDING_NAMES = TOKEN_EMBEDDING_NAMES | frozenset({
     "embed", "embedding", "embeddings", "embedder", "wpe", "pos_embed", "pos_embedding",
@@ -149,6 +153,10 @@ Examples:
     >>> sorted(rowgeom.DEFAULT_VECTOR_NAMES)[:3]
     ['beta', 'bias', 'biases']
 """
+
+BIAS_LEAF = re.compile(r"b_[a-z0-9]+")
+"""A leaf name, matched whole and lower-cased, of a bias of any rank: TransformerLens's
+per-head ``b_Q``, ``b_K``, ``b_V`` ``(n_heads, d_head)``, its ``b_in``, ``b_out``, ``b_U``."""
 
 NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
 """A path component naming a normalisation module (``final_norm``, ``ln_f``, ``ln_1``)."""

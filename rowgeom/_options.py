@@ -1,11 +1,12 @@
-"""`lm_optimizer`'s options as frozen objects, and their resolution into every group's settings.
+"""`lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home.
 
-Contract: each option lives in exactly one place — `HeadOptions` (the head's optimizer, momentum,
-vocabulary axis, padding, rescaling and tracker), `MuonOptions` (the hidden group's Muon),
-`RouterOptions` (the router group's optimizer), `AdamOptions` (every AdamW group) and
-`GroupOptions` (one group's rate and decay override) — and
-`lm_optimizer_hparams` resolves them, with the base learning rate, into an `LMHyperparams`: the
-object `lm_optimizer` builds from, `describe` prints and a training script reads rates from.
+Contract: `HeadOptions` (the head's optimizer, momentum, vocabulary axis, RowNorm's eps, padding,
+rescaling and tracker), `MuonOptions` (every option of the hidden group's Muon chain: momentum,
+Newton–Schulz, eps, compute dtype, scale, sharding, matrix axes), `RouterOptions` (the router
+group's optimizer), `AdamOptions` (every AdamW group) and `GroupOptions` (one group's rate and
+decay override). Each checks its fields on creation, naming the field. A field that only one
+optimizer reads (a RowNorm head's ``eps``, an AdamW head has no ``momentum``) is None by default
+and an error when given to another. `rowgeom._hparams.lm_optimizer_hparams` resolves them.
 
 Why the defaults follow from one learning rate (RMS-matched Muon, the head rate as a radius, the
 head study's multipliers): docs/guides/learning-rates.md.
@@ -14,13 +15,17 @@ head study's multipliers): docs/guides/learning-rates.md.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import types
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import jax
 
-from rowgeom._names import HEAD_OPTIMIZERS, LABELS, ROUTER_OPTIMIZERS, TIED_POLICIES
+from rowgeom._muon import check_muon_options
+from rowgeom._names import HEAD_OPTIMIZERS, ROUTER_OPTIMIZERS
+from rowgeom._newton_schulz import resolve_coefficients
+from rowgeom._rownorm import _RESCALE_MODES, _check_eps
 from rowgeom._validation import check_int
 
 Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
@@ -37,11 +42,13 @@ Examples:
     {'rownorm': 5.0, 'adamw': 3.0, 'muon': 3.0}
 """
 
-_RESCALE_MODES = (None, "exact", "bound")
-_MUON_SCALES = ("rms", "spectral", "keller", "none", None)
+EMA_MOMENTUM = 0.95
+"""The EMA momentum of a RowNorm head or router and the trace momentum of a Muon head when
+their options leave it None."""
 
 
-def _one_of(value, allowed, argname: str):
+def one_of(value, allowed, argname: str):
+    """`value` if it is in `allowed`; a ValueError naming `argname` otherwise."""
     if value not in allowed:
         raise ValueError(f"{argname} must be one of {allowed}, got {value!r}")
     return value
@@ -54,6 +61,39 @@ def _not_array(value, argname: str):
     return value
 
 
+def _real(value, argname: str, *, low: float, high: float = math.inf,
+          low_open: bool = False, high_open: bool = False) -> None:
+    """Raises unless `value` is a real number in the interval (bounds open where said)."""
+    _not_array(value, argname)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{argname} must be a finite real number, got {value!r}")
+    value = float(value)
+    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{argname} must be in {bounds}, got {value!r}")
+
+
+def _momentum(value, argname: str) -> None:
+    if value is not None:
+        _real(value, argname, low=0.0, high=1.0, high_open=True)
+
+
+def _only_for(owner: str, optimizer: str, needs: str, **fields) -> None:
+    """Raises when a field that only the `needs` optimizer reads is given to another."""
+    given = [name for name, value in fields.items() if value is not None]
+    if given and optimizer != needs:
+        raise ValueError(f"{owner}.{given[0]} applies to optimizer={needs!r} only, got "
+                         f"optimizer={optimizer!r} with {given[0]}={fields[given[0]]!r}")
+
+
+def _prefixed(owner: str, check, *args, **kwargs):
+    """Runs a transform's own argument check, its error naming the options field."""
+    try:
+        return check(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{owner}.{err}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadOptions:
     """How `lm_optimizer` trains the LM head.
@@ -61,15 +101,19 @@ class HeadOptions:
     Attributes:
       optimizer: ``"rownorm"`` (projected RowNorm, arXiv 2608.22253), ``"adamw"`` or ``"muon"``.
       momentum: EMA momentum of a RowNorm head (no Nesterov, float32, before the normalisation)
-        and the trace momentum of a Muon head; an AdamW head uses `AdamOptions.b1`.
+        and the trace momentum of a Muon head; None: 0.95. An AdamW head uses `AdamOptions.b1`
+        (giving it here is an error).
       vocab_axis: the vocabulary axis of every head leaf; None: the one axis of size ``V``, else
         by name (``kernel`` -> 1, ``embedding``/``weight`` -> 0).
+      eps: RowNorm only: rows shorter than it are divided by it (`rownorm_direction`); None:
+        ``1e-8``.
       rescale: RowNorm only: None, ``"exact"`` (multiply the direction by ``2/D(S*)``, the whole
         diameter budget, ``O(V²d)`` per step) or ``"bound"`` (divide by the ``O(Vd)`` upper
         bound instead).
       num_valid: the number of real tokens of a padded vocabulary: token rows ``>= num_valid``
         are left out of RowNorm's means and get no RowNorm step (their weight decay still
-        applies: ``-lr·wd·W_pad``, zero while those rows are zero).
+        applies: ``-lr·wd·W_pad``, zero while those rows are zero). The other heads need no
+        mask: a padding row's gradient is zero, and so is its AdamW or Muon step.
       track: record `rowgeom.RowDiameterStats` of the full head step (`read_row_diameter`).
       track_every_k_steps: measure them on the first step and every k-th (1: every step).
 
@@ -84,38 +128,52 @@ class HeadOptions:
     """
 
     optimizer: str = "rownorm"
-    momentum: float = 0.95
+    momentum: float | None = None
     vocab_axis: int | None = None
+    eps: float | None = None
     rescale: str | None = None
     num_valid: int | None = None
     track: bool = True
     track_every_k_steps: int = 10
 
     def __post_init__(self):
-        _one_of(self.optimizer, HEAD_OPTIMIZERS, "HeadOptions.optimizer")
-        _one_of(self.rescale, _RESCALE_MODES, "HeadOptions.rescale")
-        if self.rescale is not None and self.optimizer != "rownorm":
-            raise ValueError(f"HeadOptions.rescale applies to optimizer='rownorm' only, got "
-                             f"optimizer={self.optimizer!r} with rescale={self.rescale!r}")
+        one_of(self.optimizer, HEAD_OPTIMIZERS, "HeadOptions.optimizer")
+        one_of(self.rescale, _RESCALE_MODES, "HeadOptions.rescale")
+        _only_for("HeadOptions", self.optimizer, "rownorm", rescale=self.rescale, eps=self.eps)
+        if self.optimizer == "adamw" and self.momentum is not None:
+            raise ValueError("HeadOptions.momentum: an AdamW head's momentum is AdamOptions.b1, "
+                             f"got momentum={self.momentum!r}")
+        _momentum(self.momentum, "HeadOptions.momentum")
+        if self.eps is not None:
+            _prefixed("HeadOptions", _check_eps, self.eps)
         if self.vocab_axis is not None:
             check_int(self.vocab_axis, argname="HeadOptions.vocab_axis", minimum=-(2**31))
         if self.num_valid is not None:
             check_int(self.num_valid, argname="HeadOptions.num_valid", minimum=1)
+        if not isinstance(self.track, bool):
+            raise TypeError(f"HeadOptions.track must be a bool, got {self.track!r}")
         check_int(self.track_every_k_steps, argname="HeadOptions.track_every_k_steps",
                   minimum=1)
-        _not_array(self.momentum, "HeadOptions.momentum")
 
 
 @dataclasses.dataclass(frozen=True)
 class MuonOptions:
-    """The Muon chain of the hidden group (and of a Muon head, with `HeadOptions.momentum`).
+    """The Muon chain of the hidden group (and of a Muon head and router): every option of
+    ``optax.trace`` and `rowgeom.muon_orthogonalize` that `lm_optimizer` does not derive.
 
     Attributes:
-      momentum: ``optax.trace`` decay before the orthogonalization.
+      momentum: ``optax.trace`` decay before the orthogonalization (a Muon head uses
+        `HeadOptions.momentum` instead).
       nesterov: Nesterov momentum.
+      mu_dtype: dtype of the momentum buffer (``optax.trace``'s ``accumulator_dtype``); None:
+        the parameters'.
       ns_steps: Newton–Schulz steps.
       ns_coeffs: preset name, triple or table (`rowgeom.ns_coefficients`).
-      scale: `rowgeom.muon_orthogonalize`'s ``scale`` (``"rms"``: step RMS 0.2).
+      eps: added to each matrix's Frobenius norm before normalising.
+      compute_dtype: dtype of the Newton–Schulz iteration (e.g. ``jnp.bfloat16``; products
+        accumulate in float32); None: each update's own.
+      scale: `rowgeom.muon_orthogonalize`'s ``scale`` (``"rms"``: step RMS `rms_scale`).
+      rms_scale: the step RMS of ``scale="rms"``.
       shard_matrices: when the updates live on a multi-device mesh, orthogonalize whole
         matrices, each on one device (`rowgeom.muon_orthogonalize`'s option of that name);
         False leaves Newton–Schulz to the partitioner.
@@ -123,31 +181,42 @@ class MuonOptions:
         structure; an undecidable leaf raises, naming it); a mapping ``{"/"-joined path:
         MuonDimensionNumbers}`` overriding the inference for those leaves or subtrees; or, as in
         `rowgeom.muon_orthogonalize`, one ``MuonDimensionNumbers`` for every hidden leaf, a tree
-        or a callable (nothing inferred).
+        or a callable of the parameter tree (nothing inferred).
 
     Examples:
       >>> import rowgeom
       >>> rowgeom.MuonOptions(ns_steps=6).ns_steps
       6
+      >>> rowgeom.MuonOptions(rms_scale=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: MuonOptions.rms_scale must be a finite number > 0, got 0
     """
 
     momentum: float = 0.95
     nesterov: bool = True
+    mu_dtype: Any = None
     ns_steps: int = 5
     ns_coeffs: Any = "keller"
+    eps: float = 1e-7
+    compute_dtype: Any = None
     scale: str | None = "rms"
+    rms_scale: float = 0.2
     shard_matrices: bool = True
     dimension_numbers: Any = None
 
     def __post_init__(self):
-        if not isinstance(self.shard_matrices, bool):
-            raise TypeError(f"MuonOptions.shard_matrices must be a bool, got "
-                            f"{self.shard_matrices!r}")
-        check_int(self.ns_steps, argname="MuonOptions.ns_steps", minimum=1)
-        _one_of(self.scale, _MUON_SCALES, "MuonOptions.scale")
+        for name in ("nesterov", "shard_matrices"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MuonOptions.{name} must be a bool, got {getattr(self, name)!r}")
+        _momentum(self.momentum, "MuonOptions.momentum")
         _not_array(self.ns_coeffs, "MuonOptions.ns_coeffs")
         _not_array(self.dimension_numbers, "MuonOptions.dimension_numbers")
-        _not_array(self.momentum, "MuonOptions.momentum")
+        for name in ("eps", "rms_scale"):
+            _not_array(getattr(self, name), f"MuonOptions.{name}")
+        _prefixed("MuonOptions", resolve_coefficients, self.ns_coeffs, self.ns_steps)
+        _prefixed("MuonOptions", check_muon_options, scale=self.scale, eps=self.eps,
+                  rms_scale=self.rms_scale, compute_dtype=self.compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +231,14 @@ class RouterOptions:
     Llama 4) is not shift-invariant. The tree cannot tell which score function a model uses.
 
     Attributes:
-      optimizer: ``"muon"`` (default: the hidden group's Muon chain, per layer, right for every
-        score function), ``"rownorm"`` (projected RowNorm over the expert axis, per layer:
-        centred expert rows, each of norm ``<= 1``, so ``D(step) <= 2·lr``; for softmax
-        routers only, since the centring drops a shift a sigmoid router does see) or
-        ``"adamw"``.
-      momentum: EMA momentum before the RowNorm (no Nesterov, float32); the Muon router uses
-        `MuonOptions.momentum`, the AdamW one `AdamOptions.b1`.
+      optimizer: ``"muon"`` (default: the hidden group's Muon chain, `MuonOptions`, per layer,
+        right for every score function), ``"rownorm"`` (projected RowNorm over the expert axis,
+        per layer: centred expert rows, each of norm ``<= 1``, so ``D(step) <= 2·lr``; for
+        softmax routers only, since the centring drops a shift a sigmoid router does see) or
+        ``"adamw"`` (`AdamOptions`).
+      momentum: RowNorm only: the EMA momentum before the normalisation (no Nesterov,
+        float32); None: 0.95.
+      eps: RowNorm only: rows shorter than it are divided by it; None: ``1e-8``.
 
     Examples:
       >>> import rowgeom
@@ -179,31 +249,49 @@ class RouterOptions:
     """
 
     optimizer: str = "muon"
-    momentum: float = 0.95
+    momentum: float | None = None
+    eps: float | None = None
 
     def __post_init__(self):
-        _one_of(self.optimizer, ROUTER_OPTIMIZERS, "RouterOptions.optimizer")
-        _not_array(self.momentum, "RouterOptions.momentum")
+        one_of(self.optimizer, ROUTER_OPTIMIZERS, "RouterOptions.optimizer")
+        _only_for("RouterOptions", self.optimizer, "rownorm", momentum=self.momentum,
+                  eps=self.eps)
+        _momentum(self.momentum, "RouterOptions.momentum")
+        if self.eps is not None:
+            _prefixed("RouterOptions", _check_eps, self.eps)
 
 
 @dataclasses.dataclass(frozen=True)
 class AdamOptions:
-    """``optax.adamw``'s moments for the embedding and vector groups and an AdamW head.
+    """``optax.adamw``'s options for the embedding and vector groups, an AdamW head and an
+    AdamW router (the rate and decay are the group's).
 
     Examples:
       >>> import rowgeom
       >>> rowgeom.AdamOptions()
-      AdamOptions(b1=0.9, b2=0.95, eps=1e-08)
+      AdamOptions(b1=0.9, b2=0.95, eps=1e-08, eps_root=0.0, mu_dtype=None, nesterov=False)
     """
 
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+    eps_root: float = 0.0
+    mu_dtype: Any = None
+    nesterov: bool = False
+
+    def __post_init__(self):
+        _real(self.b1, "AdamOptions.b1", low=0.0, high=1.0, high_open=True)
+        _real(self.b2, "AdamOptions.b2", low=0.0, high=1.0, high_open=True)
+        _real(self.eps, "AdamOptions.eps", low=0.0)
+        _real(self.eps_root, "AdamOptions.eps_root", low=0.0)
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"AdamOptions.nesterov must be a bool, got {self.nesterov!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupOptions:
-    """One group's override of the derived learning rate and weight decay (None: derived).
+    """One group's learning rate and weight decay (None: derived from `lm_optimizer`'s
+    ``learning_rate`` and ``weight_decay``, see `lm_optimizer_hparams`).
 
     Examples:
       >>> import rowgeom
@@ -215,259 +303,3 @@ class GroupOptions:
 
     learning_rate: Rate = None
     weight_decay: Rate = None
-
-
-DEFAULT_MUON = MuonOptions()
-DEFAULT_ADAM = AdamOptions()
-DEFAULT_ROUTER = RouterOptions()
-
-
-class GroupHyperparams(NamedTuple):
-    """One optimizer group's resolved settings, as `lm_optimizer` uses them.
-
-    ``optimizer``: ``"muon"``, ``"rownorm"``, ``"rownorm (uncentred)"`` (a tied table) or
-    ``"adamw"``; ``learning_rate``: float or schedule; ``weight_decay``: decoupled, per step
-    times the learning rate; ``momentum``: Muon/RowNorm momentum or AdamW's ``b1``.
-
-    Examples:
-      >>> import rowgeom
-      >>> rowgeom.lm_optimizer_hparams(1e-3)["head"]
-      GroupHyperparams(optimizer='rownorm', learning_rate=0.005, weight_decay=0.1, momentum=0.95)
-    """
-
-    optimizer: str
-    learning_rate: Any
-    weight_decay: Any
-    momentum: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class LMHyperparams(Mapping):
-    """Everything `lm_optimizer` builds from, resolved: a read-only mapping from the five groups
-    to their `GroupHyperparams`, plus the option objects and the labelling.
-
-    Pass it to `lm_optimizer` or `describe` in place of the learning rate; `with_rates` maps
-    every group's rate (e.g. into a schedule) and keeps everything else.
-
-    Examples:
-      >>> import rowgeom
-      >>> hp = rowgeom.lm_optimizer_hparams(6e-3, head="adamw")
-      >>> round(hp["head"].learning_rate, 6), hp["hidden"].learning_rate, hp["vector"].weight_decay
-      (0.018, 0.006, 0.0)
-      >>> warm = hp.with_rates(lambda group, lr: (lambda count: lr * count / 100))
-      >>> round(float(warm["head"].learning_rate(50)), 6)
-      0.009
-    """
-
-    groups: Mapping[str, GroupHyperparams]
-    head: HeadOptions
-    muon: MuonOptions
-    adam: AdamOptions
-    labels: Any
-    tied: str | None
-    router: RouterOptions = DEFAULT_ROUTER
-
-    def __getitem__(self, group: str) -> GroupHyperparams:
-        return self.groups[group]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.groups)
-
-    def __len__(self) -> int:
-        return len(self.groups)
-
-    def with_rates(self, fn: Callable[[str, Rate], Rate]) -> LMHyperparams:
-        """A copy whose group ``g`` has learning rate ``fn(g, rate)``."""
-        groups = {g: hp._replace(learning_rate=fn(g, hp.learning_rate))
-                  for g, hp in self.groups.items()}
-        return dataclasses.replace(self, groups=types.MappingProxyType(groups))
-
-
-def _scaled(rate: Rate, factor: float) -> Rate:
-    """`factor` times a learning rate; a schedule stays a schedule, None stays None."""
-    if rate is None or factor == 1:
-        return rate
-    if callable(rate):
-        return lambda count: factor * rate(count)
-    return factor * rate
-
-
-def _or(value, fallback):
-    return fallback if value is None else value
-
-
-# The flat keywords of earlier releases, each one field of one options object. They stay
-# accepted: a one-line call reads well, and every field keeps a single home.
-FLAT_KEYWORDS = types.MappingProxyType({
-    "hidden_learning_rate": ("groups", "hidden", "learning_rate"),
-    "embedding_learning_rate": ("groups", "embedding", "learning_rate"),
-    "vector_learning_rate": ("groups", "vector", "learning_rate"),
-    "router_learning_rate": ("groups", "router", "learning_rate"),
-    "hidden_weight_decay": ("groups", "hidden", "weight_decay"),
-    "head_weight_decay": ("groups", "head", "weight_decay"),
-    "embedding_weight_decay": ("groups", "embedding", "weight_decay"),
-    "vector_weight_decay": ("groups", "vector", "weight_decay"),
-    "router_weight_decay": ("groups", "router", "weight_decay"),
-    "momentum": ("muon", "momentum"),
-    "nesterov": ("muon", "nesterov"),
-    "ns_steps": ("muon", "ns_steps"),
-    "ns_coeffs": ("muon", "ns_coeffs"),
-    "muon_scale": ("muon", "scale"),
-    "shard_matrices": ("muon", "shard_matrices"),
-    "muon_dimension_numbers": ("muon", "dimension_numbers"),
-    "head_momentum": ("head", "momentum"),
-    "head_vocab_axis": ("head", "vocab_axis"),
-    "head_rescale": ("head", "rescale"),
-    "head_num_valid": ("head", "num_valid"),
-    "track_head": ("head", "track"),
-    "track_every_k_steps": ("head", "track_every_k_steps"),
-    "adam_b1": ("adam", "b1"),
-    "adam_b2": ("adam", "b2"),
-    "adam_eps": ("adam", "eps"),
-})
-"""``lm_optimizer``'s flat keywords and the options field each one sets: ``ns_steps=6`` is
-``muon=MuonOptions(ns_steps=6)``, ``head_weight_decay=0`` is
-``groups={"head": GroupOptions(weight_decay=0)}``.
-
-Examples:
-    >>> import rowgeom
-    >>> rowgeom.FLAT_KEYWORDS["head_num_valid"]
-    ('head', 'num_valid')
-    >>> rowgeom.lm_optimizer_hparams(1e-3, head_num_valid=50257).head.num_valid
-    50257
-"""
-
-
-_Options = TypeVar("_Options", "HeadOptions", "MuonOptions", "AdamOptions", "RouterOptions")
-
-
-def _apply_flat(flat: dict, *, head: HeadOptions, muon: MuonOptions, adam: AdamOptions,
-                router: RouterOptions, groups: dict,
-                ) -> tuple[HeadOptions, MuonOptions, AdamOptions, RouterOptions, dict]:
-    # optax.inject_hyperparams binds the var-keyword arguments to their parameter's name and
-    # passes them back as one keyword holding a dict: unpack it.
-    if isinstance(flat.get("flat"), dict):
-        flat = {**flat.pop("flat"), **flat}
-    unknown = sorted(set(flat) - set(FLAT_KEYWORDS))
-    if unknown:
-        raise TypeError(f"lm_optimizer: unknown option(s) {unknown}; options are the keywords "
-                        f"of lm_optimizer and {sorted(FLAT_KEYWORDS)}")
-    objects: dict[str, Any] = {"head": {}, "muon": {}, "adam": {}, "router": {}}
-    for name, value in flat.items():
-        where = FLAT_KEYWORDS[name]
-        if where[0] == "groups":
-            old = groups.get(where[1], GroupOptions())
-            groups[where[1]] = dataclasses.replace(old, **{where[2]: value})
-        else:
-            objects[where[0]][where[1]] = value
-    def replaced(obj: _Options, name: str) -> _Options:
-        try:
-            return dataclasses.replace(obj, **objects[name])
-        except (TypeError, ValueError) as err:  # name the keywords the user wrote
-            given = [k for k in flat if FLAT_KEYWORDS[k][0] == name]
-            raise type(err)(f"{err} (set by {', '.join(f'{k}=' for k in given)})") from None
-
-    return (replaced(head, "head"), replaced(muon, "muon"), replaced(adam, "adam"),
-            replaced(router, "router"), groups)
-
-
-def lm_optimizer_hparams(
-    learning_rate: Rate,
-    *,
-    head: str | HeadOptions = "rownorm",
-    labels: Any = None,
-    tied: str | None = None,
-    head_learning_rate: Rate = None,
-    weight_decay: Rate = 0.1,
-    groups: Mapping[str, GroupOptions] | None = None,
-    muon: MuonOptions = DEFAULT_MUON,
-    adam: AdamOptions = DEFAULT_ADAM,
-    router: str | RouterOptions = DEFAULT_ROUTER,
-    **flat: Any,
-) -> LMHyperparams:
-    """Every group's resolved learning rate, weight decay and momentum, and the options.
-
-    The one source of truth for the defaults: `lm_optimizer` calls it (or takes its result),
-    so a training script that needs a group's rate reads it here instead of re-deriving it.
-
-    Args:
-      learning_rate: base rate (float or schedule; None leaves every rate None, for
-        `describe`). Hidden, embedding and vector groups use it as is, the head
-        ``HEAD_LR_MULTIPLIERS[optimizer]`` times it (a schedule stays a schedule).
-      head: a head optimizer name or `HeadOptions`.
-      labels: None (`rowgeom.label_params`' defaults with `tied`), a tree of labels, a
-        callable ``params -> labels`` or a `Labeler`.
-      tied: None, ``"embedding"`` or ``"head"``: how a head tied to the embedding is trained.
-        ``"head"`` also turns off RowNorm's centring.
-      head_learning_rate: the head's rate instead of the multiple of `learning_rate`.
-      weight_decay: decoupled weight decay of the matrix groups (hidden, head, embedding); the
-        vector group's default is 0.
-      groups: per-group overrides, ``{"hidden" | "head" | "embedding" | "vector" | "router":
-        GroupOptions(...)}``.
-      muon: `MuonOptions`.
-      adam: `AdamOptions`.
-      router: a router optimizer name (``"muon"``, ``"rownorm"``, ``"adamw"``) or
-        `RouterOptions`; the router group's rate and decay default to the hidden group's.
-      **flat: the flat keywords of `FLAT_KEYWORDS` (e.g. ``ns_steps=6``), each setting one
-        field of the objects above.
-
-    Returns:
-      An `LMHyperparams`: ``hp["head"]`` is the head's `GroupHyperparams`.
-
-    Examples:
-      >>> import rowgeom
-      >>> hp = rowgeom.lm_optimizer_hparams(1e-3, head_weight_decay=0.0)
-      >>> hp["head"]
-      GroupHyperparams(optimizer='rownorm', learning_rate=0.005, weight_decay=0.0, momentum=0.95)
-    """
-    if isinstance(head, str):
-        head = HeadOptions(optimizer=_one_of(head, HEAD_OPTIMIZERS, "head"))
-    if not isinstance(head, HeadOptions):
-        raise TypeError(f"head must be one of {HEAD_OPTIMIZERS} or a rowgeom.HeadOptions, got "
-                        f"{head!r}")
-    if isinstance(router, str):
-        router = RouterOptions(optimizer=_one_of(router, ROUTER_OPTIMIZERS, "router"))
-    for name, value, kind in (("muon", muon, MuonOptions), ("adam", adam, AdamOptions),
-                              ("router", router, RouterOptions)):
-        if not isinstance(value, kind):
-            raise TypeError(f"{name} must be a rowgeom.{kind.__name__}, got {value!r}")
-    _one_of(tied, TIED_POLICIES, "tied")
-    if isinstance(labels, (str, jax.Array)):
-        # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
-        raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
-                        "under optax.inject_hyperparams list it in static_args "
-                        "(rowgeom.STATIC_ARGS)")
-    overrides = dict(groups or {})
-    unknown = sorted(set(overrides) - set(LABELS))
-    if unknown:
-        raise ValueError(f"groups: unknown group(s) {unknown}; groups are {LABELS}")
-    head, muon, adam, router, overrides = _apply_flat(flat, head=head, muon=muon, adam=adam,
-                                                      router=router, groups=overrides)
-    given = {g: overrides.get(g, GroupOptions()) for g in LABELS}
-    if head_learning_rate is not None and given["head"].learning_rate is not None:
-        raise ValueError("the head's rate is given twice: head_learning_rate and "
-                         "groups['head'].learning_rate")
-    name = head.optimizer
-    head_lr = _or(_or(head_learning_rate, given["head"].learning_rate),
-                  _scaled(learning_rate, HEAD_LR_MULTIPLIERS[name]))
-    head_name = "rownorm (uncentred)" if name == "rownorm" and tied == "head" else name
-    resolved = {
-        "hidden": GroupHyperparams("muon", _or(given["hidden"].learning_rate, learning_rate),
-                                   _or(given["hidden"].weight_decay, weight_decay),
-                                   muon.momentum),
-        "head": GroupHyperparams(head_name, head_lr,
-                                 _or(given["head"].weight_decay, weight_decay),
-                                 adam.b1 if name == "adamw" else head.momentum),
-        "embedding": GroupHyperparams(
-            "adamw", _or(given["embedding"].learning_rate, learning_rate),
-            _or(given["embedding"].weight_decay, weight_decay), adam.b1),
-        "vector": GroupHyperparams("adamw", _or(given["vector"].learning_rate, learning_rate),
-                                   _or(given["vector"].weight_decay, 0.0), adam.b1),
-        "router": GroupHyperparams(
-            router.optimizer, _or(given["router"].learning_rate, learning_rate),
-            _or(given["router"].weight_decay, weight_decay),
-            {"muon": muon.momentum, "rownorm": router.momentum, "adamw": adam.b1}[
-                router.optimizer]),
-    }
-    return LMHyperparams(types.MappingProxyType(resolved), head, muon, adam, labels, tied,
-                         router)

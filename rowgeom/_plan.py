@@ -1,55 +1,62 @@
-"""The optimizer plan: what `lm_optimizer` does to each leaf, computed from the whole tree.
+"""The optimizer plan: every choice `lm_optimizer` makes for each leaf, read from the whole tree.
 
-Contract: `make_plan(tree, hparams)` is a pure function of the tree's paths and shapes and the
-resolved `LMHyperparams`. It labels every leaf (`rowgeom.label_params` or the given labels),
-reads the model structure (``V``, ``d``, layer stacks: `rowgeom._structure`) and gives each leaf
-its geometry, Muon's matrix axes (hidden leaves) or the vocabulary axis (head leaves), and its
-group's learning rate and decay. `lm_optimizer` builds its partition from this object on every
-``init``/``update``; `describe` returns it for a user to read. Nothing is cached between calls.
+Contract: `make_plan(tree, hparams)` is a pure function of the tree's paths, shapes and dtypes
+and the resolved `LMHyperparams`: it labels every leaf, reads the model structure
+(`rowgeom._structure`, where every axis is inferred) and gives each leaf a `LeafPlan` of every
+resolved choice. `rowgeom._recipe` only turns a plan into chains; `describe` returns it. Rules
+decided here, and only here: a label's optimizer (`_optimizer`), a tied head is not centred and
+a RowNorm router is (`_centred`), a Muon head is one matrix, a model has a head unless tied.
+`PlanCache` keeps one transform's plans keyed on the structure, shapes and dtypes of its trees:
+an eager ``update`` on a tree seen before plans nothing. Nothing is shared between transforms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import collections
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import jax
+import numpy as np
+
+from rowgeom._hparams import LMHyperparams, hparams_of
 from rowgeom._labels import Labeler
-from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers
-from rowgeom._names import DEFAULT_ROUTER_NAMES, GENERIC_LEAF_NAMES
-from rowgeom._options import LMHyperparams, lm_optimizer_hparams
+from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers, is_dimension_numbers
+from rowgeom._names import DEFAULT_ROUTER_NAMES
 from rowgeom._structure import (
     ModelStructure,
     StructureError,
+    batch_axes,
     batch_roles,
     head_vocab_axis,
     model_structure,
     muon_axes,
-    naming_path,
     router_axes,
-    stack_of,
-    unstacked_axes,
+    router_matrix_axes,
 )
-from rowgeom._tree import Path, leaf_shape, path_str, resolve_per_leaf, tree_paths
+from rowgeom._tree import Path, is_masked, leaf_shape, path_str, resolve_per_leaf, tree_paths
 
 
 class LeafPlan(NamedTuple):
-    """One parameter as `lm_optimizer` trains it (a row of `describe`).
+    """One parameter as `lm_optimizer` trains it (a row of `describe`): every choice made for it.
 
     ``path``: ``"/"``-joined key path; ``label``: its group; ``geometry``: the update rule with
-    its axes (Muon's reduction/output/batch axes, the head's vocabulary axis);
-    ``muon_dims`` / ``vocab_axis``: the same axes as values (None where they do not apply; a
-    RowNorm router's ``vocab_axis`` is its expert axis);
-    ``learning_rate`` and ``weight_decay``: the group's resolved values (None without a
-    learning rate; a schedule is kept as the callable); ``note``: what a reader should check
-    (the expert and layer axes of an expert stack or router, a head that is probably unused);
-    ``batch_axes``: the axes Muon or a router's RowNorm treats as a batch of matrices.
+    its axes, as text; ``learning_rate``, ``weight_decay``, ``momentum``: the group's resolved
+    values (a schedule kept as the callable; None without a learning rate); ``muon_dims``: Muon's
+    matrix axes (hidden leaves, a Muon head or router); ``vocab_axis``: the head's vocabulary
+    axis (a RowNorm router's expert axis); ``note``: what a reader should check (an expert
+    stack's axes, a head that is probably unused); ``batch_axes``: the axes Muon or a router's
+    RowNorm takes as a batch of matrices; ``optimizer``: ``"muon"``, ``"rownorm"`` or
+    ``"adamw"`` (``""``: a custom label); ``centred``: whether RowNorm centres the rows (None: no
+    RowNorm leaf); ``reason``: why the leaf has its label (``"name"``, ``"rule"``, ``"shape"``,
+    ``"block"``, ``"tied"``, ...; ``"given"`` for labels given as a tree or callable).
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
       >>> row = rowgeom.describe({"embed": {"embedding": jnp.zeros((8, 4))},
       ...                         "lm_head": {"kernel": jnp.zeros((4, 8))}}, 1e-3)[1]
-      >>> row.path, row.label, row.geometry, row.learning_rate
-      ('lm_head/kernel', 'head', 'RowNorm, vocab axis 1', 0.005)
+      >>> row.path, row.label, row.geometry, row.learning_rate, row.centred, row.reason
+      ('lm_head/kernel', 'head', 'RowNorm, vocab axis 1', 0.005, True, 'name')
     """
 
     path: str
@@ -62,6 +69,22 @@ class LeafPlan(NamedTuple):
     vocab_axis: int | None = None
     note: str = ""
     batch_axes: tuple[int, ...] = ()
+    optimizer: str = ""
+    centred: bool | None = None
+    momentum: Any = None
+    reason: str = ""
+
+
+class GroupPlan(NamedTuple):
+    """One group's shared choices and its leaves, what `rowgeom._recipe` builds a chain from
+    (an empty group keeps its resolved settings: nothing is trained with them)."""
+
+    optimizer: str
+    learning_rate: Any
+    weight_decay: Any
+    momentum: Any
+    centred: bool | None
+    leaves: Mapping[str, LeafPlan]
 
 
 class OptimizerPlan(tuple):
@@ -91,17 +114,20 @@ class OptimizerPlan(tuple):
         """``{path: LeafPlan}`` of the leaves with this label."""
         return {leaf.path: leaf for leaf in self if leaf.label == label}
 
-    def __str__(self) -> str:
-        def fmt(x):
-            if x is None:
-                return "-"
-            if callable(x):
-                return "schedule"
-            return f"{x:.4g}" if isinstance(x, float) else str(x)
+    def group(self, label: str) -> GroupPlan:
+        """The choices the leaves of one group share, and the leaves."""
+        leaves = self.by_label(label)
+        group = self.hparams[label]
+        centred = {leaf.centred for leaf in leaves.values()}
+        if len(centred) > 1:  # one chain per group: make_plan never mixes them
+            raise AssertionError(f"group {label!r} mixes centred and uncentred RowNorm leaves")
+        return GroupPlan(group.optimizer, group.learning_rate, group.weight_decay,
+                         group.momentum, centred.pop() if centred else None, leaves)
 
+    def __str__(self) -> str:
         header: tuple[str, ...] = ("path", "shape", "label", "geometry", "lr", "wd")
-        cells = [header] + [(r.path, str(r.shape), r.label, r.geometry, fmt(r.learning_rate),
-                             fmt(r.weight_decay)) for r in self]
+        cells = [header] + [(r.path, str(r.shape), r.label, r.geometry, _cell(r.learning_rate),
+                             _cell(r.weight_decay)) for r in self]
         if any(r.note for r in self):  # the column only where a leaf has something to check
             header += ("note",)
             cells = [header] + [row + (r.note,) for row, r in zip(cells[1:], self, strict=True)]
@@ -112,47 +138,62 @@ class OptimizerPlan(tuple):
         return "\n".join(lines)
 
 
+def _cell(x) -> str:
+    if x is None:
+        return "-"
+    if callable(x):
+        return "schedule"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
 def infers_muon_dims(dims: Any) -> bool:
     """Whether `MuonOptions.dimension_numbers` asks for inference: None, or a mapping of
     ``"/"``-joined paths to dimension numbers (overrides of the inference)."""
     return dims is None or (isinstance(dims, Mapping) and bool(dims)
                             and all(isinstance(k, str) for k in dims)
-                            and all(as_dimension_numbers(v) is not None for v in dims.values()))
-
-
-def _is_dims(x) -> bool:
-    return as_dimension_numbers(x) is not None
+                            and all(is_dimension_numbers(v) for v in dims.values()))
 
 
 def _axes_text(axes) -> str:
     return ",".join(map(str, (axes,) if isinstance(axes, int) else tuple(axes)))
 
 
-def _geometry(label: str, shape, dims, axis, hp: LMHyperparams, given_dims: bool,
-              batch: tuple[int, ...] = ()) -> str:
-    if label == "router":
-        if hp.router.optimizer == "rownorm":
-            text = f"RowNorm over experts, expert axis {axis}"
-            return text + (f" batch {_axes_text(batch)}" if batch else "")
-        if hp.router.optimizer == "adamw":
-            return "AdamW"
-        label = "hidden"
-    if label == "hidden":
-        if given_dims:
-            return "Muon, given dimension_numbers"
-        used = set()
-        for side in (dims.reduction_axis, dims.output_axis):
-            used |= set((side,) if isinstance(side, int) else side)
-        rest = [a for a in range(len(shape)) if a not in used]
-        text = f"Muon, in {_axes_text(dims.reduction_axis)} out {_axes_text(dims.output_axis)}"
-        return text + (f" batch {_axes_text(rest)}" if rest else "")
+def _unwrap(axes: tuple[int, ...]):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+# --- The rules --------------------------------------------------------------------------------
+
+
+def _optimizer(label: str, hp: LMHyperparams) -> str:
+    """The optimizer of a label's leaves."""
+    return {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer,
+            "embedding": "adamw", "vector": "adamw"}.get(label, "")
+
+
+def _centred(label: str, optimizer: str, hp: LMHyperparams) -> bool | None:
+    """Whether RowNorm centres a leaf's rows: a head unless it is the tied input table (an
+    input embedding has no shift symmetry), a router always; None for other geometries."""
+    if optimizer != "rownorm":
+        return None
+    return label == "router" or hp.tied != "head"
+
+
+def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
+    """A leaf's update rule as `describe` prints it."""
+    with_batch = f" batch {_axes_text(batch)}" if batch else ""
     if label == "head":
-        name = {"rownorm": "RowNorm", "adamw": "AdamW", "muon": "Muon"}[hp.head.optimizer]
-        if hp.head.optimizer == "rownorm" and hp.tied == "head":
-            name = "RowNorm uncentred"
-        return f"{name}, vocab axis {axis}"
-    if label in ("embedding", "vector"):
+        name = {"rownorm": "RowNorm", "adamw": "AdamW", "muon": "Muon"}[optimizer]
+        return f"{name}{'' if centred in (None, True) else ' uncentred'}, vocab axis {axis}"
+    if optimizer == "rownorm":
+        return f"RowNorm over experts, expert axis {axis}{with_batch}"
+    if optimizer == "adamw":
         return "AdamW"
+    if optimizer == "muon" and dims is None:
+        return "momentum only (dimension_numbers None)"
+    if optimizer == "muon":
+        return (f"Muon, in {_axes_text(dims.reduction_axis)} out {_axes_text(dims.output_axis)}"
+                + with_batch)
     return "custom label"
 
 
@@ -175,21 +216,67 @@ def _check_head_group(leaves, hp: LMHyperparams) -> None:
                          f"tied embedding table 'head'{seen}")
 
 
-def _features(path: Path, structure: ModelStructure, vectors) -> set[int]:
-    """Sizes of the norm scales in a leaf's module (a low-rank projection's width)."""
-    names = naming_path(path)
-    module = names[:-2] if len(names) > 2 and names[-1].lower() in GENERIC_LEAF_NAMES \
-        else names[:-1]
-    found = set()
-    for vpath, vshape in vectors:
-        rest = list(vshape)
-        stack = stack_of(vpath, structure.stacks)
-        if stack is not None and stack[1] is not None and len(rest) == 2 \
-                and rest[stack[1][0]] == stack[1][1]:
-            del rest[stack[1][0]]  # a stacked norm scale (r, L)
-        if vpath[:len(module)] == module and len(rest) == 1 and rest[0] != structure.width:
-            found.add(rest[0])
-    return found
+# --- Labels and axes ----------------------------------------------------------------------------
+
+
+def _labelled(tree: Any, hp: LMHyperparams):
+    """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
+    entries = tree_paths(tree)
+    if isinstance(hp.labels, Labeler):
+        leaves, _ = hp.labels.label_leaves(tree)
+        return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
+                {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
+    given = hp.labels(tree) if callable(hp.labels) else hp.labels
+    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
+                                is_value=lambda v: isinstance(v, str), argname="labels")
+    missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
+               if not found]
+    if missing:
+        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
+    labelled = [(p, leaf_shape(x), str(label))
+                for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
+    return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
+
+
+def _given_dims(option: Any, tree: Any, hidden: list[Path]) -> dict[Path, Any]:
+    """Each hidden leaf's entry of a `MuonOptions.dimension_numbers` given outright (one
+    value, a tree, or a callable of the tree); an entry None passes the leaf through."""
+    option = option(tree) if callable(option) else option
+    paths = [p for p, _ in tree_paths(tree)]
+    per_leaf = dict(zip(paths, resolve_per_leaf(
+        option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
+        argname="MuonOptions.dimension_numbers"), strict=True))
+    missing = [path_str(p) for p in hidden if not per_leaf[p][0]]
+    if missing:
+        raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
+                         f"parameter(s) {missing}")
+    return {p: as_dimension_numbers(per_leaf[p][1]) for p in hidden}
+
+
+def _hidden_dims(labelled, structure: ModelStructure, hp: LMHyperparams, tree: Any):
+    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: overrides
+    and inferred axes (`muon_axes`), or the dimension numbers given outright."""
+    option = hp.muon.dimension_numbers
+    hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
+    if not infers_muon_dims(option):
+        return _given_dims(option, tree, [p for p, _ in hidden]), []
+    overrides = [(False, None)] * len(hidden)
+    if option is not None:
+        overrides = resolve_per_leaf(
+            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
+            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
+    dims, undecided = {}, []
+    for (path, shape), (found, value) in zip(hidden, overrides, strict=True):
+        if found:
+            dims[path] = as_dimension_numbers(value)
+            continue
+        try:
+            red, out = muon_axes(path, shape, structure)
+        except StructureError as err:
+            undecided.append((path, shape, err, batch_roles(path, shape, structure)))
+            continue
+        dims[path] = MuonDimensionNumbers(_unwrap(red), _unwrap(out))
+    return dims, undecided
 
 
 def _undecided_error(errors) -> ValueError:
@@ -199,15 +286,13 @@ def _undecided_error(errors) -> ValueError:
     for path, shape, err, roles in errors:
         lines.append(f"  {err}")
         roles = {**roles, **err.roles}
-        if err.suggestion is None:
-            dims = "reduction_axis=..., output_axis=..."
-        else:
+        dims, comment = "reduction_axis=..., output_axis=...", ""
+        if err.suggestion is not None:
             red, out = err.suggestion
-            unwrap = lambda axes: axes[0] if len(axes) == 1 else tuple(axes)
-            dims = f"reduction_axis={unwrap(red)!r}, output_axis={unwrap(out)!r}"
-        used = set() if err.suggestion is None else set(err.suggestion[0]) | set(err.suggestion[1])
-        batch = [f"{a} ({roles.get(a, 'batch')})" for a in range(len(shape)) if a not in used]
-        comment = f"  # batch axes {', '.join(batch)}" if err.suggestion and batch else ""
+            dims = f"reduction_axis={_unwrap(red)!r}, output_axis={_unwrap(out)!r}"
+            batch = [f"{a} ({roles.get(a, 'batch')})" for a in range(len(shape))
+                     if a not in set(red) | set(out)]
+            comment = f"  # batch axes {', '.join(batch)}" if batch else ""
         entries.append(f"    {path_str(path)!r}: rowgeom.MuonDimensionNumbers({dims}),{comment}")
     return ValueError(
         f"lm_optimizer: cannot infer Muon's matrix axes of {len(errors)} parameter(s) from the "
@@ -217,24 +302,36 @@ def _undecided_error(errors) -> ValueError:
         "muon=rowgeom.MuonOptions(dimension_numbers={\n" + "\n".join(entries) + "\n})")
 
 
-def _router_plan(path, shape, structure, hp):
+def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
     """``(muon dims or None, expert axis or None, batch axes)`` of a router leaf."""
     try:
-        feature, expert = router_axes(path, shape, structure)
+        feature, expert = (router_axes if optimizer == "rownorm" else router_matrix_axes)(
+            path, shape, structure)
     except StructureError as err:
-        rest = unstacked_axes(path, shape, structure.stacks)
-        if hp.router.optimizer == "rownorm" or len(rest) != 2:
-            raise ValueError(f"lm_optimizer(router={hp.router.optimizer!r}): {err}. Train "
-                             "routers with router='muon', or label this one 'hidden'") from None
-        feature, expert = rest  # Muon's polar factor does not depend on which side is which
+        raise ValueError(f"lm_optimizer(router={optimizer!r}): {err}. Train routers with "
+                         "router='muon', or label this one 'hidden'") from None
     batch = tuple(a for a in range(len(shape)) if a not in (feature, expert))
-    if hp.router.optimizer == "muon":
+    if optimizer == "muon":
         return MuonDimensionNumbers(feature, expert), None, batch
-    return None, (expert if hp.router.optimizer == "rownorm" else None), batch
+    return None, (expert if optimizer == "rownorm" else None), batch
 
 
-def _note(path, shape, label, structure, source) -> str:
-    if source == "unused head":
+def _head_axes(path, shape, structure: ModelStructure, hp: LMHyperparams):
+    """``(muon dims or None, vocabulary axis)`` of a head leaf."""
+    if hp.head.optimizer == "muon" and len(shape) != 2:
+        raise ValueError(f"head='muon': the head {path_str(path)} {shape} must be a single "
+                         "matrix (rank 2)")
+    axis = hp.head.vocab_axis
+    if axis is None:
+        try:
+            axis = head_vocab_axis(path, shape, structure.vocab_size)
+        except StructureError as err:
+            raise ValueError(str(err)) from None
+    return (MuonDimensionNumbers(0, 1) if hp.head.optimizer == "muon" else None), axis
+
+
+def _note(path, shape, label, structure, reason) -> str:
+    if reason == "unused head":
         return "probably unused: tied model, the logits read the token table"
     roles = batch_roles(path, shape, structure)
     if label == "router":
@@ -247,88 +344,72 @@ def _note(path, shape, label, structure, source) -> str:
     return ""
 
 
+def _leaf_plan(path, shape, label, reason, hp, structure, hidden_dims) -> LeafPlan:
+    """Every choice for one leaf (module docstring)."""
+    optimizer, dims, axis = _optimizer(label, hp), None, None
+    batch: tuple[int, ...] = ()
+    if label == "hidden":
+        dims = hidden_dims[path]
+        batch = () if dims is None else batch_axes(dims, len(shape))
+    elif label == "router":
+        dims, axis, batch = _router_axes(path, shape, structure, optimizer)
+    elif label == "head":
+        dims, axis = _head_axes(path, shape, structure, hp)
+    centred = _centred(label, optimizer, hp)
+    group = hp.groups.get(label)
+    return LeafPlan(path_str(path), tuple(shape), label,
+                    _geometry(label, optimizer, centred, dims, axis, batch),
+                    None if group is None else group.learning_rate,
+                    None if group is None else group.weight_decay, dims, axis,
+                    _note(path, shape, label, structure, reason), batch, optimizer, centred,
+                    None if group is None else group.momentum, reason or "")
+
+
 def make_plan(tree: Any, hparams: LMHyperparams) -> OptimizerPlan:
     """The plan of `hparams` on `tree` (module docstring); raises naming every undecided leaf."""
-    hp = hparams
-    labels = Labeler(tied=hp.tied) if hp.labels is None else hp.labels
-    entries = tree_paths(tree)
-    sources: dict[Path, str | None] = {}
-    router_names: Collection[str] = DEFAULT_ROUTER_NAMES
-    if isinstance(labels, Labeler):
-        labelled_leaves, _ = labels.label_leaves(tree)
-        sources = {lf.path: lf.source for lf in labelled_leaves}
-        table = {path_str(lf.path): lf.label for lf in labelled_leaves}
-        router_names = labels.router_names
-        given = table
-    else:
-        given = labels(tree) if callable(labels) else labels
-    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
-                                is_value=lambda v: isinstance(v, str), argname="labels")
-    leaves = [(path, leaf_shape(x), label if found else None)
-              for (path, x), (found, label) in zip(entries, per_leaf, strict=True)]
-    missing = [path_str(p) for p, _, label in leaves if label is None]
-    if missing:
-        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
-    labelled = [(p, shape, str(label)) for p, shape, label in leaves]
-    _check_head_group(labelled, hp)
+    labelled, reasons, router_names = _labelled(tree, hparams)
+    _check_head_group(labelled, hparams)
     structure = model_structure(labelled, router_names=router_names)
-    vectors = [(p, s) for p, s, label in labelled if label == "vector"]
-    layer_sizes = {s[1 - s.index(structure.width)] for p, s in vectors if len(s) == 2
-                   and structure.width is not None and list(s).count(structure.width) == 1
-                   and stack_of(p, structure.stacks) is None}
-    dims_option = hp.muon.dimension_numbers
-    infer = infers_muon_dims(dims_option)
-    hidden = [p for p, _, label in labelled if label == "hidden"]
-    overrides = [(False, None)] * len(hidden)
-    if infer and dims_option is not None:
-        overrides = resolve_per_leaf(
-            dims_option, hidden, is_value=_is_dims,
-            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
-    override_of = dict(zip(hidden, overrides, strict=True))
-    plans, undecided = [], []
-    for path, shape, label in labelled:
-        dims = axis = None
-        batch: tuple[int, ...] = ()
-        if label == "hidden" and infer:
-            found, value = override_of[path]
-            dims = as_dimension_numbers(value) if found else None
-            if dims is None:
-                try:
-                    red, out = muon_axes(path, shape, structure,
-                                         _features(path, structure, vectors), layer_sizes)
-                except StructureError as err:
-                    undecided.append((path, shape, err, batch_roles(path, shape, structure)))
-                    continue
-                unwrap = lambda axes: axes[0] if len(axes) == 1 else axes
-                dims = MuonDimensionNumbers(unwrap(red), unwrap(out))
-        if label == "router":
-            dims, axis, batch = _router_plan(path, shape, structure, hp)
-        if label == "head":
-            if hp.head.optimizer == "muon" and len(shape) != 2:
-                raise ValueError(f"head='muon': the head {path_str(path)} {shape} must be a "
-                                 "single matrix (rank 2)")
-            axis = hp.head.vocab_axis
-            if axis is None:
-                try:
-                    axis = head_vocab_axis(path, shape, structure.vocab_size)
-                except StructureError as err:
-                    raise ValueError(str(err)) from None
-        if dims is not None:
-            used = set()
-            for side in (dims.reduction_axis, dims.output_axis):
-                used |= set((side,) if isinstance(side, int) else side)
-            batch = tuple(a for a in range(len(shape)) if a not in used)
-        group = hp.groups.get(label)
-        plans.append(LeafPlan(
-            path_str(path), tuple(shape), str(label),
-            _geometry(label, shape, dims, axis, hp, given_dims=not infer and label == "hidden",
-                      batch=batch),
-            None if group is None else group.learning_rate,
-            None if group is None else group.weight_decay, dims, axis,
-            _note(path, shape, label, structure, sources.get(path)), batch))
+    hidden_dims, undecided = _hidden_dims(labelled, structure, hparams, tree)
     if undecided:
         raise _undecided_error(undecided)
-    return OptimizerPlan(plans, hp, structure)
+    return OptimizerPlan([_leaf_plan(p, s, label, reasons.get(p), hparams, structure,
+                                     hidden_dims) for p, s, label in labelled],
+                         hparams, structure)
+
+
+def tree_key(tree: Any) -> tuple:
+    """What a plan depends on in a tree: its structure and each leaf's shape and dtype (values
+    unread). The structure is the treedef where it hashes, else every leaf's path."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    shapes = tuple((np.shape(x), getattr(x, "dtype", None)) for x in leaves)
+    try:
+        hash(treedef)
+    except TypeError:  # node data that does not hash: the (slower) paths say the same
+        return tuple(path for path, _ in tree_paths(tree)), shapes
+    return treedef, shapes
+
+
+class PlanCache:
+    """The plans of one transform, and what `build` made of each, keyed on `tree_key`: a tree
+    whose paths, shapes and dtypes were seen before is not planned again. The `size` most
+    recently used entries are kept."""
+
+    def __init__(self, hparams: LMHyperparams, build: Callable[[OptimizerPlan], Any],
+                 size: int = 8):
+        self.hparams, self.build, self.size = hparams, build, size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    def built(self, tree: Any) -> Any:
+        """``build(make_plan(tree, hparams))``, planned once per `tree_key`."""
+        key = tree_key(tree)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        self._entries[key] = self.build(make_plan(tree, self.hparams))
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return self._entries[key]
 
 
 def describe(params: Any, learning_rate: Any = None, **options: Any) -> OptimizerPlan:
@@ -343,8 +424,8 @@ def describe(params: Any, learning_rate: Any = None, **options: Any) -> Optimize
       params: the parameter tree (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes).
       learning_rate: `lm_optimizer`'s base rate, or an `LMHyperparams`; None leaves the rate
         columns empty.
-      **options: `lm_optimizer`'s keywords (``head``, ``labels``, ``tied``, ``groups``,
-        ``muon``, ...), as `lm_optimizer_hparams` takes them.
+      **options: `lm_optimizer_hparams`' keywords (``head``, ``labels``, ``tied``, ``groups``,
+        ``muon``, ...).
 
     Returns:
       An `OptimizerPlan`: a tuple of `LeafPlan` whose ``str()`` is an aligned table.
@@ -364,11 +445,4 @@ def describe(params: Any, learning_rate: Any = None, **options: Any) -> Optimize
       layers/norm/scale         (16, 2)        vector     AdamW                       0.001  0
       lm_head/kernel            (16, 100)      head       RowNorm, vocab axis 1       0.005  0.1
     """
-    if isinstance(learning_rate, LMHyperparams):
-        if options:
-            raise TypeError("describe: options are part of the LMHyperparams already; got "
-                            f"{sorted(options)} too")
-        hp = learning_rate
-    else:
-        hp = lm_optimizer_hparams(learning_rate, **options)
-    return make_plan(params, hp)
+    return make_plan(params, hparams_of(learning_rate, options, caller="describe", stacklevel=2))

@@ -17,10 +17,11 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
 =============  =========================================================================
 
 Contract: data flows one way. `lm_optimizer_hparams` resolves the options into an
-`LMHyperparams`; on every ``init`` and ``update``, `rowgeom._plan.make_plan` reads the whole tree
-into an `OptimizerPlan` (each leaf's label, Muon axes or vocabulary axis, rate and decay) and
-`optimizer_from_plan` builds the ``optax.partition`` from it. The group transforms receive
-their axes as per-path mappings from the plan: no state is kept between calls.
+`LMHyperparams`; for each tree `lm_optimizer` is given (paths, shapes and dtypes),
+`rowgeom._plan.make_plan` reads it into an `OptimizerPlan` once (`rowgeom._plan.PlanCache`), and
+`optimizer_from_plan` writes the ``optax.partition`` of the group chains from it. It decides
+nothing: each group's optimizer, centring, axes, rate, decay and momentum are the plan's, each
+transform's other options the option objects'.
 
 `track_row_diameter` ends the head chain so it measures the step the softmax sees
 (docs/guides/diagnostics.md).
@@ -29,38 +30,25 @@ their axes as per-path mappings from the plan: no state is kept between calls.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import partition_by_label
+from rowgeom._hparams import hparams_of, lm_optimizer_hparams
 from rowgeom._muon import muon_orthogonalize
-from rowgeom._options import (
-    DEFAULT_ADAM,
-    DEFAULT_MUON,
-    DEFAULT_ROUTER,
-    AdamOptions,
-    GroupOptions,
-    HeadOptions,
-    LMHyperparams,
-    MuonOptions,
-    RouterOptions,
-    lm_optimizer_hparams,
-)
-from rowgeom._plan import OptimizerPlan, infers_muon_dims, make_plan
-from rowgeom._rownorm import projected_rownorm, rownorm_direction
-from rowgeom._tree import flatten_with_paths, is_masked, path_str
+from rowgeom._options import AdamOptions, MuonOptions
+from rowgeom._partition import partition_by_label
+from rowgeom._plan import GroupPlan, OptimizerPlan, PlanCache
+from rowgeom._rownorm import projected_rownorm
+from rowgeom._rownorm_per_matrix import rownorm_per_matrix
 
 STATIC_ARGS = ("labels",)
 """For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.
 
-A callable ``labels`` would otherwise be taken for a schedule. The option objects, strings and
-flat keywords are never injected; the float rates (``learning_rate``, ``head_learning_rate``,
-``weight_decay``) are.
+A callable ``labels`` would otherwise be taken for a schedule. The option objects and strings
+are never injected; the float rates ``learning_rate`` and ``weight_decay`` are.
 
 Examples:
     >>> import optax, rowgeom
@@ -69,125 +57,87 @@ Examples:
 """
 
 
-def _muon_chain(learning_rate, weight_decay, *, momentum, muon: MuonOptions, dimension_numbers):
+def _given(**options: Any) -> dict[str, Any]:
+    """The options that are set: a None leaves the transform's own default."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _muon_chain(group: GroupPlan, muon: MuonOptions) -> optax.GradientTransformation:
+    dims = {path: leaf.muon_dims for path, leaf in group.leaves.items()}
     return optax.chain(
-        optax.trace(decay=momentum, nesterov=muon.nesterov),
-        muon_orthogonalize(ns_steps=muon.ns_steps, ns_coeffs=muon.ns_coeffs, scale=muon.scale,
-                           shard_matrices=muon.shard_matrices,
-                           dimension_numbers=dimension_numbers),
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-
-
-def _head_chain(plan: OptimizerPlan) -> optax.GradientTransformation:
-    """The head group's chain (the module docstring's table), the tracker last."""
-    hp = plan.hparams
-    head, group = hp.head, hp["head"]
-    axes = {path: leaf.vocab_axis for path, leaf in plan.by_label("head").items()}
-    if head.optimizer == "rownorm":
-        center = hp.tied != "head"  # an input embedding has no shift symmetry: no centring
-        chain = [
-            optax.ema(decay=head.momentum, debias=False, accumulator_dtype=jnp.float32),
-            projected_rownorm(vocab_axis=axes, center_input=center, center_output=center,
-                              rescale=head.rescale, num_valid=head.num_valid),
-            optax.add_decayed_weights(group.weight_decay),
-            optax.scale_by_learning_rate(group.learning_rate),
-        ]
-    elif head.optimizer == "adamw":
-        chain = [optax.adamw(group.learning_rate, weight_decay=group.weight_decay,
-                             b1=hp.adam.b1, b2=hp.adam.b2, eps=hp.adam.eps)]
-    else:
-        chain = [_muon_chain(group.learning_rate, group.weight_decay, momentum=head.momentum,
-                             muon=hp.muon, dimension_numbers=None)]
-    if head.track:
-        # Last, so it sees -lr·(U + wd·W): the step the softmax sees.
-        chain.append(track_row_diameter(vocab_axis=axes,
-                                        every_k_steps=head.track_every_k_steps))
-    return optax.chain(*chain)
-
-
-def _rownorm_per_matrix(axes: Mapping[str, tuple[int | None, tuple[int, ...]]]):
-    """Projected RowNorm of each leaf along its expert axis, one matrix per batch index.
-
-    `axes`: ``{path: (expert axis, batch axes)}``; a scanned router ``(d, L, E)`` is ``L``
-    independent ``(d, E)`` matrices, so the row norms and means never mix layers.
-    """
-
-    def one(u, axis, batch):
-        assert axis is not None  # the plan gives every RowNorm router its expert axis
-        if not batch:
-            return rownorm_direction(u, vocab_axis=axis)
-        front = jnp.moveaxis(u, batch, tuple(range(len(batch))))
-        rest = [a for a in range(u.ndim) if a not in batch]
-        flat = front.reshape((-1,) + front.shape[len(batch):])
-        out = jax.vmap(lambda m: rownorm_direction(m, vocab_axis=rest.index(axis)))(flat)
-        return jnp.moveaxis(out.reshape(front.shape), tuple(range(len(batch))), batch)
-
-    def update_fn(updates, state, params=None):
-        del params
-        leaves, treedef = flatten_with_paths(updates, open_boxes=True, is_leaf=is_masked)
-        out = [u if is_masked(u) or path_str(p) not in axes else one(u, *axes[path_str(p)])
-               for p, u in leaves]
-        return jax.tree_util.tree_unflatten(treedef, out), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-
-
-def _router_chain(plan: OptimizerPlan) -> optax.GradientTransformation:
-    """The router group's chain (the module docstring's table)."""
-    hp = plan.hparams
-    group, leaves = hp["router"], plan.by_label("router")
-    if hp.router.optimizer == "adamw":
-        return optax.adamw(group.learning_rate, weight_decay=group.weight_decay, b1=hp.adam.b1,
-                           b2=hp.adam.b2, eps=hp.adam.eps)
-    if hp.router.optimizer == "muon":
-        return _muon_chain(group.learning_rate, group.weight_decay, momentum=group.momentum,
-                           muon=hp.muon, dimension_numbers={
-                               path: leaf.muon_dims for path, leaf in leaves.items()})
-    axes = {path: (leaf.vocab_axis, leaf.batch_axes) for path, leaf in leaves.items()}
-    return optax.chain(
-        optax.ema(decay=group.momentum, debias=False, accumulator_dtype=jnp.float32),
-        _rownorm_per_matrix(axes),
+        optax.trace(decay=group.momentum, nesterov=muon.nesterov, accumulator_dtype=muon.mu_dtype),
+        muon_orthogonalize(ns_steps=muon.ns_steps, ns_coeffs=muon.ns_coeffs, eps=muon.eps,
+                           compute_dtype=muon.compute_dtype, scale=muon.scale,
+                           rms_scale=muon.rms_scale, shard_matrices=muon.shard_matrices,
+                           dimension_numbers=dims),
         optax.add_decayed_weights(group.weight_decay),
         optax.scale_by_learning_rate(group.learning_rate),
     )
 
 
+def _adamw(group: GroupPlan, adam: AdamOptions) -> optax.GradientTransformation:
+    return optax.adamw(group.learning_rate, b1=adam.b1, b2=adam.b2, eps=adam.eps,
+                       eps_root=adam.eps_root, mu_dtype=adam.mu_dtype,
+                       weight_decay=group.weight_decay, nesterov=adam.nesterov)
+
+
+def _rownorm_chain(group: GroupPlan, direction) -> optax.GradientTransformation:
+    """EMA momentum (float32, no debiasing: before the normalisation) -> RowNorm -> decay."""
+    return optax.chain(
+        optax.ema(decay=group.momentum, debias=False, accumulator_dtype=jnp.float32),
+        direction,
+        optax.add_decayed_weights(group.weight_decay),
+        optax.scale_by_learning_rate(group.learning_rate),
+    )
+
+
+def _rownorm_direction(plan: OptimizerPlan, label: str, group: GroupPlan):
+    """The RowNorm transform of the head (its vocabulary axes) or of the routers (each
+    matrix over its expert axis)."""
+    center = group.centred is not False  # an empty group's chain never runs
+    if label == "router":
+        return rownorm_per_matrix(
+            axes={p: (leaf.vocab_axis, leaf.batch_axes) for p, leaf in group.leaves.items()},
+            center_input=center, center_output=center, **_given(eps=plan.hparams.router.eps))
+    head = plan.hparams.head
+    return projected_rownorm(
+        vocab_axis={p: leaf.vocab_axis for p, leaf in group.leaves.items()},
+        center_input=center, center_output=center, rescale=head.rescale,
+        num_valid=head.num_valid, **_given(eps=head.eps))
+
+
+def _group_chain(plan: OptimizerPlan, label: str) -> optax.GradientTransformation:
+    """One group's chain, by the optimizer the plan gives its leaves."""
+    group = plan.group(label)
+    if group.optimizer == "muon":
+        return _muon_chain(group, plan.hparams.muon)
+    if group.optimizer == "adamw":
+        return _adamw(group, plan.hparams.adam)
+    return _rownorm_chain(group, _rownorm_direction(plan, label, group))
+
+
+def _head_chain(plan: OptimizerPlan) -> optax.GradientTransformation:
+    """The head group's chain, the tracker last: it sees ``-lr·(U + wd·W)``, the step the
+    softmax sees."""
+    head = plan.hparams.head
+    if not head.track:
+        return _group_chain(plan, "head")
+    axes = {path: leaf.vocab_axis for path, leaf in plan.by_label("head").items()}
+    return optax.chain(_group_chain(plan, "head"),
+                       track_row_diameter(vocab_axis=axes, every_k_steps=head.track_every_k_steps))
+
+
 def optimizer_from_plan(plan: OptimizerPlan) -> optax.GradientTransformationExtraArgs:
-    """The ``optax.partition`` over the plan's labels, each group's chain built from the plan."""
-    hp = plan.hparams
-    hidden_dims = hp.muon.dimension_numbers
-    if infers_muon_dims(hidden_dims):
-        hidden_dims = {path: leaf.muon_dims for path, leaf in plan.by_label("hidden").items()}
-    adam = dict(b1=hp.adam.b1, b2=hp.adam.b2, eps=hp.adam.eps)
-    h, e, v = hp["hidden"], hp["embedding"], hp["vector"]
-    transforms = {
-        "hidden": _muon_chain(h.learning_rate, h.weight_decay, momentum=h.momentum, muon=hp.muon,
-                              dimension_numbers=hidden_dims),
-        "head": _head_chain(plan),
-        "embedding": optax.adamw(e.learning_rate, weight_decay=e.weight_decay, **adam),
-        "vector": optax.adamw(v.learning_rate, weight_decay=v.weight_decay, **adam),
-    }
-    if plan.by_label("router"):  # only then: a dense model's optimizer state stays as it was
-        transforms["router"] = _router_chain(plan)
+    """The ``optax.partition`` over the plan's labels, each group's chain written from it."""
+    # The router group only where the tree has routers: a dense model's state stays as it was.
+    labels = ("hidden", "head", "embedding", "vector") + (
+        ("router",) if plan.by_label("router") else ())
+    transforms = {label: _head_chain(plan) if label == "head" else _group_chain(plan, label)
+                  for label in labels}
     return partition_by_label(transforms, {leaf.path: leaf.label for leaf in plan})
 
 
-def lm_optimizer(
-    learning_rate: float | Callable[[Any], Any] | LMHyperparams,
-    *,
-    head: str | HeadOptions = "rownorm",
-    labels: Any = None,
-    tied: str | None = None,
-    head_learning_rate: float | Callable[[Any], Any] | None = None,
-    weight_decay: float = 0.1,
-    groups: Mapping[str, GroupOptions] | None = None,
-    muon: MuonOptions = DEFAULT_MUON,
-    adam: AdamOptions = DEFAULT_ADAM,
-    router: str | RouterOptions = DEFAULT_ROUTER,
-    **flat: Any,
-) -> optax.GradientTransformationExtraArgs:
+def lm_optimizer(learning_rate: Any, **options: Any) -> optax.GradientTransformationExtraArgs:
     """Muon for hidden matrices, projected RowNorm (or AdamW / Muon) for the head, AdamW else.
 
     Args:
@@ -195,30 +145,19 @@ def lm_optimizer(
         "Learning rates and radii"): hidden, embedding and vector use it as is, the head
         ``HEAD_LR_MULTIPLIERS[optimizer]`` times it (RowNorm 5, AdamW 3, Muon 3: the head
         study's sweep). Or an `LMHyperparams` from `lm_optimizer_hparams` (then no options).
-      head: a head optimizer name (``"rownorm"``, ``"adamw"``, ``"muon"``) or `HeadOptions`
-        (momentum, vocabulary axis, padding ``num_valid``, ``rescale``, the tracker).
-      labels: None (``rowgeom.label_params`` defaults with `tied`), a tree of labels, a callable
-        ``params -> labels`` or a `Labeler`; labels must be in ``rowgeom.LABELS``. An empty head
-        group raises unless `tied` is given.
-      tied: None, ``"embedding"`` or ``"head"``: how a head tied to the embedding is trained
-        (``rowgeom.label_params``). ``"head"`` also turns off RowNorm's centring.
-      head_learning_rate: the head's rate (float or schedule) instead of the multiple.
-      weight_decay: decoupled weight decay of the matrix groups (hidden, head, embedding).
-      groups: per-group overrides ``{group: GroupOptions(learning_rate=..., weight_decay=...)}``.
-      muon: `MuonOptions` of the hidden group (momentum, Nesterov, Newton–Schulz, scale, matrix
-        axes; by default inferred per leaf from the model structure, see the labels guide).
-      adam: `AdamOptions` of the AdamW groups.
-      router: how mixture-of-experts routers (label ``"router"``) are trained: ``"muon"``
-        (default), ``"rownorm"`` (projected RowNorm over the expert axis, for softmax routers)
-        or ``"adamw"``, or a `RouterOptions` (the labels guide says which routers are
-        shift-invariant).
-      **flat: shorthands, each one field of the objects above (`rowgeom.FLAT_KEYWORDS`:
-        ``ns_steps=6``, ``head_num_valid=50257``, ``vector_learning_rate=...``).
+      **options: `lm_optimizer_hparams`' keywords, each one field said once: ``head`` (a head
+        optimizer name or `HeadOptions`), ``labels`` (None, a tree, a callable or a
+        `Labeler`), ``tied`` (None, ``"embedding"`` or ``"head"``), ``weight_decay`` (the
+        matrix groups'), ``groups`` (``{group: GroupOptions(learning_rate=...,
+        weight_decay=...)}``), ``muon`` (`MuonOptions`), ``adam`` (`AdamOptions`), ``router``
+        (a router optimizer name or `RouterOptions`). The flat keywords of 0.1.0
+        (`FLAT_KEYWORDS`) still work, deprecated.
 
     Returns:
       An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"``, ``"vector"`` and,
-      where the tree has routers, ``"router"``, rebuilt from the plan of the tree it is given at
-      each ``init`` and ``update`` (`describe` prints that plan).
+      where the tree has routers, ``"router"``, built from the plan (`describe` prints it) of
+      each tree it is given at ``init`` and ``update``, planned once per paths, shapes and
+      dtypes (a callable ``labels`` is called then).
 
     Works under ``optax.inject_hyperparams(lm_optimizer)(learning_rate=...)``: the float rates
     become (possibly traced) arrays and nothing here branches on their values; a callable
@@ -240,34 +179,25 @@ def lm_optimizer(
       >>> bool(stats.lower["lm_head/kernel"] <= exact * (1 + 1e-5) <= stats.upper["lm_head/kernel"])
       True
     """
-    if isinstance(learning_rate, LMHyperparams):
-        given = {k: v for k, v in dict(head=head, labels=labels, tied=tied,
-                                       head_learning_rate=head_learning_rate,
-                                       weight_decay=weight_decay, groups=groups, muon=muon,
-                                       adam=adam, router=router).items()
-                 if v is not _DEFAULTS[k]} | flat
-        if given:
-            raise TypeError(f"lm_optimizer: options are part of the LMHyperparams already; got "
-                            f"{sorted(given)} too")
-        hp = learning_rate
-    else:
-        hp = lm_optimizer_hparams(
-            learning_rate, head=head, labels=labels, tied=tied,
-            head_learning_rate=head_learning_rate, weight_decay=weight_decay, groups=groups,
-            muon=muon, adam=adam, router=router, **flat)
+    hp = hparams_of(learning_rate, options, caller="lm_optimizer", stacklevel=2)
+    plans = PlanCache(hp, optimizer_from_plan)
 
     def init_fn(params):
-        return optimizer_from_plan(make_plan(params, hp)).init(params)
+        return plans.built(params).init(params)
 
     def update_fn(updates, state, params=None, **extra_args):
-        tx = optimizer_from_plan(make_plan(updates, hp))
-        return tx.update(updates, state, params, **extra_args)
+        return plans.built(updates).update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# lm_optimizer's keyword defaults: an LMHyperparams comes with its options, so any other value
-# passed next to it is a conflict.
-_DEFAULTS = {name: param.default
-             for name, param in inspect.signature(lm_optimizer).parameters.items()
-             if param.kind == param.KEYWORD_ONLY}
+def _lm_optimizer_signature() -> inspect.Signature:
+    """`lm_optimizer_hparams`' signature, written once, with `lm_optimizer`'s rate and result
+    (so that ``inspect.signature`` and ``optax.inject_hyperparams`` see every keyword)."""
+    sig = inspect.signature(lm_optimizer_hparams)
+    rate = sig.parameters["learning_rate"].replace(annotation="Rate | LMHyperparams")
+    return sig.replace(parameters=[rate, *list(sig.parameters.values())[1:]],
+                       return_annotation="optax.GradientTransformationExtraArgs")
+
+
+lm_optimizer.__signature__ = _lm_optimizer_signature()  # type: ignore[attr-defined]

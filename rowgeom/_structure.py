@@ -1,30 +1,23 @@
-"""What a language model's parameter tree says about the model: vocabulary, width, blocks,
-layer stacks, expert stacks and routers, and from them each matrix's axes.
+"""What a language model's parameter tree says about the model, and every axis read from it.
 
-Names say what a parameter is for (`rowgeom._names`); shapes say how big the model is.
-`label_params` and the optimizer plan use both, so that a name that contradicts the shapes is an
-error instead of a silently wrong geometry:
+Names say what a parameter is for (`rowgeom._paths` reads them); shapes say how big the model
+is. The labels and the optimizer plan use both, so that a name that contradicts the shapes is
+an error instead of a silently wrong geometry. This module is the one place an axis is inferred:
 
-- names are read from a path without its wrapper components (penzai's ``value/data_array``,
-  `rowgeom._names.WRAPPER_SUFFIXES`); a path left with no names (``(3,)``) is **nameless**;
 - the **vocabulary size** ``V`` and **width** ``d`` come from the token embedding table
-  (``(V, d)``, the layout of every JAX ``Embed``), else from a named head matrix;
-- the **repeated blocks** are the subtrees of a block container: a numbered component
-  (``layers/0``, ``h/3``, ``layers_0``, ``encoderdecoderblock_2``, ``x_layers_1``) or a container
-  name (``layers``, ``blocks``, ``h``, ``*_layers``, ...) followed by no number, which is a
-  **stack** of scanned layers whose leaves carry a layer axis;
+  (``(V, d)``, the layout of every JAX ``Embed``; position tables excluded), else from a named
+  head matrix;
+- the **repeated blocks** are the subtrees of a block container (`rowgeom._paths.block_position`:
+  ``layers/0``, ``h/3``, ``layers_0``); a container name followed by no number is a **stack** of
+  scanned layers whose leaves carry a layer axis;
 - a stack is also recognised **by structure**, whatever its name: a container of several
   modules (no expert module) whose every leaf has the same size ``L`` at the same leading axis
   (0 or 1), ``L != d``, with a stacked vector ``(L, d)`` or ``(d, L)`` among them (a norm
   scale) and a stacked matrix;
 - a stack's **layer axis** is read off its norm scales (``(L, d)`` or, as in MaxText's default
   ``param_scan_axis=1``, ``(d, L)``), else from the one leading axis all its leaves share;
-- a **mixture-of-experts module** holds a **router** (named in `DEFAULT_ROUTER_NAMES`, or an
-  unnamed ``(d, E)`` matrix) and **expert stacks**: its leaves with three or more axes besides
-  the layer axis (``(E, d, f)``, MaxText's scanned ``(E, L, d, f)``), or leaves under an
-  ``experts``/``*moe*`` component. The expert count ``E`` is the router's axis other than ``d``
-  that every expert stack has (or the number of numbered experts); each stack's **expert axis**
-  is its one axis of size ``E``.
+- the **mixture-of-experts** routers and expert stacks and their expert count ``E`` are found
+  by `rowgeom._experts`; each expert stack's **expert axis** is its one axis of size ``E``.
 
 `muon_axes` turns this into Muon's matrix axes: layer and expert axes are batch axes (Muon runs
 per layer and per expert), two axes left are the matrix; of three or more left, the one axis of
@@ -32,98 +25,51 @@ size ``d`` is one side of the matrix and the other axes together the other side 
 of size ``d``: the one axis of a norm scale's size beside it, the rank of a low-rank projection
 such as DeepSeek's ``wkv_b``). Orthogonalisation commutes with transposition, so which side is
 fan-in matters only for the ``"spectral"``/``"keller"`` scales (the ``d`` axis is taken as
-fan-in unless it is the last axis); `lm_optimizer`'s default ``"rms"`` scale is symmetric.
-Where the shapes do not decide, `StructureError` carries the likely reading, for an error that
-lists every such leaf at once. `head_vocab_axis` is the one axis of size ``V``, else the leaf
-name's convention (`rowgeom._names.VOCAB_AXIS_BY_LEAF_NAME`).
+fan-in unless it is the last axis). Where the shapes do not decide, `StructureError` carries the
+likely reading, for an error that lists every such leaf at once. `head_vocab_axis` is the one
+axis of size ``V``, else the leaf name's convention; `router_axes` the router's feature and
+expert axes.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple
+import types
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
+from rowgeom._experts import find_experts
 from rowgeom._names import (
-    BLOCK_CONTAINER_NAMES,
-    CONTAINER_SUFFIXES,
     DEFAULT_ROUTER_NAMES,
-    EXPERT_MODULE,
     GENERIC_LEAF_NAMES,
-    POSITION_EMBEDDING_NAMES,
     TOKEN_EMBEDDING_NAMES,
     VOCAB_AXIS_BY_LEAF_NAME,
-    WRAPPER_SUFFIXES,
 )
+from rowgeom._paths import block_position, is_expert_component, is_position_embedding, naming_path
+from rowgeom._tree import Path
 
-Path = tuple[str, ...]
-_NUMBERED = re.compile(r"^(?P<base>.*?)_?(?P<index>\d+)$")
-
-
-def naming_path(path: Sequence[str]) -> Path:
-    """`path` without the wrapper components at its end (`rowgeom._names.WRAPPER_SUFFIXES`)."""
-    path = tuple(path)
-    for suffix in WRAPPER_SUFFIXES:
-        n = len(suffix)
-        if len(path) > n - 1 and tuple(c.lower() for c in path[-n:]) == suffix:
-            return path[:-n]
-    return path
-
-
-def is_nameless(path: Sequence[str]) -> bool:
-    """Whether a path carries no name at all (``(3, 'value', 'data_array')``: penzai's tuple)."""
-    return all(c.isdigit() for c in naming_path(path))
-
-
-def is_container(component: str) -> bool:
-    c = component.lower()
-    return c in BLOCK_CONTAINER_NAMES or c.endswith(CONTAINER_SUFFIXES)
-
-
-def block_position(path: Sequence[str]) -> tuple[int, bool] | None:
-    """(index of the component that starts a repeated block, whether it is a stack), or None.
-
-    ``layers/0/...``, ``h/0/...``, ``layers_0/...``, ``encoderdecoderblock_0/...``: an unrolled
-    block. ``layers/attn/...`` (a container name followed by no number): a stack of layers.
-    """
-    path = naming_path(path)
-    for i, component in enumerate(path[:-1]):
-        c = component.lower()
-        if c.isdigit():
-            if i == 0:
-                continue  # a list of modules at the root (sequential), not a block container
-            return i, False
-        match = _NUMBERED.match(c)
-        if match and (is_container(match["base"]) or "block" in match["base"]
-                      or match["base"].endswith(("layer", "layers"))):
-            return i, False
-        if is_container(c):
-            nxt = path[i + 1].lower()
-            if nxt.isdigit():
-                return i + 1, False
-            return i, True
-    return None
-
-
-def is_position_embedding(path: Sequence[str]) -> bool:
-    return any(c.lower() in POSITION_EMBEDDING_NAMES or "pos" in c.lower() for c in path)
+_EMPTY: Mapping = types.MappingProxyType({})
 
 
 class ModelStructure(NamedTuple):
-    """What the shapes say about a parameter tree (see the module docstring).
+    """What the shapes say about a parameter tree (see the module docstring). Read-only.
 
     ``vocab_size``/``width``: ``V`` and ``d`` (None when no embedding or head was found);
     ``source``: the path they were read from; ``stacks``: stack prefix -> (layer axis, L);
     ``experts``: expert-stack leaf path -> expert count ``E`` (None: not decided);
-    ``routers``: router leaf path -> ``E`` (None: not decided).
+    ``routers``: router leaf path -> ``E`` (None: not decided); ``router_names``: the names
+    that mean a router (the labeler's); ``vectors``: ``(path, shape)`` of the norm scales and
+    biases; ``loose_layer_sizes``: lengths ``L`` of stacked vectors ``(L, d)`` outside any stack.
     """
 
     vocab_size: int | None
     width: int | None
     source: tuple[str, ...] | None
-    stacks: dict[tuple[str, ...], tuple[int, int] | None]
-    experts: dict[tuple[str, ...], int | None] = {}
-    routers: dict[tuple[str, ...], int | None] = {}
+    stacks: Mapping[tuple[str, ...], tuple[int, int] | None] = _EMPTY
+    experts: Mapping[tuple[str, ...], int | None] = _EMPTY
+    routers: Mapping[tuple[str, ...], int | None] = _EMPTY
+    router_names: frozenset[str] = DEFAULT_ROUTER_NAMES
+    vectors: tuple[tuple[Path, tuple[int, ...]], ...] = ()
+    loose_layer_sizes: frozenset[int] = frozenset()
 
 
 def find_vocab(embeddings, heads) -> tuple[int | None, int | None, tuple | None]:
@@ -145,6 +91,8 @@ def find_vocab(embeddings, heads) -> tuple[int | None, int | None, tuple | None]
     return None, None, None
 
 
+# --- Layer stacks -------------------------------------------------------------------------------
+
 NOT_STACKED = (-1, -1)
 """`find_stacks` value for a block container whose leaves carry no layer axis."""
 
@@ -160,22 +108,27 @@ def _common_leading_axis(leaves, width):
     return {f for f in found if f[1] != width} if width is not None else found
 
 
-def _stacked_norms(leaves, width, is_vector) -> set:
+def _stacked_norms(leaves, width, vectors) -> set:
     """``{(axis, L)}`` read off stacked vectors ``(L, d)`` / ``(d, L)`` of a container."""
     found = set()
     for path, shape in leaves:
-        if width is not None and len(shape) == 2 and is_vector(path, shape) \
+        if width is not None and len(shape) == 2 and path in vectors \
                 and list(shape).count(width) == 1:
             axis = 1 - shape.index(width)
             found.add((axis, shape[axis]))
     return found
 
 
-def find_stacks(entries, width: int | None, is_vector) -> dict:
+def _no_layer_axis(leaves) -> bool:
+    """A vector without a layer axis, or no stacked matrix: these leaves are no stack."""
+    return any(len(s) < 2 for _, s in leaves) or all(len(s) < 3 for _, s in leaves)
+
+
+def find_stacks(entries, width: int | None, vectors: Collection[Path]) -> dict:
     """Layer axis and depth of every stack of scanned layers (named or by structure).
 
-    `entries`: ``(path, shape)`` of every leaf; `is_vector(path, shape)` says which are norm
-    scales / biases. Returns ``{stack prefix: (axis, L) or None}`` (None: not determinable).
+    `entries`: ``(path, shape)`` of every leaf; `vectors`: the paths of the norm scales and
+    biases. Returns ``{stack prefix: (axis, L) or None}`` (None: not determinable).
     """
     members: dict[tuple[str, ...], list] = {}
     for path, shape in entries:
@@ -184,18 +137,18 @@ def find_stacks(entries, width: int | None, is_vector) -> dict:
             members.setdefault(tuple(path[:pos[0] + 1]), []).append((path, shape))
     stacks: dict[tuple[str, ...], tuple[int, int] | None] = {}
     for prefix, leaves in members.items():
-        if any(len(s) < 2 for _, s in leaves) or all(len(s) < 3 for _, s in leaves):
-            stacks[prefix] = NOT_STACKED  # a vector without a layer axis, or no stacked matrix
+        if _no_layer_axis(leaves):
+            stacks[prefix] = NOT_STACKED
             continue
-        found = _stacked_norms(leaves, width, is_vector)
+        found = _stacked_norms(leaves, width, vectors)
         if len(found) != 1:
             found = _common_leading_axis(leaves, width)
         stacks[prefix] = found.pop() if len(found) == 1 else None
-    stacks.update(_structural_stacks(entries, width, is_vector, stacks))
+    stacks.update(_structural_stacks(entries, width, vectors, stacks))
     return stacks
 
 
-def _structural_stacks(entries, width, is_vector, named) -> dict:
+def _structural_stacks(entries, width, vectors, named) -> dict:
     """Containers whose leaves all carry one layer axis, whatever their names (module doc)."""
     if width is None:
         return {}
@@ -210,17 +163,16 @@ def _structural_stacks(entries, width, is_vector, named) -> dict:
             continue  # inside a stack already
         leaves = under[prefix]
         modules = {p[len(prefix)] for p, _ in leaves if len(p) > len(prefix) + 1}
-        if len(modules) < 2 or any(_is_expert_component(c) for c in prefix) \
-                or any(len(s) < 2 for _, s in leaves) or all(len(s) < 3 for _, s in leaves):
+        if len(modules) < 2 or any(is_expert_component(c) for c in prefix) \
+                or _no_layer_axis(leaves):
             continue  # a stack holds several modules; experts' (E, f) biases are no layers
-        common = _common_leading_axis(leaves, width)
-        norms = _stacked_norms(leaves, width, is_vector)
-        if len(norms) == 1 and norms <= common:
+        norms = _stacked_norms(leaves, width, vectors)
+        if len(norms) == 1 and norms <= _common_leading_axis(leaves, width):
             found[prefix] = norms.pop()
     return found
 
 
-def stack_of(path: Sequence[str], stacks: dict) -> tuple[tuple[str, ...], tuple | None] | None:
+def stack_of(path: Sequence[str], stacks: Mapping) -> tuple[tuple[str, ...], Any] | None:
     """``(stack prefix, (layer axis, L) or None)`` for a leaf of a stack; None otherwise."""
     path = tuple(path)
     for n in range(1, len(path)):
@@ -230,148 +182,33 @@ def stack_of(path: Sequence[str], stacks: dict) -> tuple[tuple[str, ...], tuple 
     return None
 
 
-def in_blocks(path: Sequence[str], stacks: dict) -> bool:
+def in_blocks(path: Sequence[str], stacks: Mapping) -> bool:
     """Whether a leaf sits inside the repeated blocks (unrolled, named stack or structural)."""
     return block_position(path) is not None or stack_of(path, stacks) is not None
 
 
-def _layer_axis(path, shape, stacks) -> int | None:
+def layer_axis(path, shape, stacks: Mapping, *, min_rank: int = 3) -> int | None:
+    """The layer axis of a leaf of rank >= `min_rank` in a stack, if it has one."""
     stack = stack_of(path, stacks)
-    if stack is None or stack[1] is None or len(shape) < 3:
+    if stack is None or stack[1] is None or len(shape) < min_rank:
         return None
     axis, depth = stack[1]
     return axis if shape[axis] == depth else None
 
 
-def unstacked_axes(path, shape, stacks) -> list[int]:
+def unstacked_axes(path, shape, stacks: Mapping, *, min_rank: int = 3) -> list[int]:
     """The axes of a leaf other than its layer axis (when it has one)."""
-    layer = _layer_axis(path, shape, stacks)
+    layer = layer_axis(path, shape, stacks, min_rank=min_rank)
     return [a for a in range(len(shape)) if a != layer]
 
 
-# --- Mixture of experts ------------------------------------------------------------------------
-
-
-def _is_expert_component(component: str) -> bool:
-    c = component.lower()
-    return bool(EXPERT_MODULE.search(c)) and not c.startswith("shared") and not is_container(c)
-
-
-def router_index(path: Sequence[str], router_names: Collection[str]) -> int | None:
-    """Index of the component naming a router (``gate/kernel`` -> the ``gate``), or None."""
-    nm = naming_path(path)
-    if nm and nm[-1].lower() in router_names:
-        return len(nm) - 1
-    if len(nm) > 1 and nm[-2].lower() in router_names and nm[-1].lower() in GENERIC_LEAF_NAMES:
-        return len(nm) - 2
-    return None
-
-
-def _numbered_experts(paths, module: Path) -> int | None:
-    """The number of numbered experts (``experts/0``, ``experts/1``, ...) under a module."""
-    indices = set()
-    for path in paths:
-        rest = path[len(module):]
-        for i, c in enumerate(rest[:-1]):
-            if c.lower() in ("experts", "expert") and rest[i + 1].isdigit():
-                indices.add(int(rest[i + 1]))
-    return len(indices) if indices and indices == set(range(len(indices))) else None
-
-
-def find_experts(entries, width: int | None, stacks: dict, *,
-                 router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
-                 movable: Callable[[Path], bool] = lambda p: True):
-    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (module doc).
-
-    `entries`: ``(path, shape, label)`` of every leaf (label None: not named). Routers are the
-    leaves labelled ``"router"`` and, where `movable(path)`, the ``"hidden"`` or unlabelled
-    leaves named in `router_names` (or unnamed ``(d, E)`` matrices beside expert stacks) that
-    the shapes confirm; expert stacks are among the ``"hidden"`` or unlabelled leaves.
-    """
-    entries = [(tuple(p), tuple(s), lb) for p, s, lb in entries if len(s) >= 2]
-    axes = {p: unstacked_axes(p, s, stacks) for p, s, _ in entries}
-    shapes = {p: s for p, s, _ in entries}
-    labels = {p: lb for p, _, lb in entries}
-    routers: dict[Path, int | None] = {}
-    experts: dict[Path, int | None] = {}
-    may_expert = [p for p, _, lb in entries if lb in ("hidden", None) and len(axes[p]) >= 3]
-
-    def stacks_under(module: Path, skip) -> list[Path]:
-        return [p for p in may_expert if p[:len(module)] == module and p not in skip
-                and not any(c.lower().startswith("shared") for c in p[len(module):])]
-
-    def router_sizes(path) -> set[int]:
-        sizes = [shapes[path][a] for a in axes[path]]
-        if width is not None and sizes.count(width) == 1:
-            return {s for s in sizes if s != width}
-        return set(sizes)
-
-    def count_for(router, members, module) -> int | None:
-        sizes = router_sizes(router)
-        if members:
-            common = {e for e in sizes
-                      if all(any(shapes[m][a] == e for a in axes[m]) for m in members)}
-            if len(common) == 1:
-                return common.pop()
-        numbered = _numbered_experts(list(shapes), module)
-        return numbered if numbered in sizes else None
-
-    by_module: dict[Path, list[Path]] = {}
-    for path, _, label in entries:
-        if len(axes[path]) != 2:
-            continue
-        k = router_index(path, router_names)
-        if label == "router" and k is None:
-            nm = naming_path(path)
-            k = len(nm) - (2 if len(nm) > 1 and nm[-1].lower() in GENERIC_LEAF_NAMES else 1)
-        if k is not None and (label == "router" or (label in ("hidden", None)
-                                                    and movable(path))):
-            by_module.setdefault(path[:k], []).append(path)
-    for module, candidates in by_module.items():
-        members = stacks_under(module, set(candidates))
-        for router in candidates:
-            count = count_for(router, members, module)
-            if count is not None or labels[router] == "router":
-                routers[router] = count
-            if count is not None:
-                experts.update((m, count) for m in members)
-    # Expert stacks under an experts/moe component and no named router beside them: a router
-    # by its (d, E) shape alone, else an expert count nobody can tell.
-    for path in may_expert:
-        if path in experts:
-            continue
-        marks = [i for i, c in enumerate(path[:-1]) if _is_expert_component(c)]
-        if not marks:
-            continue
-        module = path[:marks[-1] + 1]
-        members = stacks_under(module, set(routers))
-        if not members:
-            continue
-        # Sizes at one position in every stack (the expert axis; f changes places in wo).
-        ranks = {len(axes[m]) for m in members}
-        sizes = {shapes[members[0]][axes[members[0]][i]] for i in range(min(ranks))
-                 if len(ranks) == 1 and len({shapes[m][axes[m][i]] for m in members}) == 1}
-        if width is not None:
-            sizes.discard(width)
-        skip = set(members)
-
-        def beside(p, module=module, skip=skip) -> bool:  # a child of the MoE module or parent
-            for outer in (module, module[:-1]):
-                rel = naming_path(p)[len(outer):]
-                if p[:len(outer)] == outer and p not in skip and (
-                        len(rel) == 1 or (len(rel) == 2 and rel[-1].lower() in GENERIC_LEAF_NAMES)):
-                    return True
-            return False
-
-        shaped = [p for p, _, lb in entries if beside(p) and lb in ("hidden", None) and movable(p)
-                  and len(axes[p]) == 2 and width is not None
-                  and width in [shapes[p][a] for a in axes[p]] and router_sizes(p) & sizes]
-        count = None
-        if len(shaped) == 1 and len(router_sizes(shaped[0]) & sizes) == 1:
-            count = (router_sizes(shaped[0]) & sizes).pop()
-            routers[shaped[0]] = count
-        experts.update((m, count) for m in members)
-    return experts, routers
+def _loose_layer_sizes(vectors, width, stacks) -> frozenset[int]:
+    """``L`` of stacked vectors ``(L, d)`` / ``(d, L)`` outside any stack (a likely layer axis
+    for an error to suggest)."""
+    if width is None:
+        return frozenset()
+    return frozenset(s[1 - s.index(width)] for p, s in vectors if len(s) == 2
+                     and list(s).count(width) == 1 and stack_of(p, stacks) is None)
 
 
 def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
@@ -380,16 +217,19 @@ def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NA
 
     ``V`` and ``d`` come from the leaves labelled ``"embedding"``/``"head"``; a leaf labelled
     ``"vector"`` is a norm scale or bias; `movable(path)`: whether a ``"hidden"`` (or None)
-    label may still turn out to be a router (`find_experts`).
+    label may still turn out to be a router (`rowgeom._experts.find_experts`).
     """
-    rank2 = lambda lab: [(p, s) for p, s, lb, *_ in leaves if lb == lab and len(s) == 2]
+    leaves = [(tuple(p), tuple(s), lb) for p, s, lb, *_ in leaves]
+    rank2 = lambda lab: [(p, s) for p, s, lb in leaves if lb == lab and len(s) == 2]
     vocab, width, source = find_vocab(rank2("embedding"), rank2("head"))
-    labels = {tuple(p): lb for p, _, lb, *_ in leaves}
-    stacks = find_stacks([(p, s) for p, s, *_ in leaves], width,
-                         lambda p, s: labels[tuple(p)] == "vector")
-    experts, routers = find_experts([(p, s, lb) for p, s, lb, *_ in leaves], width, stacks,
-                                    router_names=router_names, movable=movable)
-    return ModelStructure(vocab, width, source, stacks, experts, routers)
+    vectors = tuple((p, s) for p, s, lb in leaves if lb == "vector")
+    stacks = find_stacks([(p, s) for p, s, _ in leaves], width, {p for p, _ in vectors})
+    names = frozenset(router_names)
+    experts, routers = find_experts(leaves, width, lambda p, s: unstacked_axes(p, s, stacks),
+                                    router_names=names, movable=movable)
+    return ModelStructure(vocab, width, source, types.MappingProxyType(stacks),
+                          types.MappingProxyType(experts), types.MappingProxyType(routers),
+                          names, vectors, _loose_layer_sizes(vectors, width, stacks))
 
 
 # --- Matrix axes --------------------------------------------------------------------------------
@@ -412,7 +252,7 @@ class StructureError(ValueError):
 def batch_roles(path, shape, structure: ModelStructure) -> dict[int, str]:
     """``{axis: "layers" | "experts"}`` of the batch axes `muon_axes` takes out of a leaf."""
     roles = {}
-    layer = _layer_axis(path, shape, structure.stacks)
+    layer = layer_axis(path, shape, structure.stacks)
     if layer is not None:
         roles[layer] = "layers"
     count = structure.experts.get(tuple(path))
@@ -422,6 +262,28 @@ def batch_roles(path, shape, structure: ModelStructure) -> dict[int, str]:
         if len(hits) == 1:
             roles[hits[0]] = "experts"
     return roles
+
+
+def batch_axes(dims: Any, ndim: int) -> tuple[int, ...]:
+    """The axes of a rank-`ndim` leaf that `dims` (reduction, output) leaves as a batch."""
+    used: set[int] = set()
+    for side in (dims.reduction_axis, dims.output_axis):
+        used |= set((side,) if isinstance(side, int) else side)
+    return tuple(a for a in range(ndim) if a not in used)
+
+
+def norm_widths(path: Sequence[str], structure: ModelStructure) -> set[int]:
+    """Sizes of the norm scales in a leaf's module other than ``d`` (a low-rank projection's
+    width, e.g. DeepSeek's ``kv_norm`` beside ``wkv_b``)."""
+    names = naming_path(path)
+    module = names[:-2] if len(names) > 2 and names[-1].lower() in GENERIC_LEAF_NAMES \
+        else names[:-1]
+    found = set()
+    for vpath, vshape in structure.vectors:
+        rest = [vshape[a] for a in unstacked_axes(vpath, vshape, structure.stacks, min_rank=2)]
+        if vpath[:len(module)] == module and len(rest) == 1 and rest[0] != structure.width:
+            found.add(rest[0])
+    return found
 
 
 def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -436,60 +298,67 @@ def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ..
     return None
 
 
-def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructure,
-              features: Collection[int] = (), layer_sizes: Collection[int] = ()):
-    """``(reduction_axes, output_axes)`` of a matrix-like leaf, or StructureError naming it.
+def _pair_or_split(shape, left, width, features):
+    """The reading to suggest for the axes left: the two of them, else the rank >= 3 rule."""
+    if len(left) == 2:
+        return (left[0],), (left[1],)
+    return None if width is None else _split(shape, left, width, features)
 
-    `features`: sizes of the norm scales beside the leaf (its module's low-rank widths);
-    `layer_sizes`: lengths of stacked vectors ``(L, d)`` outside any stack (for the reading an
-    error suggests).
-    """
-    shape, path = tuple(shape), tuple(path)
-    width = structure.width
-    where = f"{'/'.join(path)} {shape}"
+
+def _without_layer_axis(path, shape, structure, where) -> list[int]:
+    """The axes of a leaf of a stack other than its layer axis; StructureError when the stack's
+    layer axis is unknown or this leaf lacks it."""
     rest = list(range(len(shape)))
     stack = stack_of(path, structure.stacks)
-    if stack is not None and len(shape) >= 3:
-        prefix, info = stack
-        if info is None:
-            raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose "
-                                 "layer axis cannot be told from the shapes")
-        axis, depth = info
-        if shape[axis] != depth:
-            raise StructureError(f"{where} has no layer axis of size {depth} at position {axis} "
-                                 f"like the rest of the stack {'/'.join(prefix)}")
-        rest.remove(axis)
-    if path in structure.experts and len(rest) >= 3:
-        count = structure.experts[path]
-        hits = [a for a in rest if count is not None and shape[a] == count]
-        if len(hits) != 1:
-            guess = [a for a in rest if width is None or shape[a] != width][:1]
-            left = [a for a in rest if a not in guess]
-            suggestion: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-            if guess and len(left) == 2:
-                suggestion = ((left[0],), (left[1],))
-            elif guess:
-                suggestion = _split(shape, left, width, features)
-            why = ("no router (d, E) beside it tells the expert count" if count is None else
-                   f"it has {len(hits)} axes of the expert count E={count}")
-            raise StructureError(f"{where} is an expert stack and which axis indexes the "
-                                 f"experts is not told by the shapes: {why}", suggestion,
-                                 dict.fromkeys(guess, "experts"))
-        rest.remove(hits[0])
+    if stack is None or len(shape) < 3:
+        return rest
+    prefix, info = stack
+    if info is None:
+        raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
+                             "axis cannot be told from the shapes")
+    axis, depth = info
+    if shape[axis] != depth:
+        raise StructureError(f"{where} has no layer axis of size {depth} at position {axis} like "
+                             f"the rest of the stack {'/'.join(prefix)}")
+    rest.remove(axis)
+    return rest
+
+
+def _without_expert_axis(path, shape, rest, structure, features, where) -> list[int]:
+    """`rest` without an expert stack's expert axis (its one axis of size ``E``)."""
+    if path not in structure.experts or len(rest) < 3:
+        return rest
+    count, width = structure.experts[path], structure.width
+    hits = [a for a in rest if count is not None and shape[a] == count]
+    if len(hits) == 1:
+        return [a for a in rest if a != hits[0]]
+    guess = [a for a in rest if width is None or shape[a] != width][:1]
+    left = [a for a in rest if a not in guess]
+    why = ("no router (d, E) beside it tells the expert count" if count is None else
+           f"it has {len(hits)} axes of the expert count E={count}")
+    raise StructureError(f"{where} is an expert stack and which axis indexes the experts is not "
+                         f"told by the shapes: {why}",
+                         _pair_or_split(shape, left, width, features) if guess else None,
+                         dict.fromkeys(guess, "experts"))
+
+
+def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructure):
+    """``(reduction_axes, output_axes)`` of a matrix-like leaf, or StructureError naming it."""
+    shape, path = tuple(shape), tuple(path)
+    width, features = structure.width, norm_widths(path, structure)
+    where = f"{'/'.join(path)} {shape}"
+    rest = _without_layer_axis(path, shape, structure, where)
+    rest = _without_expert_axis(path, shape, rest, structure, features, where)
     if len(rest) == 2:
         return (rest[0],), (rest[1],)
     if not in_blocks(path, structure.stacks):
         # The likely reading: a leading axis of a stacked vector's length is a layer axis.
-        lead = [a for a in rest[:2] if shape[a] in layer_sizes and shape[a] != width][:1]
-        left = [a for a in rest if a not in lead]
-        suggestion = None
-        if len(left) == 2:
-            suggestion = ((left[0],), (left[1],))
-        elif width is not None:
-            suggestion = _split(shape, left, width, features)
+        lead = [a for a in rest[:2] if shape[a] in structure.loose_layer_sizes
+                and shape[a] != width][:1]
         raise StructureError(
             f"{where} has rank {len(rest)} outside the repeated blocks, so a layer axis (a "
-            "batch axis) cannot be told from a matrix axis", suggestion,
+            "batch axis) cannot be told from a matrix axis",
+            _pair_or_split(shape, [a for a in rest if a not in lead], width, features),
             dict.fromkeys(lead, "layers"))
     if width is None:
         raise StructureError(f"{where} has rank {len(rest)} and the model width is unknown (no "
@@ -526,7 +395,9 @@ def head_vocab_axis(path: Sequence[str], shape: Sequence[int], vocab_size: int |
 
 def router_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
     """``(feature axis, expert axis)`` of a router: its two axes besides a layer axis, the
-    expert axis of size ``E`` (else the one not of size ``d``; else by the leaf name)."""
+    expert axis of size ``E`` (else the one not of size ``d``; else by the leaf name: a
+    PyTorch-style ``weight`` is ``(E, d)``, a ``kernel``, ``w`` or a router name of the
+    structure's `router_names` Flax-style ``(d, E)``)."""
     path, shape = tuple(path), tuple(shape)
     rest = unstacked_axes(path, shape, structure.stacks)
     if len(rest) != 2:
@@ -542,7 +413,20 @@ def router_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
     name = naming_path(path)[-1].lower() if path else ""
     if name in ("weight", "weights"):
         return rest[1], rest[0]  # PyTorch-style (E, d)
-    if name in ("kernel", "w") or name in DEFAULT_ROUTER_NAMES:
+    if name in ("kernel", "w") or name in structure.router_names:
         return rest[0], rest[1]  # Flax-style (d, E)
     raise StructureError(f"cannot tell the expert axis of router {'/'.join(path)} {shape} (no "
                          "expert count, no model width, a leaf name that says no layout)")
+
+
+def router_matrix_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
+    """``(feature axis, expert axis)`` for a Muon router: `router_axes`, else, for a matrix
+    (a layer axis aside), its two axes in order (the polar factor does not depend on which
+    side is which)."""
+    try:
+        return router_axes(path, shape, structure)
+    except StructureError:
+        rest = unstacked_axes(path, shape, structure.stacks)
+        if len(rest) != 2:
+            raise
+        return rest[0], rest[1]

@@ -39,21 +39,26 @@ def lr_schedule(peak: float, cfg: configs.Config):
 
 
 def optimizer_options(cfg: configs.Config) -> dict:
-    """rowgeom.lm_optimizer's head, tying, peak-rate and decay keywords for `cfg`.
+    """rowgeom.lm_optimizer's options for `cfg` (everything but the learning rate).
 
-    "rownorm-rescaled" is the RowNorm head with `head_rescale="exact"` (see `build_optimizer`);
-    a tied table is trained as the embedding (AdamW, tied="embedding").
+    "rownorm-rescaled" is the RowNorm head with `rescale="exact"`; a padded vocabulary keeps its
+    padding rows out of RowNorm's means (`num_valid`); a tied table is trained as the embedding
+    (AdamW, tied="embedding"). A None rate or decay leaves rowgeom's default.
     """
-    o = cfg.optim
-    return dict(head="rownorm" if cfg.head == "rownorm-rescaled" else cfg.head,
-                tied="embedding" if cfg.model.tied_embeddings else None,
-                head_learning_rate=o.head_learning_rate,
-                embedding_learning_rate=o.embedding_learning_rate,
-                vector_learning_rate=o.vector_learning_rate, weight_decay=o.weight_decay,
-                head_weight_decay=o.head_weight_decay)
+    o, rescaled = cfg.optim, cfg.head == "rownorm-rescaled"
+    head = rowgeom.HeadOptions(optimizer="rownorm" if rescaled else cfg.head,
+                               rescale="exact" if rescaled else None,
+                               num_valid=cfg.model.valid_vocab_size,
+                               track_every_k_steps=track_every_k_steps(cfg))
+    groups = {"head": rowgeom.GroupOptions(learning_rate=o.head_learning_rate,
+                                           weight_decay=o.head_weight_decay),
+              "embedding": rowgeom.GroupOptions(learning_rate=o.embedding_learning_rate),
+              "vector": rowgeom.GroupOptions(learning_rate=o.vector_learning_rate)}
+    return dict(head=head, tied="embedding" if cfg.model.tied_embeddings else None,
+                weight_decay=o.weight_decay, groups=groups)
 
 
-def group_hparams(cfg: configs.Config) -> dict[str, rowgeom.GroupHyperparams]:
+def group_hparams(cfg: configs.Config) -> rowgeom.LMHyperparams:
     """Each optimizer group's peak rate and decay, resolved by rowgeom's own defaults."""
     return rowgeom.lm_optimizer_hparams(cfg.optim.learning_rate, **optimizer_options(cfg))
 
@@ -79,16 +84,8 @@ def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
 
     Every group gets `lr_schedule` of its resolved peak rate (`group_hparams`).
     """
-    hp = group_hparams(cfg)
-    schedule = lambda group: lr_schedule(hp[group].learning_rate, cfg)
-    tx = rowgeom.lm_optimizer(
-        schedule("hidden"), **optimizer_options(cfg) | dict(
-            head_learning_rate=schedule("head"), embedding_learning_rate=schedule("embedding"),
-            vector_learning_rate=schedule("vector")),
-        head_rescale="exact" if cfg.head == "rownorm-rescaled" else None,
-        # A padded vocabulary: padding rows stay out of RowNorm's means and get a zero step.
-        head_num_valid=cfg.model.valid_vocab_size,
-        track_every_k_steps=track_every_k_steps(cfg))
+    tx = rowgeom.lm_optimizer(group_hparams(cfg).with_rates(
+        lambda group, peak: lr_schedule(peak, cfg)))
     if cfg.optim.grad_clip is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.optim.grad_clip), tx)
     if cfg.optim.grad_accum_steps > 1:

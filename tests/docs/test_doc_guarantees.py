@@ -105,10 +105,10 @@ def test_lm_optimizer_injects_only_its_float_rates():
     params = {"embed": {"embedding": jnp.ones((10, 4))}, "mlp": {"kernel": jnp.ones((4, 4))},
               "lm_head": {"kernel": G}}
     tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(
-        learning_rate=1e-3, head_learning_rate=4e-3, ns_steps=6,
-        head=rowgeom.HeadOptions(num_valid=9), muon=rowgeom.MuonOptions(momentum=0.9))
+        learning_rate=1e-3, groups={"head": rowgeom.GroupOptions(learning_rate=4e-3)},
+        head=rowgeom.HeadOptions(num_valid=9), muon=rowgeom.MuonOptions(momentum=0.9, ns_steps=6))
     state = tx.init(params)
-    assert set(state.hyperparams) == {"learning_rate", "head_learning_rate", "weight_decay"}
+    assert set(state.hyperparams) == {"learning_rate", "weight_decay"}
     jax.jit(tx.update)(params, state, params)
     assert rowgeom.STATIC_ARGS == ("labels",)
     labels = lambda p: rowgeom.label_params(p)  # noqa: E731  a callable: a schedule otherwise
@@ -302,7 +302,7 @@ def test_head_state_holds_what_the_checkpointing_guide_lists():
     structure = lambda tx: jax.tree.structure(tx.init(params))  # noqa: E731
     base = structure(rowgeom.lm_optimizer(1e-3))
     assert base == structure(rowgeom.lm_optimizer(
-        2e-3, head_learning_rate=1e-2, weight_decay=0.0,
+        2e-3, groups={"head": rowgeom.GroupOptions(learning_rate=1e-2)}, weight_decay=0.0,
         head=rowgeom.HeadOptions(momentum=0.5), muon=rowgeom.MuonOptions(momentum=0.8)))
     for other in (rowgeom.lm_optimizer(optax.constant_schedule(1e-3)),
                   rowgeom.lm_optimizer(1e-3, head="adamw"),

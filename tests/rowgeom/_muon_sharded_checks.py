@@ -171,7 +171,9 @@ def place(tree, shards, mode, mesh):
 
 def make_tx(kind, dims, **kwargs):
     if kind == "lm_optimizer":
-        return rowgeom.lm_optimizer(1e-3, **kwargs)
+        return rowgeom.lm_optimizer(1e-3, muon=rowgeom.MuonOptions(
+            ns_steps=kwargs["ns_steps"], shard_matrices=kwargs.get("shard_matrices", True)),
+            head=rowgeom.HeadOptions(track=kwargs.get("track_head", True)))
     return rowgeom.muon_orthogonalize(dimension_numbers=dims, **kwargs)
 
 

@@ -1,4 +1,5 @@
-"""A tiny NNX language model with the example model's parameter paths (shared test fixture).
+"""A tiny NNX language model with the example model's parameter paths (shared test fixture),
+and `unflatten`, a nested tree from ``"/"``-joined paths.
 
 Embedding ``(V, d)``, two blocks of attention (``q_proj`` ... ``o_proj``) and a gated MLP with
 RMSNorms, a final norm and an untied ``(d, V)`` head: the layout most users' models have.
@@ -10,6 +11,18 @@ import numpy as np
 from flax import nnx
 
 V, D, LAYERS = 64, 16, 2
+
+
+def unflatten(flat: dict, leaf=lambda x: x) -> dict:
+    """A nested dict from ``{"a/b": value}``, each value passed through `leaf`."""
+    out: dict = {}
+    for path, value in flat.items():
+        *parents, name = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = leaf(value)
+    return out
 
 
 class _Attn(nnx.Module):

@@ -310,7 +310,7 @@ def test_every_k_steps_validation(bad, error):
     with pytest.raises(error, match=r"every_k_steps must be (an int|>= 1)"):
         track_row_diameter(vocab_axis=0, every_k_steps=bad)
     with pytest.raises((TypeError, ValueError), match="track_every_k_steps must be"):
-        rowgeom.lm_optimizer(1e-3, track_every_k_steps=bad)
+        rowgeom.lm_optimizer(1e-3, head=rowgeom.HeadOptions(track_every_k_steps=bad))
 
 
 def test_every_k_steps_under_inject_hyperparams():

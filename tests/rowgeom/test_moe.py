@@ -335,7 +335,8 @@ def test_expert_stacks_are_orthogonalised_per_expert_and_per_layer():
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only())
     rng = np.random.default_rng(0)
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
-    tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0, momentum=0.0, nesterov=False)
+    tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0,
+                              muon=rowgeom.MuonOptions(momentum=0.0, nesterov=False))
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     ref = rowgeom.muon_orthogonalize()
     g = grads["params"]["decoder"]["layers"]["MoeBlock_0"]["wo"]
@@ -405,7 +406,8 @@ def test_rownorm_router_matches_rownorm_direction_per_layer():
 
 
 def test_router_group_options_resolve_and_adamw_mode_runs():
-    hp = rowgeom.lm_optimizer_hparams(2e-3, router="adamw", router_learning_rate=1e-3)
+    hp = rowgeom.lm_optimizer_hparams(2e-3, router="adamw",
+                                      groups={"router": rowgeom.GroupOptions(learning_rate=1e-3)})
     assert hp["router"].optimizer == "adamw" and hp["router"].learning_rate == 1e-3
     assert hp["router"].weight_decay == 0.1
     assert rowgeom.lm_optimizer_hparams(1e-3)["router"].optimizer == "muon"

@@ -300,23 +300,26 @@ def test_same_polar_factor_as_optax(rng):
 
 
 def test_coefficient_table_length_is_checked_where_optax_is_not(rng):
-    """optax 0.2.8 refuses a table longer than ns_steps ("Not enough coeffs") and silently runs
-    only the rows of a shorter one; rowgeom requires exactly ns_steps rows (presets define every
-    step count)."""
+    """rowgeom requires exactly ns_steps rows (presets define every step count); optax 0.2.8
+    refuses a table longer than ns_steps ("Not enough coeffs") and silently runs only the rows
+    of a shorter one (optax before 0.2.8 has no table check)."""
     table = ns_coefficients("polar_express", 5)
     g = {"w": randn(rng, 16, 48)}
+    with pytest.raises(ValueError, match=r"\(8, 3\)"):
+        muon_orthogonalize(ns_coeffs=table, ns_steps=8)
+    five = apply(muon_orthogonalize(ns_coeffs=table, ns_steps=5, scale=None), g)["w"]
+    np.testing.assert_allclose(five, ns_reference(g["w"], table), atol=1e-5)
+    steps8 = apply(muon_orthogonalize(ns_coeffs="polar_express", ns_steps=8, scale=None), g)
+    assert float(jnp.max(jnp.abs(steps8["w"] - five))) > 1e-3  # the 3 more steps matter
+    if tuple(int(v) for v in optax.__version__.split(".")[:3]) < (0, 2, 8):
+        return
     dims = {"w": optax.contrib.MuonDimensionNumbers()}
     with pytest.raises(ValueError, match="Not enough coeffs"):  # 5 rows are more than 3 steps
         optax.contrib.scale_by_muon(ns_coeffs=table, ns_steps=3,
                                     weight_dimension_numbers=dims).init(g)
     eight = optax.contrib.scale_by_muon(ns_coeffs=table, ns_steps=8, beta=0.0, nesterov=False,
                                         eps=1e-7, weight_dimension_numbers=dims)
-    ran = eight.update(g, eight.init(g))[0]["w"]
-    np.testing.assert_allclose(ran, ns_reference(g["w"], table), atol=1e-5)  # 5 steps, not 8
-    with pytest.raises(ValueError, match=r"\(8, 3\)"):
-        muon_orthogonalize(ns_coeffs=table, ns_steps=8)
-    steps8 = apply(muon_orthogonalize(ns_coeffs="polar_express", ns_steps=8, scale=None), g)
-    assert float(jnp.max(jnp.abs(steps8["w"] - ran))) > 1e-3  # the 3 missing steps matter
+    np.testing.assert_allclose(eight.update(g, eight.init(g))[0]["w"], five, atol=1e-5)
 
 
 def test_stacked_matrices_are_scaled_each_on_its_own_unlike_optax_adaptive(rng):

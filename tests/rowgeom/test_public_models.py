@@ -360,7 +360,8 @@ def test_scanned_stack_is_orthogonalised_layer_by_layer():
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), maxtext())
     rng = np.random.default_rng(0)
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
-    tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0, momentum=0.0, nesterov=False)
+    tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0,
+                              muon=rowgeom.MuonOptions(momentum=0.0, nesterov=False))
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     ref = rowgeom.muon_orthogonalize(dimension_numbers=rowgeom.MuonDimensionNumbers(0, (1, 2)))
     layers = grads["params"]["decoder"]["layers"]
@@ -386,7 +387,8 @@ def test_ambiguous_kernel_raises_naming_the_leaf_and_the_fix_works():
                                          r"'params/decoder/layers_0"):
         rowgeom.describe(params)
     fix = {"params/decoder/layers_0/mlp/experts/wi": optax.contrib.MuonDimensionNumbers(1, 2)}
-    rows = {r.path: r for r in rowgeom.describe(params, muon_dimension_numbers=fix)}
+    rows = {r.path: r for r in rowgeom.describe(
+        params, muon=rowgeom.MuonOptions(dimension_numbers=fix))}
     assert rows["params/decoder/layers_0/mlp/experts/wi"].geometry == "Muon, in 1 out 2 batch 0"
     assert rows["params/decoder/layers_0/mlp/wi_0/kernel"].geometry == "Muon, in 0 out 1"
 
@@ -397,10 +399,11 @@ def test_dimension_number_overrides_by_parent_path():
     params = maxtext()
     stack = "params/decoder/layers/mlp"
     rows = {r.path: r for r in rowgeom.describe(
-        params, muon_dimension_numbers={stack: rowgeom.MuonDimensionNumbers(2, 0)})}
+        params, muon=rowgeom.MuonOptions(
+            dimension_numbers={stack: rowgeom.MuonDimensionNumbers(2, 0)}))}
     assert rows[f"{stack}/wi_0/kernel"].geometry == "Muon, in 2 out 0 batch 1"
     assert rows["params/decoder/layers/self_attention/out/kernel"].geometry == (
         "Muon, in 0,2 out 3 batch 1")  # not under the override: still inferred
     with pytest.raises(ValueError, match=r"names \['params/decoder/mpl'\], which are not in"):
-        rowgeom.describe(params, muon_dimension_numbers={
-            "params/decoder/mpl": rowgeom.MuonDimensionNumbers()})
+        rowgeom.describe(params, muon=rowgeom.MuonOptions(dimension_numbers={
+            "params/decoder/mpl": rowgeom.MuonDimensionNumbers()}))

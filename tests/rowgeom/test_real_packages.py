@@ -175,9 +175,11 @@ def test_penzai_training_tree_is_refused_naming_every_matrix_then_routes(stacked
     if stacked:  # the layer axis (named 'blocks' in penzai) is a batch axis
         query = plan_named["transformer/blocks/attention/query/weights"]
         assert query.geometry == "Muon, in 1 out 2,3,4 batch 0"
-    plans = rowgeom.describe(params, labels=labels, muon_dimension_numbers=dims)
+    plans = rowgeom.describe(params, labels=labels,
+                             muon=rowgeom.MuonOptions(dimension_numbers=dims))
     assert [r.label for r in plans] == list(labels)
-    tx = rowgeom.lm_optimizer(1e-3, labels=labels, muon_dimension_numbers=dims)
+    tx = rowgeom.lm_optimizer(1e-3, labels=labels,
+                              muon=rowgeom.MuonOptions(dimension_numbers=dims))
     real = jax.tree.map(jnp.zeros_like, params)
     tx.update(jax.tree.map(jnp.ones_like, real), tx.init(real), real)
 

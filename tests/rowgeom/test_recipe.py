@@ -144,7 +144,8 @@ def test_diagnostics_record_the_first_head_step_then_every_tenth(params, default
     stats = rowgeom.read_row_diameter(state)
     assert stats.measured_at == {"lm_head/kernel": 1} and stats.count == {"lm_head/kernel": 2}
     check_bracket(stats, flat(steps[0][2])["lm_head/kernel"])
-    steps, state = run_steps(rowgeom.lm_optimizer(LR, track_every_k_steps=1), params, n=2)
+    steps, state = run_steps(
+        rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(track_every_k_steps=1)), params, n=2)
     stats = rowgeom.read_row_diameter(state)
     assert stats.measured_at == {"lm_head/kernel": 2}
     check_bracket(stats, flat(steps[-1][2])["lm_head/kernel"])
@@ -212,9 +213,10 @@ def test_inject_hyperparams_scales_every_group_linearly(params):
 
 
 def test_inject_hyperparams_static_args(params):
-    # Flat keywords and option objects pass through inject_hyperparams as static options.
+    # Option objects pass through inject_hyperparams as static options.
     tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(
-        learning_rate=LR, ns_steps=3, head=rowgeom.HeadOptions(vocab_axis=1))
+        learning_rate=LR, muon=rowgeom.MuonOptions(ns_steps=3),
+        head=rowgeom.HeadOptions(vocab_axis=1))
     assert set(tx.init(params).hyperparams) == {"learning_rate", "weight_decay"}
     tx = optax.inject_hyperparams(rowgeom.lm_optimizer, static_args=rowgeom.STATIC_ARGS)(
         learning_rate=LR, labels=rowgeom.label_params)
@@ -229,7 +231,8 @@ def test_inject_hyperparams_static_args(params):
 def test_schedules_per_group(default_run):
     sched = lambda count: LR * (1.0 + count)  # doubles from step 0 to step 1
     embed_sched = lambda count: LR * (3.0 - count)
-    tx = rowgeom.lm_optimizer(sched, embedding_learning_rate=embed_sched)
+    tx = rowgeom.lm_optimizer(
+        sched, groups={"embedding": rowgeom.GroupOptions(learning_rate=embed_sched)})
     # The head's derived rate (5x) is a schedule too; the embedding follows its own.
     factor = lambda path, i: 3.0 - i if path == "embed/embedding" else 1.0 + i
     params = default_run[0][0][0]
@@ -269,14 +272,15 @@ def test_head_vocab_axis_inference():
             head_vocab_axis(path, shape, None)
     # With the vocabulary size known from the embedding, the one axis of size V is the vocab axis.
     params = {"embed": np.zeros((V, D), np.float32), "output": {"w": np.zeros((D, V), np.float32)}}
-    steps, _ = run_steps(rowgeom.lm_optimizer(LR, track_head=False), params, n=1)
+    steps, _ = run_steps(rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(track=False)), params,
+                         n=1)
     got = flat(steps[0][2])["output/w"]
     assert np.abs(got.sum(axis=1)).max() < 1e-5  # centred over the inferred vocab axis 1
     # A square head (V == d) named neither kernel nor weight: an error naming it, then the fix.
     square = {"embed": np.zeros((D, D), np.float32), "output": {"w": np.zeros((D, D), np.float32)}}
     with pytest.raises(ValueError, match=r"output/w.*HeadOptions\(vocab_axis"):
         rowgeom.lm_optimizer(LR).init(square)
-    rowgeom.lm_optimizer(LR, head_vocab_axis=1).init(square)
+    rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(vocab_axis=1)).init(square)
 
 
 def test_bad_arguments_name_the_parameter():
@@ -285,7 +289,7 @@ def test_bad_arguments_name_the_parameter():
     with pytest.raises(ValueError, match="tied must be"):
         rowgeom.lm_optimizer(LR, tied=True)
     with pytest.raises(TypeError, match="HeadOptions.vocab_axis must be an int"):
-        rowgeom.lm_optimizer(LR, head_vocab_axis=1.0)
+        rowgeom.HeadOptions(vocab_axis=1.0)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['head_lr'\]"):
         rowgeom.lm_optimizer(LR, head_lr=1e-3)
     with pytest.raises(ValueError, match=r"groups: unknown group\(s\) \['lm_head'\]"):
@@ -310,7 +314,8 @@ def test_default_head_rates_come_from_lm_optimizer_hparams(params, head):
     HEAD_LR_MULTIPLIERS[head] (3) times the base rate, as the head study chose."""
     rate = rowgeom.lm_optimizer_hparams(LR, head=head)["head"].learning_rate
     assert rate == pytest.approx(3 * LR)
-    tx = rowgeom.lm_optimizer(LR, head=head, weight_decay=0.0, track_head=False)
+    tx = rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(optimizer=head, track=False),
+                              weight_decay=0.0)
     grads = random_grads(params, seed=0)
     updates, _ = tx.update(grads, tx.init(params), params)
     step = np.asarray(updates["lm_head"]["kernel"], np.float64)
@@ -325,7 +330,7 @@ def test_default_head_rates_come_from_lm_optimizer_hparams(params, head):
 
 @pytest.mark.slow
 def test_head_num_valid_matches_the_recipe_on_the_real_rows():
-    """A vocabulary padded from 52 to 64 tokens: with head_num_valid=52 every head update equals
+    """A vocabulary padded from 52 to 64 tokens: with HeadOptions(num_valid=52) every update equals
     the recipe's on the 52 real rows alone, and the padding rows get exactly zero."""
     real = 52
     params = {"embed": {"embedding": jnp.zeros((V, D))}, "lm_head": {"kernel": jnp.zeros((D, V))},
@@ -335,7 +340,7 @@ def test_head_num_valid_matches_the_recipe_on_the_real_rows():
     key = jax.random.key(3)
     params = jax.tree.map(lambda p: jax.random.normal(key, p.shape), params)
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"].at[:, real:].set(0)
-    padded_tx = rowgeom.lm_optimizer(LR, head_num_valid=real)
+    padded_tx = rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(num_valid=real))
     real_tx = rowgeom.lm_optimizer(LR)
     padded_state, real_state = padded_tx.init(params), real_tx.init(cut(params))
     for k in jax.random.split(jax.random.key(4), 2):
@@ -346,5 +351,5 @@ def test_head_num_valid_matches_the_recipe_on_the_real_rows():
         head = np.asarray(up_padded["lm_head"]["kernel"])
         np.testing.assert_allclose(head[:, :real], up_real["lm_head"]["kernel"], atol=1e-6)
         assert np.all(head[:, real:] == 0)
-    with pytest.raises(TypeError, match="head_num_valid"):
-        rowgeom.lm_optimizer(LR, head_num_valid=52.0)
+    with pytest.raises(TypeError, match="HeadOptions.num_valid"):
+        rowgeom.HeadOptions(num_valid=52.0)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _nnx_models import unflatten
 
 import rowgeom
 
@@ -34,15 +35,8 @@ HEAD = "lm_head/kernel"
 
 
 def tree(values):
-    """A nested dict from {"a/b": array}."""
-    out: dict = {}
-    for path, x in values.items():
-        *parents, leaf = path.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = jnp.asarray(x, jnp.float32)
-    return out
+    """A nested dict of float32 arrays from {"a/b": array}."""
+    return unflatten(values, lambda x: jnp.asarray(x, jnp.float32))
 
 
 def flat(t, prefix=""):
@@ -178,8 +172,9 @@ def test_group_hyperparameters_default_to_the_documented_values(head, multiplier
 
 
 def test_overrides_replace_only_their_group():
-    hp = rowgeom.lm_optimizer_hparams(LR, weight_decay=0.2, head_weight_decay=0.05,
-                                      head_learning_rate=0.5, vector_weight_decay=0.01)
+    hp = rowgeom.lm_optimizer_hparams(LR, weight_decay=0.2, groups={
+        "head": rowgeom.GroupOptions(learning_rate=0.5, weight_decay=0.05),
+        "vector": rowgeom.GroupOptions(weight_decay=0.01)})
     assert hp["hidden"].weight_decay == hp["embedding"].weight_decay == 0.2
     assert hp["head"].weight_decay == 0.05 and hp["head"].learning_rate == 0.5
     assert hp["vector"].weight_decay == 0.01

@@ -131,8 +131,8 @@ def test_lm_optimizer_head_rescale(rng):
     grads = {"lm_head": {"kernel": rng.normal(size=(d, v)).astype(np.float32)}}
     labels = {"lm_head": {"kernel": "head"}}
     for rescale in (None, "exact"):
-        tx = rowgeom.lm_optimizer(0.01, head_learning_rate=lr, head_weight_decay=0.0,
-                                  labels=labels, head_rescale=rescale)
+        tx = rowgeom.lm_optimizer(0.01, groups={"head": rowgeom.GroupOptions(lr, 0.0)},
+                                  labels=labels, head=rowgeom.HeadOptions(rescale=rescale))
         upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
         step = np.asarray(upd["lm_head"]["kernel"], np.float64).T  # (V, d)
         diameter = oracle_table.diameter(step)
@@ -140,8 +140,8 @@ def test_lm_optimizer_head_rescale(rng):
             assert diameter <= 2 * lr * (1 + 1e-5)
         else:
             np.testing.assert_allclose(diameter, 2 * lr, rtol=1e-5)
-    with pytest.raises(ValueError, match="head_rescale"):
-        rowgeom.lm_optimizer(0.01, head="adamw", head_rescale="exact")
+    with pytest.raises(ValueError, match="rescale"):
+        rowgeom.lm_optimizer(0.01, head=rowgeom.HeadOptions(optimizer="adamw", rescale="exact"))
     assert isinstance(tx, optax.GradientTransformation)
 
 

@@ -203,8 +203,8 @@ def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
     ours = optimizer.build_optimizer(cfg)
     schedule = lambda peak: optimizer.lr_schedule(peak, cfg)
     ref = rowgeom.lm_optimizer(schedule(cfg.optim.learning_rate), head="muon",
-                               head_learning_rate=schedule(lr), muon_scale="spectral",
-                               weight_decay=wd, head_weight_decay=wd, embedding_weight_decay=wd)
+                               muon=rowgeom.MuonOptions(scale="spectral"), weight_decay=wd,
+                               groups={"head": rowgeom.GroupOptions(schedule(lr), wd)})
     net = model.Transformer(cfg.model, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.split(net, nnx.Param, ...)[1])
     states = [ours.init(params), ref.init(params)]
