@@ -14,7 +14,7 @@ nothing is allocated), so the numbers are the compiled program's, not timings:
 Workloads:
 
 1. `rowgeom.lm_optimizer(1e-3).update(grads, state, params)`, default options (and
-   `shard_matrices=False` where `lm_optimizer` takes it), on the parameter trees of the example
+   `MuonOptions(shard_matrices=False)`), on the parameter trees of the example
    LM (`examples/lm`: the `190m` and `640m` configs, and a GPT-2-small-shaped one: 12 blocks,
    d 768, MLP 3072, V 50304, untied head). Layouts: *per-block* (the example's NNX model, a list
    of blocks, from `nnx.eval_shape`, with its sharding annotations fitted by
@@ -278,7 +278,7 @@ def main() -> None:
     start = time.perf_counter()
 
     variants = {"default": lambda: rowgeom.lm_optimizer(1e-3)}
-    if supports_shard_matrices(rowgeom.lm_optimizer):
+    if "shard_matrices" in rowgeom.MuonOptions.__dataclass_fields__:
         variants["shard_matrices=False"] = lambda: rowgeom.lm_optimizer(
                 1e-3, muon=rowgeom.MuonOptions(shard_matrices=False))
     if args.quick:
@@ -296,7 +296,7 @@ def main() -> None:
                "few": [] if args.no_few else few_rows(**few)}
     git = os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip()
     results["environment"] = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             jax=jax.__version__, devices=jax.device_count(), git=git or "?",
             load=" ".join(f"{v:.1f}" for v in os.getloadavg()),
             total_s=time.perf_counter() - start)

@@ -53,7 +53,7 @@ def environment(load_before: str) -> dict:
     import jax
     import optax
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return dict(date=now.strftime("%Y-%m-%d %H:%M UTC"), commit=_commit(), cores=os.cpu_count(),
                 processor=_processor(), platform=f"{platform.system()} {platform.machine()}",
                 python=platform.python_version(),

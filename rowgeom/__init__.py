@@ -8,12 +8,8 @@ measure a head step the way the softmax sees it.
 from rowgeom._clip import clip_row_diameter
 from rowgeom._deprecated import FLAT_KEYWORDS, make_labeler, renamed
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
-from rowgeom._geometry import (
-    hilbert_distance,
-    hilbert_perturbation,
-    row_diameter,
-    row_diameter_bounds,
-)
+from rowgeom._geometry import row_diameter, row_diameter_bounds
+from rowgeom._hilbert import hilbert_distance, hilbert_perturbation
 from rowgeom._hparams import GroupHyperparams, LMHyperparams, lm_optimizer_hparams
 from rowgeom._labels import Labeler, label_params
 from rowgeom._muon import MuonDimensionNumbers, muon_orthogonalize

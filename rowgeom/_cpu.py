@@ -32,6 +32,7 @@ placement the caller used.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import jax
@@ -123,60 +124,70 @@ def _in_cache(block):
     return lax.optimization_barrier(block)
 
 
+def _fold_rows(fn, acc, x, axis: int, num_valid: int, block_rows: int):
+    """``acc = fn(acc, rows, start)`` over the valid token rows of ``x`` (along ``axis``), one
+    block of ``block_rows`` at a time: a loop over the whole blocks, then the tail."""
+    num_blocks, tail = divmod(num_valid, block_rows)
+
+    def block(i, acc):
+        start = i * block_rows
+        return fn(acc, lax.dynamic_slice_in_dim(x, start, block_rows, axis=axis), start)
+
+    if num_blocks == 1:
+        acc = block(0, acc)
+    elif num_blocks > 1:
+        acc = lax.fori_loop(0, num_blocks, block, acc)
+    if tail:
+        start = num_blocks * block_rows
+        acc = fn(acc, lax.slice_in_dim(x, start, num_valid, axis=axis), start)
+    return acc
+
+
+def _add_centred_sum(acc, rows, start, *, scale, pivot, axis):
+    del start
+    return acc + jnp.sum(_in_cache(rows * scale - pivot), axis=axis, keepdims=True)
+
+
+def _add_norms_and_sum(carry, rows, start, *, scale, shift, axis, eps, center_output):
+    """Pass 2 on one block: its squared centred norms into ``sq`` and, for the output
+    centring, ``Σ_i (x_i - m) / n_i`` into ``acc`` (a vector-matrix product on the block)."""
+    acc, sq = carry
+    xc = _in_cache((rows * scale - shift[0]) - shift[1])
+    n2 = jnp.sum(xc * xc, axis=tuple(i for i in range(rows.ndim) if i != axis))
+    if center_output:
+        w = 1.0 / jnp.maximum(jnp.sqrt(n2), eps)
+        s = lax.dot_general(w, xc, (((0,), (axis,)), ((), ())))
+        acc = acc + s.reshape(acc.shape)
+    return acc, lax.dynamic_update_slice_in_dim(sq, n2, start, axis=0)
+
+
+def _row_stats(x, axis, num_valid, block_rows, center_input, center_output, scale, eps):
+    """Passes 1 and 2 of `_row_blocks` on ``x * scale``: the valid rows' squared centred norms,
+    the shift (pivot, mean) and the weighted column sum of the output centring."""
+    zeros = jnp.zeros(tuple(1 if i == axis else n for i, n in enumerate(x.shape)), jnp.float32)
+    shift = (zeros, zeros)
+    if center_input:
+        pivot = _pivot(x, axis, num_valid, scale)
+        add = functools.partial(_add_centred_sum, scale=scale, pivot=pivot, axis=axis)
+        shift = (pivot, _fold_rows(add, zeros, x, axis, num_valid, block_rows) / num_valid)
+    add = functools.partial(_add_norms_and_sum, scale=scale, shift=shift, axis=axis, eps=eps,
+                            center_output=center_output)
+    acc, sq = _fold_rows(add, (zeros, jnp.zeros((num_valid,), jnp.float32)), x, axis,
+                         num_valid, block_rows)
+    return sq, shift, acc
+
+
 def _row_blocks(x, axis, *, eps, center_input, center_output, num_valid, block_rows):
     """Token rows contiguous (vocabulary axis not last): cache-sized blocks of rows.
 
-    Pass 1 sums blocks of rows for ``m``; pass 2 takes the block norms and accumulates ``s`` (a
-    vector-matrix product on the block); pass 3 is elementwise.
+    Pass 1 sums blocks of rows for ``m``; pass 2 takes the block norms and accumulates ``s``
+    (`_row_stats`); pass 3 is elementwise.
     """
     ndim, vocab = x.ndim, x.shape[axis]
-    feat = tuple(i for i in range(ndim) if i != axis)
-    f32 = jnp.float32
     if block_rows is None:
         block_rows = max(8, _BLOCK_BYTES // (4 * max(1, x.size // vocab)))
-    num_blocks, tail = divmod(num_valid, block_rows)
-    col_shape = tuple(1 if i == axis else n for i, n in enumerate(x.shape))
-
-    def fold_rows(fn, acc):
-        """acc = fn(acc, rows, start) over the valid rows, one block at a time."""
-        def body(i, acc):
-            start = i * block_rows
-            return fn(acc, lax.dynamic_slice_in_dim(x, start, block_rows, axis=axis), start)
-
-        if num_blocks == 1:
-            acc = body(0, acc)
-        elif num_blocks > 1:
-            acc = lax.fori_loop(0, num_blocks, body, acc)
-        if tail:
-            start = num_blocks * block_rows
-            acc = fn(acc, lax.slice_in_dim(x, start, num_valid, axis=axis), start)
-        return acc
-
-    def stats(scale, eps):
-        if center_input:
-            pivot = _pivot(x, axis, num_valid, scale)
-            total = fold_rows(
-                    lambda acc, rows, _: acc + jnp.sum(_in_cache(rows * scale - pivot), axis=axis,
-                                                       keepdims=True),
-                    jnp.zeros(col_shape, f32))
-            shift = (pivot, total / num_valid)
-        else:
-            shift = (jnp.zeros(col_shape, f32), jnp.zeros(col_shape, f32))
-
-        def norms_and_sum(carry, rows, start):
-            acc, sq = carry
-            xc = _in_cache((rows * scale - shift[0]) - shift[1])
-            n2 = jnp.sum(xc * xc, axis=feat)
-            if center_output:
-                w = 1.0 / jnp.maximum(jnp.sqrt(n2), eps)
-                s = lax.dot_general(w, xc, (((0,), (axis,)), ((), ())))
-                acc = acc + s.reshape(col_shape)
-            return acc, lax.dynamic_update_slice_in_dim(sq, n2, start, axis=0)
-
-        acc, sq = fold_rows(norms_and_sum,
-                            (jnp.zeros(col_shape, f32), jnp.zeros((num_valid,), f32)))
-        return sq, shift, acc
-
+    stats = functools.partial(_row_stats, x, axis, num_valid, block_rows, center_input,
+                              center_output)
     sq, shift, acc, scale, eps = _guarded(
             stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=axis))), eps)
     weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
@@ -187,8 +198,64 @@ def _row_blocks(x, axis, *, eps, center_input, center_output, num_valid, block_r
         y = y - acc / num_valid
     if num_valid < vocab:
         valid = _row_vector(jnp.arange(vocab) < num_valid, ndim, axis)
-        y = jnp.where(valid, y, jnp.zeros((), f32))
+        y = jnp.where(valid, y, jnp.zeros((), jnp.float32))
     return y
+
+
+def _over_slabs(fn, carry, feats: int, slab_rows: int):
+    """``carry = fn(carry, start, size)`` over slabs of ``slab_rows`` feature rows (a loop, then
+    the tail). The loop is unrolled to about 8 feature rows an iteration: fewer, larger steps."""
+    num_slabs, tail = divmod(feats, slab_rows)
+    if num_slabs == 1:
+        carry = fn(carry, 0, slab_rows)
+    elif num_slabs > 1:
+        carry = lax.fori_loop(0, num_slabs, lambda i, c: fn(c, i * slab_rows, slab_rows),
+                              carry, unroll=max(1, min(8 // slab_rows, num_slabs)))
+    if tail:
+        carry = fn(carry, num_slabs * slab_rows, tail)
+    return carry
+
+
+def _add_slab_stats(carry, start, size, *, x, scale, num_valid, center_input):
+    """One slab of feature rows: its pivot and mean (row sums of the slab, once in cache), and
+    its squares added into the token norms."""
+    sq, shift_p, shift_m = carry
+    rows = lax.dynamic_slice_in_dim(x, start, size, axis=0)[:, :num_valid] * scale
+    d = rows
+    if center_input:
+        k = min(2, num_valid)
+        p = jnp.sum(rows[:, :k], axis=1, keepdims=True) * (1.0 / k)
+        m = (jnp.sum(rows - p, axis=1) / num_valid)[:, None]
+        d = (rows - p) - m
+        shift_p = lax.dynamic_update_slice_in_dim(shift_p, p[:, 0], start, axis=0)
+        shift_m = lax.dynamic_update_slice_in_dim(shift_m, m[:, 0], start, axis=0)
+    for a in range(size):  # unrolled: one fused elementwise loop, no row reduction
+        sq = sq + jnp.square(d[a])
+    return sq, shift_p, shift_m
+
+
+def _slab_stats(x, num_valid, slab_rows, center_input, scale, eps):
+    """The token norms and the per-feature pivot and mean of ``x * scale`` (one walk)."""
+    del eps  # the norms need none; `_guarded`'s signature
+    add = functools.partial(_add_slab_stats, x=x, scale=scale, num_valid=num_valid,
+                            center_input=center_input)
+    zeros = jnp.zeros((x.shape[0],), jnp.float32)
+    return _over_slabs(add, (jnp.zeros((num_valid,), jnp.float32), zeros, zeros), x.shape[0],
+                       slab_rows)
+
+
+def _write_slab(y, start, size, *, scale, pivot, mean, weights, num_valid, center_output):
+    """One slab of the output: centred, scaled by the token weights, centred again over the
+    valid tokens (its weighted sum just before the write), padding tokens zero."""
+    p = lax.dynamic_slice_in_dim(pivot, start, size)[:, None]
+    m = lax.dynamic_slice_in_dim(mean, start, size)[:, None]
+    out = ((lax.dynamic_slice_in_dim(y, start, size, axis=0) * scale - p) - m) * weights[None, :]
+    if center_output:
+        out = out - (jnp.sum(out[:, :num_valid], axis=1) / num_valid)[:, None]
+    if num_valid < out.shape[1]:
+        valid = jnp.arange(out.shape[1]) < num_valid
+        out = jnp.where(valid[None, :], out, jnp.zeros((), jnp.float32))
+    return lax.dynamic_update_slice_in_dim(y, out, start, axis=0)
 
 
 def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows):
@@ -196,74 +263,25 @@ def _feature_slabs(x, *, eps, center_input, center_output, num_valid, slab_rows)
 
     A slab of feature rows holds every token's value of those features, so the column mean of
     those features is known as soon as the slab is read: the mean and the token norms take one
-    walk over slabs (row sums, then squares accumulated into the token norms while the slab is in
-    cache), and the write takes each slab's weighted sum just before writing it. The row sums
-    are plain reductions of the slab (timed faster than matrix-vector products with a vector of
-    ones in this XLA); they are what this layout's time goes to.
+    walk over slabs (`_slab_stats`: row sums, then squares accumulated into the token norms
+    while the slab is in cache), and the write takes each slab's weighted sum just before
+    writing it (`_write_slab`). The row sums are plain reductions of the slab (timed faster than
+    matrix-vector products with a vector of ones in this XLA); they are what this layout's time
+    goes to.
     """
     feats, vocab = x.shape
-    f32 = jnp.float32
     if slab_rows is None:
         slab_rows = min(_SLAB_ROWS, _SLAB_BYTES // (4 * vocab))
     slab_rows = max(1, min(feats, slab_rows))
-    num_slabs, tail = divmod(feats, slab_rows)
-
-    def over_slabs(fn, carry):
-        """carry = fn(carry, start, size) over slabs of feature rows (a loop, then the tail).
-        The loop is unrolled to about 8 feature rows an iteration: fewer, larger steps."""
-        if num_slabs == 1:
-            carry = fn(carry, 0, slab_rows)
-        elif num_slabs > 1:
-            carry = lax.fori_loop(0, num_slabs, lambda i, c: fn(c, i * slab_rows, slab_rows),
-                                  carry, unroll=max(1, min(8 // slab_rows, num_slabs)))
-        if tail:
-            carry = fn(carry, num_slabs * slab_rows, tail)
-        return carry
-
-    def rows_of(y, start, size):
-        return lax.dynamic_slice_in_dim(y, start, size, axis=0)
-
-    def stats(scale, eps):
-        k = min(2, num_valid)
-
-        def slab_stats(carry, start, size):
-            sq, shift_p, shift_m = carry
-            rows = rows_of(x, start, size)[:, :num_valid] * scale
-            if center_input:
-                p = jnp.sum(rows[:, :k], axis=1, keepdims=True) * (1.0 / k)
-                d = rows - p
-                m = (jnp.sum(d, axis=1) / num_valid)[:, None]
-                d = d - m
-                shift_p = lax.dynamic_update_slice_in_dim(shift_p, p[:, 0], start, axis=0)
-                shift_m = lax.dynamic_update_slice_in_dim(shift_m, m[:, 0], start, axis=0)
-            else:
-                d = rows
-            for a in range(size):  # unrolled: one fused elementwise loop, no row reduction
-                sq = sq + jnp.square(d[a])
-            return sq, shift_p, shift_m
-
-        zeros = jnp.zeros((feats,), f32)
-        return over_slabs(slab_stats, (jnp.zeros((num_valid,), f32), zeros, zeros))
-
+    stats = functools.partial(_slab_stats, x, num_valid, slab_rows, center_input)
     sq, pivot, mean, scale, eps = _guarded(
             stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=1))), eps)
     weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
     if num_valid < vocab:
         weights = jnp.pad(weights, (0, vocab - num_valid))
-        valid = jnp.arange(vocab) < num_valid
-
-    def write_slab(y, start, size):
-        p = lax.dynamic_slice_in_dim(pivot, start, size)[:, None]
-        m = lax.dynamic_slice_in_dim(mean, start, size)[:, None]
-        out = ((rows_of(y, start, size) * scale - p) - m) * weights[None, :]
-        if center_output:
-            s = jnp.sum(out[:, :num_valid], axis=1) / num_valid
-            out = out - s[:, None]
-        if num_valid < vocab:
-            out = jnp.where(valid[None, :], out, jnp.zeros((), f32))
-        return lax.dynamic_update_slice_in_dim(y, out, start, axis=0)
-
-    return over_slabs(write_slab, x)
+    write = functools.partial(_write_slab, scale=scale, pivot=pivot, mean=mean, weights=weights,
+                              num_valid=num_valid, center_output=center_output)
+    return _over_slabs(write, x, feats, slab_rows)
 
 
 # --- the bracket's distance pass ------------------------------------------------------------------

@@ -48,7 +48,7 @@ from rowgeom._tree import (
     unbox,
     vocab_axes,
 )
-from rowgeom._validation import check_int, check_matrix_like
+from rowgeom._validation import check_int, check_matrix_like, static_args_hint
 
 PyTree = Any  # a nested structure of arrays (dicts, lists, NamedTuples, nnx.State, ...)
 
@@ -115,15 +115,15 @@ def _unzip(tree, like, n: int) -> tuple:
                  for k in range(n))
 
 
-_STATIC_HINT = ("under optax.inject_hyperparams list it in static_args, e.g. "
-                "static_args=('vocab_axis', 'every_k_steps')")
+_TRACKER_STATIC_ARGS = static_args_hint("vocab_axis", "every_k_steps")
 
 
 def _check_every_k_steps(k) -> int:
     if k is None:
         return 1
     if isinstance(k, jax.core.Tracer):  # injected as a hyperparameter, under jit
-        raise TypeError(f"every_k_steps must be a Python int, got a traced array; {_STATIC_HINT}")
+        raise TypeError("every_k_steps must be a Python int, got a traced array; "
+                        f"{_TRACKER_STATIC_ARGS}")
     return check_int(k, argname="every_k_steps", minimum=1)
 
 

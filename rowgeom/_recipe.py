@@ -41,8 +41,7 @@ from rowgeom._muon import muon_orthogonalize
 from rowgeom._options import AdamOptions, MuonOptions
 from rowgeom._partition import partition_by_label
 from rowgeom._plan import GroupPlan, OptimizerPlan, PlanCache
-from rowgeom._rownorm import projected_rownorm
-from rowgeom._rownorm_per_matrix import rownorm_per_matrix
+from rowgeom._rownorm import projected_rownorm, rownorm_per_matrix
 
 STATIC_ARGS = ("labels",)
 """For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.

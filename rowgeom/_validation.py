@@ -70,3 +70,9 @@ def check_matrix_like(x: ArrayLike, *, argname: str, vocab_axis: Any,
     check_min_rank(x, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
     check_floating(x, argname=argname)
     return canonical_axis(vocab_axis, jnp.ndim(x), argname=argname_axis)
+
+
+def static_args_hint(*names: str) -> str:
+    """The advice for an option that arrived as a traced array (injected under jit): list the
+    transform's non-float options under `optax.inject_hyperparams`."""
+    return f"under optax.inject_hyperparams list it in static_args, e.g. static_args={names!r}"
