@@ -80,8 +80,10 @@ def _rownorm_scale(amax, eps):
     ``2**20`` and eps scaled alike, but never below `MIN_EPS` (rows shorter than
     ``2**-60 * amax`` then come out shorter than unit length, never longer)."""
     huge = amax > 2.0**_HUGE_EXPONENT
-    scale = jnp.where(huge, jnp.exp2(20.0 - jnp.floor(jnp.log2(jnp.where(huge, amax, 1.0)))),
-                      1.0)
+    # amax = f * 2**e with f in [0.5, 1): 2**(21 - e) brings it into [2**20, 2**21). An exact
+    # power of two built from the exponent bits (exp2/log2 are approximations on XLA:CPU).
+    exponent = jnp.clip(21 - jnp.frexp(amax)[1], -126, 127)
+    scale = jnp.where(huge, _pow2(exponent), 1.0)
     return scale, jnp.where(huge, jnp.maximum(eps * scale, MIN_EPS), eps)
 
 

@@ -226,6 +226,21 @@ def test_rownorm_is_invariant_to_a_power_of_two_scale_near_float32_range(rng):
     np.testing.assert_allclose(rownorm(scaled.T, 1), want.T, atol=ATOL)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_rownorm_of_near_identical_rows_above_the_overflow_guard(rng, jit):
+    """Rows near 2**110 that differ only in their last mantissa bits (by about 2**93, so the
+    centred rows' squared norms overflow and the guard rescales): its scale must be an exact
+    power of two, or rounding the scaled entries changes the small differences that the
+    centring leaves, and with them the whole result."""
+    base = rng.standard_normal(12)
+    bits = rng.integers(-8, 9, size=(37, 12))  # a few units in the last place of 2**110
+    u = ((1.5 + base[None] / 8) * 2.0**110 + bits * 2.0**90).astype(np.float32)
+    assert len(np.unique(u, axis=0)) > 30, "the rows must differ after rounding to float32"
+    want = ref_rownorm(u, 0)
+    np.testing.assert_allclose(rownorm(u, 0, jit=jit), want, atol=ATOL)
+    np.testing.assert_allclose(rownorm(u.T, 1, jit=jit), want.T, atol=ATOL)
+
+
 @pytest.mark.parametrize("shape, vocab_axis", [LAYOUTS[0], LAYOUTS[1]])
 def test_rescale_modes_against_the_reference(rng, shape, vocab_axis):
     """``rescale="exact"``: ``2 / D`` times the reference (D = 2 exactly); ``"bound"``: divided
