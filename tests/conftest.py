@@ -8,11 +8,20 @@
 - Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml);
   scripts that need their own process (8 simulated devices) run once per module through
   `_subprocess.ModuleSubprocess`, with a shorter timeout of their own.
+- Cheaper XLA:CPU compiles: `--xla_cpu_use_fusion_emitters=false` is appended to XLA_FLAGS
+  (before jax starts its backend; subprocesses inherit it). Compiling dominates the suite, and
+  the older loop emitters compile about a third faster; the HLO the tests read (fusions,
+  collectives, memory) comes from the same passes. `ROWGEOM_TEST_XLA_DEFAULTS=1` keeps XLA's
+  defaults (CI's minimum-versions step runs that way).
 """
 
 import os
 
-import jax
+if os.environ.get("ROWGEOM_TEST_XLA_DEFAULTS") != "1":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest
 from hypothesis import HealthCheck, settings
 
