@@ -36,6 +36,19 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops jax's compiled programs after each module. Every XLA:CPU executable keeps a few
+    memory mappings, and a process may hold only `vm.max_map_count` (65530 by default) of them:
+    the whole suite in one process compiles more than ten thousand programs, and the
+    compiler then crashes (SIGSEGV or SIGABRT) in whichever test comes next."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture
 def rng():
     """A fresh, seeded numpy Generator per test (independent of test order)."""
