@@ -84,16 +84,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)\n"
            "    if num_valid < vocab:\n"
            "        weights = jnp.pad(weights, (0, vocab - num_valid))\n"
-           "        valid =",
+           "    write =",
            "    weights = 1.0 / (jnp.sqrt(sq) + 10 * eps)\n"
            "    if num_valid < vocab:\n"
            "        weights = jnp.pad(weights, (0, vocab - num_valid))\n"
-           "        valid =",
+           "    write =",
            "eps rule x / (||x|| + 10 eps) in the CPU formulation, a (d, V) kernel",
            ROWNORM_TESTS),
     Mutant("rownorm-eps-reference", "rowgeom/_rownorm.py",
-           "w = 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(xc * xc, axis=feat, keepdims=True)), eps)",
-           "w = 1.0 / (jnp.sqrt(jnp.sum(xc * xc, axis=feat, keepdims=True)) + 10 * eps)",
+           "    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)\n    if not center_output:",
+           "    weights = 1.0 / (jnp.sqrt(sq) + 10 * eps)\n    if not center_output:",
            "eps rule x / (||x|| + 10 eps) in the masked formulation (accelerators, meshes)",
            ROWNORM_TESTS),
     Mutant("ns-no-transpose", "rowgeom/_newton_schulz.py",
@@ -141,13 +141,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if len(axes) == 1:\n            return 1 - axes[0]",
            "the head's vocabulary axis inferred as the other axis", RECIPE_TESTS),
     Mutant("head-decay-twice", "rowgeom/_recipe.py",
-           "            optax.add_decayed_weights(group.weight_decay),\n",
-           "            optax.add_decayed_weights(group.weight_decay),\n"
-           "            optax.add_decayed_weights(group.weight_decay),\n",
+           "        direction,\n        optax.add_decayed_weights(group.weight_decay),\n",
+           "        direction,\n        optax.add_decayed_weights(group.weight_decay),\n"
+           "        optax.add_decayed_weights(group.weight_decay),\n",
            "the RowNorm head's weight decay applied twice", RECIPE_TESTS),
-    Mutant("vector-decay-default", "rowgeom/_options.py",
-           '_or(given["vector"].weight_decay, 0.0), adam.b1)',
-           '_or(given["vector"].weight_decay, weight_decay), adam.b1)',
+    Mutant("vector-decay-default", "rowgeom/_hparams.py",
+           '_group(groups, "vector", "adamw", lr, 0.0, adam.b1)',
+           '_group(groups, "vector", "adamw", lr, wd, adam.b1)',
            "vectors get the matrices' weight decay (0.1) instead of 0", RECIPE_TESTS),
     Mutant("nesterov-default-off", "rowgeom/_options.py",
            "    nesterov: bool = True\n", "    nesterov: bool = False\n",
@@ -184,7 +184,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "rows, cols = np.triu_indices(num_blocks)",
            "rows, cols = np.triu_indices(num_blocks, 1)",
            "the exact diameter skips pairs within one row block", GEOMETRY_TESTS),
-    Mutant("hilbert-distance-sign", "rowgeom/_geometry.py",
+    Mutant("hilbert-distance-sign", "rowgeom/_hilbert.py",
            "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top - bottom)",
            "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top + bottom)",
            "Hilbert distance of probabilities: max + min of the log-ratio instead of max - min",
@@ -193,8 +193,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "if pattern.search(joined):", "if pattern.match(joined):",
            "label rules matched at the start of the path only (re.match, not re.search)",
            ("tests/rowgeom/test_labels.py",)),
-    Mutant("tied-head-centred", "rowgeom/_recipe.py",
-           'center = hp.tied != "head"', "center = True",
+    Mutant("tied-head-centred", "rowgeom/_plan.py",
+           'return label == "router" or hp.tied != "head"', "return True",
            "a tied head (an input embedding) is centred", RECIPE_TESTS),
     Mutant("resume-metrics-kept", "examples/lm/train.py",
            "writer.truncate_after(start)", "writer.truncate_after(start + 1)",
