@@ -66,6 +66,8 @@ NS_TESTS = ("tests/rowgeom/test_newton_schulz.py", "tests/rowgeom/test_muon.py")
 LABEL_TESTS = ("tests/rowgeom/test_labels.py",) + RECIPE_TESTS
 MUON_TESTS = ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS
 RESUME_TESTS = ("tests/examples/test_lm_train.py", "tests/examples/test_resume_fast.py")
+SHARDED_TESTS = ("tests/rowgeom/test_muon_sharded_fast.py",)
+LOOP_TESTS = ("tests/examples/test_lm_loop.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the kinds the test-suite issue found missed ----------------------------------------
@@ -200,6 +202,50 @@ MUTANTS: tuple[Mutant, ...] = (
            "writer.truncate_after(start)", "writer.truncate_after(start + 1)",
            "a resumed run keeps the killed run's metrics line of the step after the checkpoint",
            RESUME_TESTS),
+    # --- what the fast subset missed (issue 30): sharded Muon, the sweeps, the loop ------------
+    Mutant("muon-sharded-pad-front", "rowgeom/_muon_sharding.py",
+           "stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0)))",
+           "stack = jnp.pad(stack, ((pad, 0), (0, 0), (0, 0)))",
+           "sharded Muon pads its zero matrices in front of the stack", SHARDED_TESTS),
+    Mutant("muon-sharded-last-back", "rowgeom/_muon_sharding.py",
+           "    return polar[:batch]", "    return polar[-batch:]",
+           "sharded Muon takes the last `batch` matrices back instead of the first",
+           SHARDED_TESTS),
+    Mutant("muon-sharded-long-side-choice", "rowgeom/_muon_sharding.py",
+           "    return long_side < whole", "    return long_side > whole",
+           "sharded Muon splits few matrices along the long side when that moves more data",
+           SHARDED_TESTS),
+    Mutant("muon-sharded-replicated-moved", "rowgeom/_muon_sharding.py",
+           "    return not used & set(where.axes)", "    return False",
+           "sharded Muon spreads replicated Explicit updates over the devices (and back)",
+           SHARDED_TESTS),
+    Mutant("muon-sharded-pad-short", "rowgeom/_muon_sharding.py",
+           "pad = -stack.shape[0] % where.size", "pad = stack.shape[0] % where.size",
+           "sharded Muon pads a stack to b + (b mod D), not to a multiple of the device count",
+           SHARDED_TESTS),
+    Mutant("bracket-anchor-fixed", "rowgeom/_geometry.py",
+           "return jnp.maximum(lower, pair), far", "return jnp.maximum(lower, pair), anchor",
+           "the bracket's farthest-point sweeps never move their anchor", GEOMETRY_TESTS),
+    Mutant("accum-resume-at-micro-step", "examples/lm/train.py",
+           'start = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps',
+           'start = int(jax.device_get(state["micro_step"]))',
+           "with accumulation, a resumed run starts at micro_step instead of micro_step / accum",
+           LOOP_TESTS),
+    Mutant("accum-micro-batch-reuse", "examples/lm/train.py",
+           "self.train_batches.get((step - 1) * self.accum + micro)",
+           "self.train_batches.get((step - 1) + micro)",
+           "consecutive optimizer steps reuse micro-batches (index not times the accumulation)",
+           LOOP_TESTS),
+    Mutant("eval-last-step-skipped", "examples/lm/train.py",
+           "is_eval = step % cfg.eval.every == 0 or step == cfg.steps",
+           "is_eval = step % cfg.eval.every == 0",
+           "no evaluation of the last step when steps is not a multiple of eval.every",
+           LOOP_TESTS),
+    Mutant("head-probe-decay-sign", "examples/lm/evaluate.py",
+           "step = delta + (head_lr * head_wd) * head_old",
+           "step = delta - (head_lr * head_wd) * head_old",
+           "the head probe's step without decay subtracts lr wd W instead of adding it back",
+           LOOP_TESTS),
 )
 
 
