@@ -9,7 +9,8 @@ on a padded 1-D mesh (10 + 5 + 5 matrices of three shapes on 8 devices), a 2-D m
 split over two axes), fewer matrices than devices, one wide matrix split along its long side,
 Explicit axes (each update keeps its parameter's sharding) and replicated updates; and read what
 the compiled update communicates (only the all-to-alls there and back; all-reduces of the Gram
-matrices for the long-side split; nothing for replicated Explicit updates).
+matrices for the long-side split; one mesh axis at a time on the 2-D mesh; nothing for
+replicated Explicit updates).
 
 One subprocess for the module (`_muon_sharded_checks.py --fast`, XLA_FLAGS set before jax is
 imported, each check compiled once with XLA's optimizations off); the whole matrix of modes and
@@ -60,6 +61,17 @@ def test_each_matrix_moves_once_each_way(results, name):
     res = results[name]
     assert set(res["bytes"]) == {"all-to-all"}, res["bytes"]
     assert 2 * res["spread_bytes"] <= res["bytes"]["all-to-all"] <= 2.5 * res["spread_bytes"]
+
+
+def test_two_axis_mesh_moves_the_stack_one_axis_at_a_time(results):
+    """(data 2, fsdp 4), updates split over fsdp: the stack moves one mesh axis at a time, out
+    and back (all-to-alls; all-gathers over data on the way back, since Auto axes do not say
+    the updates are replicated there), each kind about two shares of the padded stacks. Moved
+    over both axes at once, the partitioner would gather whole stacks (about nine shares)."""
+    res = results["data_fsdp_auto"]
+    assert set(res["bytes"]) == {"all-to-all", "all-gather"}, res["bytes"]
+    assert res["bytes"]["all-to-all"] <= 2.5 * res["spread_bytes"]
+    assert res["bytes"]["all-gather"] <= 2.5 * res["spread_bytes"]
 
 
 def test_one_wide_matrix_is_split_along_its_long_side(results):
