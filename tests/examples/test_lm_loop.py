@@ -134,7 +134,11 @@ def test_resumed_run_continues_at_the_optimizer_step(root, clean, micro_batches)
     shutil.rmtree(killed / "checkpoints" / str(STEPS))
     lines = (killed / metrics.METRICS_FILE).read_text().splitlines(keepends=True)
     (killed / metrics.METRICS_FILE).write_text("".join(lines[:EVERY]))
-    assert checkpointing.Checkpointer(killed / "checkpoints").latest_step() == EVERY
+    ckpt = checkpointing.Checkpointer(killed / "checkpoints")
+    try:
+        assert ckpt.latest_step() == EVERY
+    finally:
+        ckpt.close()
 
     calls, out = _run(cfg, killed, micro_batches)
     assert any(line.startswith(f"resumed from step {EVERY} ") for line in out), out
