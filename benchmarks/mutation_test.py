@@ -66,6 +66,8 @@ NS_TESTS = ("tests/rowgeom/test_newton_schulz.py", "tests/rowgeom/test_muon.py")
 LABEL_TESTS = ("tests/rowgeom/test_labels.py",) + RECIPE_TESTS
 MUON_TESTS = ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS
 RESUME_TESTS = ("tests/examples/test_lm_train.py", "tests/examples/test_resume_fast.py")
+SHARDED_TESTS = ("tests/rowgeom/test_muon_sharded_fast.py",)
+LOOP_TESTS = ("tests/examples/test_lm_loop.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the kinds the test-suite issue found missed ----------------------------------------
@@ -84,16 +86,16 @@ MUTANTS: tuple[Mutant, ...] = (
            "    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)\n"
            "    if num_valid < vocab:\n"
            "        weights = jnp.pad(weights, (0, vocab - num_valid))\n"
-           "        valid =",
+           "    write =",
            "    weights = 1.0 / (jnp.sqrt(sq) + 10 * eps)\n"
            "    if num_valid < vocab:\n"
            "        weights = jnp.pad(weights, (0, vocab - num_valid))\n"
-           "        valid =",
+           "    write =",
            "eps rule x / (||x|| + 10 eps) in the CPU formulation, a (d, V) kernel",
            ROWNORM_TESTS),
     Mutant("rownorm-eps-reference", "rowgeom/_rownorm.py",
-           "w = 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(xc * xc, axis=feat, keepdims=True)), eps)",
-           "w = 1.0 / (jnp.sqrt(jnp.sum(xc * xc, axis=feat, keepdims=True)) + 10 * eps)",
+           "    weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)\n    if not center_output:",
+           "    weights = 1.0 / (jnp.sqrt(sq) + 10 * eps)\n    if not center_output:",
            "eps rule x / (||x|| + 10 eps) in the masked formulation (accelerators, meshes)",
            ROWNORM_TESTS),
     Mutant("ns-no-transpose", "rowgeom/_newton_schulz.py",
@@ -141,13 +143,13 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if len(axes) == 1:\n            return 1 - axes[0]",
            "the head's vocabulary axis inferred as the other axis", RECIPE_TESTS),
     Mutant("head-decay-twice", "rowgeom/_recipe.py",
-           "            optax.add_decayed_weights(group.weight_decay),\n",
-           "            optax.add_decayed_weights(group.weight_decay),\n"
-           "            optax.add_decayed_weights(group.weight_decay),\n",
+           "        direction,\n        optax.add_decayed_weights(group.weight_decay),\n",
+           "        direction,\n        optax.add_decayed_weights(group.weight_decay),\n"
+           "        optax.add_decayed_weights(group.weight_decay),\n",
            "the RowNorm head's weight decay applied twice", RECIPE_TESTS),
-    Mutant("vector-decay-default", "rowgeom/_options.py",
-           '_or(given["vector"].weight_decay, 0.0), adam.b1)',
-           '_or(given["vector"].weight_decay, weight_decay), adam.b1)',
+    Mutant("vector-decay-default", "rowgeom/_hparams.py",
+           '_group(groups, "vector", "adamw", lr, 0.0, adam.b1)',
+           '_group(groups, "vector", "adamw", lr, wd, adam.b1)',
            "vectors get the matrices' weight decay (0.1) instead of 0", RECIPE_TESTS),
     Mutant("nesterov-default-off", "rowgeom/_options.py",
            "    nesterov: bool = True\n", "    nesterov: bool = False\n",
@@ -184,7 +186,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "rows, cols = np.triu_indices(num_blocks)",
            "rows, cols = np.triu_indices(num_blocks, 1)",
            "the exact diameter skips pairs within one row block", GEOMETRY_TESTS),
-    Mutant("hilbert-distance-sign", "rowgeom/_geometry.py",
+    Mutant("hilbert-distance-sign", "rowgeom/_hilbert.py",
            "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top - bottom)",
            "return jnp.where(jnp.all(both_zero, axis=axis), 0.0, top + bottom)",
            "Hilbert distance of probabilities: max + min of the log-ratio instead of max - min",
@@ -193,13 +195,67 @@ MUTANTS: tuple[Mutant, ...] = (
            "if pattern.search(joined):", "if pattern.match(joined):",
            "label rules matched at the start of the path only (re.match, not re.search)",
            ("tests/rowgeom/test_labels.py",)),
-    Mutant("tied-head-centred", "rowgeom/_recipe.py",
-           'center = hp.tied != "head"', "center = True",
+    Mutant("tied-head-centred", "rowgeom/_plan.py",
+           'return label == "router" or hp.tied != "head"', "return True",
            "a tied head (an input embedding) is centred", RECIPE_TESTS),
     Mutant("resume-metrics-kept", "examples/lm/train.py",
            "writer.truncate_after(start)", "writer.truncate_after(start + 1)",
            "a resumed run keeps the killed run's metrics line of the step after the checkpoint",
            RESUME_TESTS),
+    # --- what the fast subset missed (issue 30): sharded Muon, the sweeps, the loop ------------
+    Mutant("muon-sharded-pad-front", "rowgeom/_muon_sharding.py",
+           "stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0)))",
+           "stack = jnp.pad(stack, ((pad, 0), (0, 0), (0, 0)))",
+           "sharded Muon pads its zero matrices in front of the stack", SHARDED_TESTS),
+    Mutant("muon-sharded-last-back", "rowgeom/_muon_sharding.py",
+           "    return polar[:batch]", "    return polar[-batch:]",
+           "sharded Muon takes the last `batch` matrices back instead of the first",
+           SHARDED_TESTS),
+    Mutant("muon-sharded-long-side-choice", "rowgeom/_muon_sharding.py",
+           "    return long_side < whole", "    return long_side > whole",
+           "sharded Muon splits few matrices along the long side when that moves more data",
+           SHARDED_TESTS),
+    Mutant("muon-sharded-replicated-moved", "rowgeom/_muon_sharding.py",
+           "    return not used & set(where.axes)", "    return False",
+           "sharded Muon spreads replicated Explicit updates over the devices (and back)",
+           SHARDED_TESTS),
+    Mutant("muon-sharded-all-axes-at-once", "rowgeom/_muon_sharding.py",
+           "    for k in range(len(where.axes)):\n"
+           "        stack = _constrain(stack, P(where.axes[:k] or None, _FREE, _FREE), where)",
+           "    for k in range(0):\n"
+           "        stack = _constrain(stack, P(where.axes[:k] or None, _FREE, _FREE), where)",
+           "sharded Muon spreads a stack over a 2-D mesh in one move (the partitioner gathers it)",
+           SHARDED_TESTS),
+    Mutant("bracket-anchor-fixed", "rowgeom/_geometry.py",
+           "return jnp.maximum(lower, pair), far", "return jnp.maximum(lower, pair), anchor",
+           "the bracket's farthest-point sweeps never move their anchor", GEOMETRY_TESTS),
+    Mutant("accum-resume-at-micro-step", "examples/lm/train.py",
+           'start = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps',
+           'start = int(jax.device_get(state["micro_step"]))',
+           "with accumulation, a resumed run starts at micro_step instead of micro_step / accum",
+           LOOP_TESTS),
+    Mutant("accum-micro-batch-reuse", "examples/lm/train.py",
+           "self.train_batches.get((step - 1) * self.accum + micro)",
+           "self.train_batches.get((step - 1) + micro)",
+           "consecutive optimizer steps reuse micro-batches (index not times the accumulation)",
+           LOOP_TESTS),
+    Mutant("accum-every-micro-batch", "examples/lm/optimizer.py",
+           "    if cfg.optim.grad_accum_steps > 1:\n", "    if cfg.optim.grad_accum_steps > 2:\n",
+           "with --optim.grad_accum_steps 2 every micro-batch is an optimizer step", LOOP_TESTS),
+    Mutant("accum-gradient-sum", "examples/lm/optimizer.py",
+           "optax.MultiSteps(tx, every_k_schedule=cfg.optim.grad_accum_steps)",
+           "optax.MultiSteps(tx, every_k_schedule=cfg.optim.grad_accum_steps, use_grad_mean=False)",
+           "accumulation sums the micro-batches' gradients instead of averaging them", LOOP_TESTS),
+    Mutant("eval-last-step-skipped", "examples/lm/train.py",
+           "is_eval = step % cfg.eval.every == 0 or step == cfg.steps",
+           "is_eval = step % cfg.eval.every == 0",
+           "no evaluation of the last step when steps is not a multiple of eval.every",
+           LOOP_TESTS),
+    Mutant("head-probe-decay-sign", "examples/lm/evaluate.py",
+           "step = delta + (head_lr * head_wd) * head_old",
+           "step = delta - (head_lr * head_wd) * head_old",
+           "the head probe's step without decay subtracts lr wd W instead of adding it back",
+           LOOP_TESTS),
 )
 
 

@@ -5,7 +5,8 @@ sharded `muon_orthogonalize` (or `lm_optimizer`) update relative to the same upd
 device, whether every result kept its update's sharding, and the collectives of the compiled
 update (bytes per device by kind, and the list of (kind, result shape)), also compiled with more
 Newton–Schulz steps to show whether the iterations communicate. `python
-tests/rowgeom/_muon_sharded_checks.py [NAME ...]` runs only the named checks.
+tests/rowgeom/_muon_sharded_checks.py [NAME ...]` runs only the named checks; `--fast` runs the
+`FAST` checks, each compiled once, with XLA's optimizations off (test_muon_sharded_fast.py).
 """
 
 import os
@@ -177,6 +178,9 @@ def make_tx(kind, dims, **kwargs):
     return rowgeom.muon_orthogonalize(dimension_numbers=dims, **kwargs)
 
 
+_REFERENCES: dict = {}
+
+
 def check(name, tree_fn, mesh_name, axis_type, mode, *, kind="muon", steps=(5, 8),
           shard_matrices=True, **options):
     tree, specs, dims = tree_fn(np.random.default_rng(0))
@@ -193,8 +197,11 @@ def check(name, tree_fn, mesh_name, axis_type, mode, *, kind="muon", steps=(5, 8
             return tx.update(g, tx.init(p), p)[0]
         return step
 
-    # The reference: the same update on one device, no mesh anywhere.
-    want = jax.jit(step_fn(steps[0]))(tree, tree)
+    # The reference: the same update on one device, no mesh anywhere (one compile per tree).
+    key = (tree_fn, kind, steps[0], tuple(sorted(extra.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = jax.jit(step_fn(steps[0]))(tree, tree)
+    want = _REFERENCES[key]
     grads = place(tree, shards, mode, mesh)
     inside = mode in ("inside", "nnx")
     jit_kwargs = {}
@@ -281,18 +288,30 @@ CHECKS = {
 }
 
 
-def main(names):
+# `--fast` (test_muon_sharded_fast.py, the fast subset): the checks whose results show padding,
+# order and the way back (a padded 1-D and 2-D spread, fewer matrices than devices, the long-side
+# split, Explicit axes, replicated updates), each compiled once (five Newton–Schulz steps: no
+# `collectives_per_steps` comparison), with XLA's optimizations off (not the SPMD partitioner:
+# the collectives are the same); the one-device reference of a tree is compiled once.
+FAST = ["auto_inside", "data_fsdp_auto", "few_auto", "wide_auto", "explicit_outside",
+        "replicated_explicit"]
+
+
+def main(names, *, fast=False):
     assert jax.device_count() == 8, jax.devices()
     results = {}
-    for name in names or CHECKS:
+    for name in names or (FAST if fast else CHECKS):
         tree_fn, mesh_name, axis_type, mode, *kwargs = CHECKS[name]
+        options = dict(kwargs[0] if kwargs else {}, **(dict(steps=(5,)) if fast else {}))
         try:
-            results.update([check(name, tree_fn, mesh_name, axis_type, mode,
-                                  **(kwargs[0] if kwargs else {}))])
+            results.update([check(name, tree_fn, mesh_name, axis_type, mode, **options)])
         except Exception as err:  # reported per check, so one failure does not hide the rest
             results[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
     print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    if "--fast" in args:  # the partitioner still places the program; it compiles in a third
+        jax.config.update("jax_disable_most_optimizations", True)
+    main([a for a in args if a != "--fast"], fast="--fast" in args)

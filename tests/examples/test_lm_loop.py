@@ -1,0 +1,231 @@
+"""The example trainer's loop, fast: gradient accumulation, the last evaluation, the head probe.
+
+- `--optim.grad_accum_steps 2` on micro-batches of 4 sequences trains as one batch of 8 does,
+  to float32 rounding (the Trainer against a Trainer without accumulation), and leaves the
+  parameters alone between micro-batches;
+- the loop feeds micro-batch `(step - 1) * accum + k` to the `k`-th micro-step of optimizer step
+  `step`: each micro-batch once, in order (read off the loop's own calls);
+- a run resumed from the checkpoint of optimizer step 2 (micro step 4) trains step 3 next, on
+  micro-batches 4 and 5, and ends with the uninterrupted run's metrics and train state, bit for
+  bit (the step is `micro_step / accum`, not `micro_step`);
+- `steps` = 3 with `eval.every` = 2: steps 2 and 3 are evaluated (the last step always is);
+- the head probe's "step without decay" is `new - old + lr wd old` (its diameter against float64
+  numpy), and within projected RowNorm's radius in the loop's evaluations.
+
+The runs use the `test` model on `small_corpus`'s token cache, with XLA's optimizations off
+(`fast_compile`); every Trainer of one config is built (and compiled) once for the module.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _lm_fixtures import config_on, deterministic_records, restore_on_one_device
+
+from examples.lm import batches, checkpointing, metrics, train
+from examples.lm import mesh as mesh_lib
+
+STEPS, EVERY, ACCUM, MICRO_BATCH = 3, 2, 2, 4
+
+pytestmark = pytest.mark.usefixtures("fast_compile", "no_plot")
+
+
+@pytest.fixture(scope="module")
+def no_plot():
+    """No metrics.png at the end of a run (matplotlib's seconds; test_lm_train.py checks it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metrics.MetricsWriter, "plot", lambda self: None)
+        yield
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, small_corpus):
+    return small_corpus(tmp_path_factory.mktemp("lm_loop"), tokenize=True)
+
+
+def _cfg(root, **changes):
+    # Evaluations and checkpoints at 2 and (the last step) 3; no probe-only steps.
+    return config_on(root, **{"steps": STEPS, "eval__every": EVERY, "checkpoint__every": EVERY,
+                              "eval__probe_last_steps": 0, "optim__grad_accum_steps": ACCUM,
+                              "data__batch_size": MICRO_BATCH, **changes})
+
+
+@pytest.fixture(scope="module")
+def trainers():
+    """`train.Trainer` built once per (config, mesh) for the module: runs and resumed runs share
+    their compiled functions (a Trainer holds no train state)."""
+    built: dict = {}
+    real = train.Trainer
+
+    def trainer(cfg, mesh):
+        if (cfg, mesh) not in built:
+            built[cfg, mesh] = real(cfg, mesh)
+        return built[cfg, mesh]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "Trainer", trainer)
+        yield trainer
+
+
+@pytest.fixture(scope="module")
+def micro_batches():
+    """The indices the loop asks of the training sampler, in order (reset per run)."""
+    calls: list[int] = []
+    real = train._Batches.get
+
+    def get(self, index):
+        if isinstance(self.source, batches.BatchSampler) and self.source.seed != train.PROBE_SEED:
+            calls.append(index)
+        return real(self, index)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train._Batches, "get", get)
+        yield calls
+
+
+def _run(cfg, workdir, calls):
+    calls.clear()
+    out: list[str] = []
+    train.train(cfg, workdir, progress=False, print_fn=out.append)
+    return list(calls), out
+
+
+@pytest.fixture(scope="module")
+def clean(root, trainers, micro_batches):
+    """An uninterrupted run: (workdir, training indices asked for, printed lines)."""
+    workdir = root / "clean"
+    calls, out = _run(_cfg(root), workdir, micro_batches)
+    return workdir, calls, out
+
+
+def test_each_micro_batch_is_used_once_in_order(clean):
+    _, calls, _ = clean
+    assert calls == list(range(STEPS * ACCUM))
+
+
+def test_the_last_step_is_evaluated(clean):
+    workdir, _, out = clean
+    records = metrics.read_metrics(workdir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records if "val_loss" in r] == [EVERY, STEPS]
+    assert out[-1] == train.summary_line(records[-1])
+    assert out[-1].startswith(f"final step {STEPS}:")
+
+
+def test_head_step_of_the_loop_is_within_the_rownorm_radius(clean):
+    """Projected RowNorm moves every token row by the head rate about a common centre: the step
+    without decay has diameter <= 2 lr, and the full change (with decay) differs from it."""
+    for r in metrics.read_metrics(clean[0]):
+        if "val_loss" in r:
+            assert 0 < r["head_step_diameter"] <= 2 * r["head_learning_rate"] * (1 + 1e-5)
+            assert r["head_diameter"] != r["head_step_diameter"]
+
+
+def test_resumed_run_continues_at_the_optimizer_step(root, clean, micro_batches):
+    """Killed after step 3, before its checkpoint: resumed from step 2 (micro step 4), it trains
+    step 3 on micro-batches 4 and 5 and ends where the uninterrupted run did."""
+    cfg, (clean_dir, _, _) = _cfg(root), clean
+    killed = root / "killed"
+    shutil.copytree(clean_dir, killed)
+    shutil.rmtree(killed / "checkpoints" / str(STEPS))
+    lines = (killed / metrics.METRICS_FILE).read_text().splitlines(keepends=True)
+    (killed / metrics.METRICS_FILE).write_text("".join(lines[:EVERY]))
+    ckpt = checkpointing.Checkpointer(killed / "checkpoints")
+    try:
+        assert ckpt.latest_step() == EVERY
+    finally:
+        ckpt.close()
+
+    calls, out = _run(cfg, killed, micro_batches)
+    assert any(line.startswith(f"resumed from step {EVERY} ") for line in out), out
+    assert calls == list(range(EVERY * ACCUM, STEPS * ACCUM))
+    assert deterministic_records(killed) == deterministic_records(clean_dir)
+    state, meta = restore_on_one_device(killed / "checkpoints", STEPS)
+    want, want_meta = restore_on_one_device(clean_dir / "checkpoints", STEPS)
+    assert meta == want_meta and meta["step"] == STEPS
+    assert int(state["micro_step"]) == STEPS * ACCUM
+    jax.tree.map(np.testing.assert_array_equal, state, want)
+
+
+def _one_device():
+    return mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _tokens(rng, cfg, batch, sharding):
+    """Random (inputs, targets) placed as the loop places a batch (its compiled step's input)."""
+    shape = (batch, cfg.seq_len)
+    return tuple(jax.device_put(rng.integers(0, cfg.model.num_tokens, shape).astype(np.int32),
+                                sharding) for _ in range(2))
+
+
+def test_accumulation_trains_like_the_larger_batch(root, trainers, clean):
+    """Two optimizer steps: two micro-batches of 4 accumulated, against their 8 sequences as one
+    batch without accumulation (same model, seed and schedule); between the micro-batches of a
+    step the parameters do not move."""
+    cfg, mesh = _cfg(root), _one_device()
+    one = trainers(cfg, mesh)
+    big = trainers(_cfg(root, optim__grad_accum_steps=1, data__batch_size=ACCUM * MICRO_BATCH),
+                   mesh)
+    rng, placed = np.random.default_rng(0), mesh_lib.batch_sharding(mesh)
+    with jax.set_mesh(mesh):  # as the loop runs them: its compiled functions
+        state, ref = one.init(), big.init()
+        jax.tree.map(np.testing.assert_array_equal, state["params"], ref["params"])
+        for _ in range(2):
+            micro = [_tokens(rng, cfg, MICRO_BATCH, placed) for _ in range(ACCUM)]
+            before = jax.device_get(state["params"])
+            state, first = one.train_step(state, *micro[0])
+            jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), before)
+            state, second = one.train_step(state, *micro[1])
+            batch = (np.concatenate([np.asarray(x) for x in parts])
+                     for parts in zip(*micro, strict=True))
+            ref, loss = big.train_step(ref, *(jax.device_put(x, placed) for x in batch))
+            np.testing.assert_allclose((float(first) + float(second)) / 2, float(loss),
+                                       rtol=1e-6)
+            after = jax.device_get(state["params"])
+            moved = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), after, before)
+            assert min(jax.tree.leaves(moved)) > 0  # every parameter moved at the step's end
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                         after, jax.device_get(ref["params"]))
+    assert int(state["micro_step"]) == 2 * ACCUM and int(ref["micro_step"]) == 2
+
+
+def _np_diameter(matrix, vocab_axis):
+    rows = np.moveaxis(np.asarray(matrix, np.float64), vocab_axis, 0)
+    sq = np.sum(rows * rows, axis=1)
+    d2 = sq[:, None] + sq[None, :] - 2.0 * rows @ rows.T
+    return float(np.sqrt(max(float(d2.max()), 0.0)))
+
+
+def test_head_probe_step_without_decay_adds_the_decay_back(root, trainers, clean):
+    """The probe of one real (accumulated) update, against float64 numpy: the diameter of the
+    full change `new - old` and of the step `new - old + lr wd old`, with a rate and decay large
+    enough that `new - old - lr wd old` would be far off."""
+    cfg, mesh = _cfg(root), _one_device()
+    trainer = trainers(cfg, mesh)
+    rng, lr, wd = np.random.default_rng(1), 0.5, 0.4
+    with jax.set_mesh(mesh):  # as the loop runs them: its compiled functions
+        state = trainer.init()
+        old = trainer.head_of(state["params"], state["rest"])
+        for _ in range(ACCUM):
+            placed = mesh_lib.batch_sharding(mesh)
+            state, _ = trainer.train_step(state, *_tokens(rng, cfg, MICRO_BATCH, placed))
+        new = trainer.head_of(state["params"], state["rest"])
+        inputs = _tokens(rng, cfg, cfg.eval.hilbert_sequences, mesh_lib.replicated(mesh))[0]
+        # Typed as the loop passes them: the schedule's weak float32, the decay a float32.
+        probe = jax.device_get(trainer.head_probe(state["params"], state["rest"], old, inputs,
+                                                  jnp.asarray(lr), jnp.float32(wd)))
+    old, new = np.asarray(old, np.float64), np.asarray(new, np.float64)
+    vocab_axis = new.shape.index(cfg.model.num_tokens)  # (d, V): 1
+    assert trainer.exact_diameter and new.shape[1 - vocab_axis] == cfg.model.d_model
+    change, step = new - old, new - old + lr * wd * old
+    np.testing.assert_allclose(probe["head_diameter"], _np_diameter(change, vocab_axis),
+                               rtol=1e-5)
+    np.testing.assert_allclose(probe["head_step_diameter"], _np_diameter(step, vocab_axis),
+                               rtol=1e-5)
+    # The sign matters: with the decay subtracted the diameter is another number.
+    wrong = _np_diameter(new - old - lr * wd * old, vocab_axis)
+    assert abs(wrong - probe["head_step_diameter"]) > 1e-2 * wrong
