@@ -70,7 +70,8 @@ OPTIONS = {  # every documented static argument passed, the floats too
     "projected_rownorm": dict(vocab_axis=1, eps=1e-8, num_valid=8),
     "clip_row_diameter": dict(max_diameter=0.01, vocab_axis=1, exact=True, block_size=4),
     "track_row_diameter": dict(vocab_axis=1, every_k_steps=2),
-    "muon_orthogonalize": dict(ns_steps=5, rms_scale=0.2, dimension_numbers=lambda params: {
+    "muon_orthogonalize": dict(ns_steps=5, rms_scale=0.2, ns_coeffs=np.array(
+        [3.4445, -4.7750, 2.0315]), dimension_numbers=lambda params: {
         k: MDN(reduction_axis=1, output_axis=0) for k in params}),
 }
 
@@ -94,6 +95,9 @@ def test_inject_hyperparams_needs_the_documented_static_args():
             except TypeError as err:
                 # A callable dimension_numbers is called as a schedule, with the step count.
                 assert missing in str(err) or missing == "dimension_numbers", (name, err)
+                # The static_args an error suggests are the documented ones (no others).
+                for suggested in re.findall(r"static_args=\(([^)]*)\)", str(err)):
+                    assert set(re.findall(r"'(\w+)'", suggested)) <= set(static), (name, err)
                 continue
             # Not an error: then the argument was evaluated as a schedule, and the step differs.
             assert missing == "dimension_numbers" and not all(
