@@ -8,6 +8,8 @@ shown to fail on a counter-example, so a wrong sentence (or a wrong library) fai
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -312,3 +314,36 @@ def test_head_state_holds_what_the_checkpointing_guide_lists():
                   rowgeom.lm_optimizer(1e-3, head="adamw"),
                   rowgeom.lm_optimizer(1e-3, head=rowgeom.HeadOptions(track=False))):
         assert structure(other) != base
+
+
+_KILLED_SAVE = """
+import os, sys
+import jax.numpy as jnp
+from examples.lm import checkpointing
+ckpt = checkpointing.Checkpointer(sys.argv[1])
+ckpt.save(int(sys.argv[2]), {"a": jnp.ones((2048, 2048))}, {"step": int(sys.argv[2])})
+os._exit(0)  # killed while the save is in flight: it is never finalized
+"""
+
+
+def test_a_killed_saves_temporary_directory_goes_when_its_step_is_saved_again(tmp_path):
+    """reliability.md: a killed save leaves a temporary directory that restores ignore; orbax
+    replaces it when the same step is saved again, and one of a step never saved again stays."""
+    from examples.lm import checkpointing
+
+    ckdir = tmp_path / "ck"
+    ckpt = checkpointing.Checkpointer(ckdir)
+    ckpt.save(1, {"a": jnp.zeros((4,))}, {"step": 1})
+    ckpt.close()
+    for step in (2, 3):
+        subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(ckdir), str(step)], cwd=ROOT,
+                       check=True, timeout=120)
+    temporary = lambda: sorted(p.name for p in ckdir.iterdir() if "tmp" in p.name)  # noqa: E731
+    assert [name.split(".")[0] for name in temporary()] == ["2", "3"], temporary()
+    ckpt = checkpointing.Checkpointer(ckdir)
+    assert ckpt.latest_step() == 1  # the half-written ones are never listed
+    ckpt.save(2, {"a": jnp.ones((4,))}, {"step": 2})
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    assert [name.split(".")[0] for name in temporary()] == ["3"], temporary()
+    ckpt.close()
