@@ -347,3 +347,78 @@ def test_a_killed_saves_temporary_directory_goes_when_its_step_is_saved_again(tm
     assert ckpt.all_steps() == [1, 2]
     assert [name.split(".")[0] for name in temporary()] == ["3"], temporary()
     ckpt.close()
+
+
+# ----------------------------------------------------------------------------- the recipe in a loop
+
+
+def _small_lm(rng):
+    params = {"embed": {"embedding": jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)},
+              "mlp": {"up": {"kernel": jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)}},
+              "lm_head": {"kernel": jnp.asarray(rng.standard_normal((8, 40)), jnp.float32)}}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
+                         params)
+    return params, grads
+
+
+def test_lm_optimizer_update_needs_params_and_clipping_goes_first(rng):
+    """getting-started.md: update without params raises; clipping the raw gradients leaves the
+    RowNorm head step at its radius (the direction is scale-free), clipping the finished
+    updates to the same norm shrinks it."""
+    params, grads = _small_lm(rng)
+    tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0)
+    with pytest.raises(ValueError, match="requires the current value of parameters"):
+        tx.update(grads, tx.init(params))
+
+    def head_diameter(tx):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return float(rowgeom.row_diameter(updates["lm_head"]["kernel"], vocab_axis=1))
+
+    plain = head_diameter(tx)
+    first = head_diameter(optax.chain(optax.clip_by_global_norm(1e-3), tx))
+    after = head_diameter(optax.chain(tx, optax.clip_by_global_norm(1e-3)))
+    np.testing.assert_allclose(first, plain, rtol=1e-5)
+    assert 1.5 * 5e-2 < plain <= 2 * 5e-2 * (1 + 1e-5)  # the head's radius: 5 * lr
+    assert after < 0.5 * plain
+
+
+def test_an_injected_rate_changed_in_nnx_optimizer_scales_the_next_step(rng):
+    """learning-rates.md: the injected rates live in optimizer.opt_state.hyperparams; setting one
+    changes the next update of every group that follows it, without a new compile."""
+    params, grads = _small_lm(rng)
+    tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=1e-3, weight_decay=0.0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    before, _ = update(grads, state, params)
+    state.hyperparams["learning_rate"] = jnp.asarray(2e-3, jnp.float32)  # its dtype: no compile
+    after, _ = update(grads, state, params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 2 * b, rtol=1e-5, atol=1e-9),
+                 after, before)
+    assert update._cache_size() == 1
+
+    class TinyLM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(40, 8, rngs=rngs)
+            self.lm_head = nnx.Linear(8, 40, use_bias=False, rngs=rngs)
+
+    model = TinyLM(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    rates = optimizer.opt_state.hyperparams
+    assert set(rates) == {"learning_rate", "weight_decay"}
+    traces = []
+
+    @nnx.jit
+    def step(model, optimizer, g):
+        traces.append(None)
+        optimizer.update(model, g)
+
+    g = nnx.state(model, nnx.Param)
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), g)
+    moved = []
+    for rate in (1e-3, 3e-3):
+        rates["learning_rate"][...] = rate
+        old = np.asarray(model.lm_head.kernel[...])
+        step(model, optimizer, g)
+        moved.append(float(rowgeom.row_diameter(model.lm_head.kernel[...] - old, vocab_axis=1)))
+    assert 2.5 * moved[0] < moved[1] <= 2 * 5 * 3e-3 * (1 + 1e-5), moved  # the head: 5 * lr
+    assert len(traces) == 1
