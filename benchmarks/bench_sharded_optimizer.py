@@ -293,7 +293,9 @@ def main() -> None:
     results = {"update": update_rows(trees, meshes, variants),
                "few": [] if args.no_few else few_rows(**few)}
     results["environment"] = provenance.finish(env)
-    command = " ".join([COMMAND, *sys.argv[1:]])
+    shown = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--json")
+             and (i == 0 or sys.argv[i] != "--json")]  # a local path: not part of the command
+    command = " ".join([COMMAND, *shown])
     provenance.publish(args, BLOCK, markdown(results, command), results)
 
 
