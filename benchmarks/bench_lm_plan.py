@@ -13,7 +13,7 @@ simulated CPU devices (nothing is allocated):
    the step's collectives (less those of the same step without the optimizer update).
 3. Compile time of the `640m` step with scanned and with unrolled blocks, in one run.
 
-Run: `python benchmarks/bench_lm_plan.py` (tens of minutes on 2 cores; `--quick`: the `test`
+Run: `python benchmarks/bench_lm_plan.py` (`--quick`: the `test`
 config only; `--docs`: rewrite its section of docs/benchmarks.md; `--json PATH`: the raw numbers).
 """
 

@@ -6,7 +6,7 @@ at once, against the configs' chunk and others) applied to its own previous stat
 batch, the variants interleaved round after round, the best of the rounds kept. Ratios are the
 variant's best time over the unchunked one's.
 
-Run: `python benchmarks/bench_lm_step.py` (a few minutes on 2 cores; `--docs`: rewrite its
+Run: `python benchmarks/bench_lm_step.py` (`--docs`: rewrite its
 block of docs/benchmarks.md; `--json PATH`; `--rounds N`).
 """
 

@@ -14,8 +14,8 @@ same eps. Compared like with like:
 Timed in the steady state, as in training: each jitted function has its inputs donated and is
 applied to its own previous output (``y = f(y)``; for a step, ``(updates, state) -> (updates,
 state)``), so no call page-faults a fresh buffer; the candidates are interleaved call by call
-and each keeps its best of ``--reps`` (also reported: the median). Machines are noisy (20–40 %
-run to run): compare the ratios. Ratio = rowgeom / optax; < 1 means rowgeom is faster.
+and each keeps its best of ``--reps`` (also reported: the median). Machines are noisy from run
+to run: compare the ratios. Ratio = rowgeom / optax; < 1 means rowgeom is faster.
 
     python benchmarks/bench_muon.py            # d=256, 4 layers
     python benchmarks/bench_muon.py --quick    # a small smoke run

@@ -12,7 +12,7 @@
 Machines are noisy: each timing is the minimum of ``--repeats`` runs, candidates interleaved.
 
     python benchmarks/bench_row_diameter.py            # (50304, 768) and (32768, 512)
-    python benchmarks/bench_row_diameter.py --quick    # small sizes, a few seconds
+    python benchmarks/bench_row_diameter.py --quick    # small sizes
     python benchmarks/bench_row_diameter.py --docs     # also rewrite its block of the docs
 """
 

@@ -19,15 +19,15 @@ Steady state, as in training: each donated function is applied to its own previo
 (``y = f(y)``), so its buffer is reused and never page-faults; functions that return only
 statistics read the same input every call. All candidates are interleaved call by call and
 each ratio is best-of-``--calls`` over best-of-``--calls`` (the floor itself is bimodal on a
-shared machine, and timing fresh copies makes it jump between ~3 and ~17 ms). The machine's
-load average is recorded before and after. Also prints the accuracy of three centring
+shared machine, and timing fresh copies makes it swing with each buffer's page faults). The
+machine's load average is recorded before and after. Also prints the accuracy of three centring
 formulations on adversarial rows (a large common vector plus a tiny spread).
 
-    python benchmarks/bench_rownorm.py             # (50304, 768) f32, a few minutes
+    python benchmarks/bench_rownorm.py             # (50304, 768) f32
     python benchmarks/bench_rownorm.py --quick     # small, for a smoke run
     python benchmarks/bench_rownorm.py --docs      # also rewrite its block of docs/benchmarks.md
 
-Machines with 2 shared cores vary 20-40 % between runs: compare ratios, not milliseconds.
+A shared machine's timings move between runs: compare ratios, not milliseconds.
 """
 
 from __future__ import annotations

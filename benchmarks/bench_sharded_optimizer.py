@@ -27,9 +27,9 @@ Workloads:
    and on one `(768, 50304)` Muon head, with and without `shard_matrices`.
 The example's whole training step is `benchmarks/bench_lm_plan.py`'s (`examples.lm.plan`).
 
-Run: `python benchmarks/bench_sharded_optimizer.py` (several minutes on 2 cores; `--quick`:
-small trees; `--docs`: rewrite its section of docs/benchmarks.md;
-`--json PATH`: the raw numbers).
+Run: `python benchmarks/bench_sharded_optimizer.py` (`--quick`: small trees; `--docs`: rewrite
+its generated block of docs/benchmarks.md, with the run's provenance; `--json PATH`: the raw
+numbers).
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import inspect  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
@@ -51,6 +49,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import provenance  # noqa: E402  (beside this script)
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -64,8 +63,8 @@ from examples.lm import mesh as mesh_lib  # noqa: E402
 from examples.lm import model as model_lib  # noqa: E402
 from examples.lm.compiled import analyse_hlo  # noqa: E402
 
-DOCS_PAGE = ROOT / "docs" / "benchmarks.md"
-MARKERS = ("<!-- sharded-optimizer:begin -->", "<!-- sharded-optimizer:end -->")
+BLOCK = "sharded-optimizer"  # the generated block of docs/benchmarks.md
+COMMAND = "python benchmarks/bench_sharded_optimizer.py"
 MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}
 GPT2_SMALL = model_lib.ModelConfig(vocab_size=50304, d_model=768, num_layers=12, num_heads=12,
                                    mlp_dim=3072, max_seq_len=1024)
@@ -238,11 +237,11 @@ def _kinds(c: dict, scale: float) -> str:
     return ", ".join(parts) if parts else "none"
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, command: str = COMMAND) -> str:
     env = results["environment"]
-    lines = [f"Run {env['date']}: jax {env['jax']}, {env['devices']} simulated CPU devices, "
-             f"rowgeom at `{env['git']}`; {env['total_s']:.0f} s in all. Every number is read "
-             "from the compiled program (abstract inputs, nothing allocated).", "",
+    lines = [provenance.header(command, env), "",
+             "Every number is read from the compiled program (abstract inputs, nothing "
+             "allocated).", "",
              "### `lm_optimizer(1e-3).update`, default options", "",
              "Collectives: result bytes per device per step ÷ the full (unsharded) hidden group; "
              "FLOPs per device ÷ the same update compiled for one device (ideal 0.125); "
@@ -269,13 +268,12 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small trees")
-    parser.add_argument("--docs", action="store_true", help="rewrite docs/benchmarks.md's section")
-    parser.add_argument("--json", type=pathlib.Path, help="write the raw results here")
+    provenance.add_arguments(parser, BLOCK)
     parser.add_argument("--trees", nargs="*", help="only these trees (e.g. '190m')")
     parser.add_argument("--no-few", action="store_true", help="skip fewer-matrices cases")
     args = parser.parse_args()
     assert jax.device_count() == 8, jax.devices()
-    start = time.perf_counter()
+    env = provenance.environment(provenance.load_average())
 
     variants = {"default": lambda: rowgeom.lm_optimizer(1e-3)}
     if "shard_matrices" in rowgeom.MuonOptions.__dataclass_fields__:
@@ -294,21 +292,11 @@ def main() -> None:
         trees = {k: v for k, v in trees.items() if k in args.trees}
     results = {"update": update_rows(trees, meshes, variants),
                "few": [] if args.no_few else few_rows(**few)}
-    git = os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip()
-    results["environment"] = dict(
-            date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            jax=jax.__version__, devices=jax.device_count(), git=git or "?",
-            load=" ".join(f"{v:.1f}" for v in os.getloadavg()),
-            total_s=time.perf_counter() - start)
-    text = markdown(results)
-    print("\n" + text)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
-    if args.docs:
-        page = DOCS_PAGE.read_text()
-        begin, end = page.index(MARKERS[0]) + len(MARKERS[0]), page.index(MARKERS[1])
-        DOCS_PAGE.write_text(page[:begin] + "\n" + text + "\n" + page[end:])
-        print(f"updated {DOCS_PAGE}")
+    results["environment"] = provenance.finish(env)
+    shown = [a for i, a in enumerate(sys.argv[1:]) if not a.startswith("--json")
+             and (i == 0 or sys.argv[i] != "--json")]  # a local path: not part of the command
+    command = " ".join([COMMAND, *shown])
+    provenance.publish(args, BLOCK, markdown(results, command), results)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each comparison times a rowgeom operation next to a reference measured interleaved in the same
 run, so both see the same machine load; the tables report ratios (absolute times only as
-context) and the passes read from compiled programs. Shared machines vary 20-40 % between runs:
+context) and the passes read from compiled programs. A shared machine's timings move between runs:
 compare ratios, not milliseconds. Sections, each run in its own subprocess:
 
 - ``rownorm`` (one CPU device): every O(Vd) head operation in both formulations and both
@@ -22,7 +22,7 @@ A one-device section runs what a user with one CPU runs (the XLA:CPU formulation
 unless a row says ``[masked]``); only the sharded section simulates devices, and it runs the
 masked formulation, as every mesh does. Each section's table says which.
 
-    python benchmarks/run_all.py                  # full CPU run (several minutes)
+    python benchmarks/run_all.py                  # full CPU run
     python benchmarks/run_all.py --quick          # smoke run (CI; no thresholds)
     python benchmarks/run_all.py --gpu            # larger sizes on an accelerator
     python benchmarks/run_all.py --docs           # also rewrite the tables of docs/benchmarks.md

@@ -57,7 +57,8 @@ _RESCALE_MODES = (None, "exact", "bound")
 _MIN_DIAMETER = 1e-30
 _DIAMETER_BLOCK = 1024  # rows per block of the exact diameter's triangular scan
 
-_ROWNORM_STATIC_ARGS = static_args_hint("vocab_axis", "eps", "num_valid", "rescale")
+# `rescale` is a string or None, which inject_hyperparams never injects.
+_ROWNORM_STATIC_ARGS = static_args_hint("vocab_axis", "eps", "num_valid")
 
 
 def _check_eps(eps) -> float:

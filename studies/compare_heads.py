@@ -1,6 +1,6 @@
 """The LM-head geometry study of arXiv 2608.22253, at a scale a 2-core CPU can run.
 
-    python -m studies.compare_heads            # full study (~1 h on 2 shared CPU cores)
+    python -m studies.compare_heads            # full study (head_study.md records its wall time)
     python -m studies.compare_heads --quick    # one seed, tiny model, a few steps (CI)
     python -m studies.compare_heads --report-only   # rebuild docs/results from finished runs
 

@@ -1,6 +1,6 @@
 """Draws the figures of docs/geometry.md (committed PNGs; rerun after changing this file).
 
-    python -m studies.make_figures          # writes docs/figures/*.png (about 20 s on CPU)
+    python -m studies.make_figures          # writes docs/figures/*.png
 
 - ``common_ball.png``: the common-ball relaxation in 2-D. Left: a set of diameter rho that no
   ball of radius rho/2 contains (the equilateral triangle, the tight case of Jung's theorem).

@@ -35,7 +35,7 @@ last-K head-step diameter and Hilbert RMS on held-out hidden states. The ladder:
       seeds: final loss, loss-spike onsets (`ladder_fit.count_spikes`) and divergence.
 - seeds per point: `SEEDS_BY_POINT` (2 at the two sweep points, 1 elsewhere); which protocols
   run where: `PROTOCOLS_BY_POINT` (tuned, matched and robust at the sweep points only). The
-  comment above those constants says why; `--plan` prices the whole grid (about 3 h).
+  comment above those constants says why; `--plan` prices the whole grid.
 
 Every run leaves `WORKDIR/<point>/<role>-<head>-lr<lr>-s<seed>/result.json` (plus `ladder.json`
 with the ladder's extra per-run numbers); a rerun skips finished runs and restarts an interrupted

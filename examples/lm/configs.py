@@ -10,7 +10,7 @@ from the flat and nested dict forms (a checkpoint stores `dataclasses.asdict(cfg
 Named configs (`get_config`):
 
 - `test`: a few thousand parameters, for unit tests (seconds to compile and run).
-- `cpu-tiny` (default): ~1.5M parameters; the default run takes about 5 minutes on 2 CPU cores.
+- `cpu-tiny` (default): ~1.5M parameters, sized for a CPU.
 - `cpu-small`: ~7.6M parameters (vocab 8192, d 256, 4 layers, seq 256): a longer CPU run.
 - `190m`, `380m`, `640m`: the paper's model sizes for GPU/TPU (Muon backbone, bf16 compute,
   fp32 master weights and optimizer state, GPT-2 vocabulary size padded to 50304).

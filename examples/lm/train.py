@@ -2,7 +2,7 @@
 
 Run from the repository root, as a module:
 
-    python -m examples.lm.train                      # cpu-tiny, about 5 minutes on 2 CPU cores
+    python -m examples.lm.train                      # cpu-tiny, on CPU
     python -m examples.lm.train --config cpu-small --steps 3000 --head adamw --workdir runs/a
     python -m examples.lm.train --workdir runs/a     # rerun on a workdir: resume its latest one
     python -m examples.lm.train --config 190m --mesh.fsdp 8 --workdir gs://bucket/run

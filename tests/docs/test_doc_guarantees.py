@@ -8,6 +8,8 @@ shown to fail on a counter-example, so a wrong sentence (or a wrong library) fai
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +72,8 @@ OPTIONS = {  # every documented static argument passed, the floats too
     "projected_rownorm": dict(vocab_axis=1, eps=1e-8, num_valid=8),
     "clip_row_diameter": dict(max_diameter=0.01, vocab_axis=1, exact=True, block_size=4),
     "track_row_diameter": dict(vocab_axis=1, every_k_steps=2),
-    "muon_orthogonalize": dict(ns_steps=5, rms_scale=0.2, dimension_numbers=lambda params: {
+    "muon_orthogonalize": dict(ns_steps=5, rms_scale=0.2, ns_coeffs=np.array(
+        [3.4445, -4.7750, 2.0315]), dimension_numbers=lambda params: {
         k: MDN(reduction_axis=1, output_axis=0) for k in params}),
 }
 
@@ -94,6 +97,9 @@ def test_inject_hyperparams_needs_the_documented_static_args():
             except TypeError as err:
                 # A callable dimension_numbers is called as a schedule, with the step count.
                 assert missing in str(err) or missing == "dimension_numbers", (name, err)
+                # The static_args an error suggests are the documented ones (no others).
+                for suggested in re.findall(r"static_args=\(([^)]*)\)", str(err)):
+                    assert set(re.findall(r"'(\w+)'", suggested)) <= set(static), (name, err)
                 continue
             # Not an error: then the argument was evaluated as a schedule, and the step differs.
             assert missing == "dimension_numbers" and not all(
@@ -308,3 +314,111 @@ def test_head_state_holds_what_the_checkpointing_guide_lists():
                   rowgeom.lm_optimizer(1e-3, head="adamw"),
                   rowgeom.lm_optimizer(1e-3, head=rowgeom.HeadOptions(track=False))):
         assert structure(other) != base
+
+
+_KILLED_SAVE = """
+import os, sys
+import jax.numpy as jnp
+from examples.lm import checkpointing
+ckpt = checkpointing.Checkpointer(sys.argv[1])
+ckpt.save(int(sys.argv[2]), {"a": jnp.ones((2048, 2048))}, {"step": int(sys.argv[2])})
+os._exit(0)  # killed while the save is in flight: it is never finalized
+"""
+
+
+def test_a_killed_saves_temporary_directory_goes_when_its_step_is_saved_again(tmp_path):
+    """reliability.md: a killed save leaves a temporary directory that restores ignore; orbax
+    replaces it when the same step is saved again, and one of a step never saved again stays."""
+    from examples.lm import checkpointing
+
+    ckdir = tmp_path / "ck"
+    ckpt = checkpointing.Checkpointer(ckdir)
+    ckpt.save(1, {"a": jnp.zeros((4,))}, {"step": 1})
+    ckpt.close()
+    for step in (2, 3):
+        subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(ckdir), str(step)], cwd=ROOT,
+                       check=True, timeout=120)
+    temporary = lambda: sorted(p.name for p in ckdir.iterdir() if "tmp" in p.name)  # noqa: E731
+    assert [name.split(".")[0] for name in temporary()] == ["2", "3"], temporary()
+    ckpt = checkpointing.Checkpointer(ckdir)
+    assert ckpt.latest_step() == 1  # the half-written ones are never listed
+    ckpt.save(2, {"a": jnp.ones((4,))}, {"step": 2})
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    assert [name.split(".")[0] for name in temporary()] == ["3"], temporary()
+    ckpt.close()
+
+
+# ----------------------------------------------------------------------------- the recipe in a loop
+
+
+def _small_lm(rng):
+    params = {"embed": {"embedding": jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)},
+              "mlp": {"up": {"kernel": jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)}},
+              "lm_head": {"kernel": jnp.asarray(rng.standard_normal((8, 40)), jnp.float32)}}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
+                         params)
+    return params, grads
+
+
+def test_lm_optimizer_update_needs_params_and_clipping_goes_first(rng):
+    """getting-started.md: update without params raises; clipping the raw gradients leaves the
+    RowNorm head step at its radius (the direction is scale-free), clipping the finished
+    updates to the same norm shrinks it."""
+    params, grads = _small_lm(rng)
+    tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0)
+    with pytest.raises(ValueError, match="requires the current value of parameters"):
+        tx.update(grads, tx.init(params))
+
+    def head_diameter(tx):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return float(rowgeom.row_diameter(updates["lm_head"]["kernel"], vocab_axis=1))
+
+    plain = head_diameter(tx)
+    first = head_diameter(optax.chain(optax.clip_by_global_norm(1e-3), tx))
+    after = head_diameter(optax.chain(tx, optax.clip_by_global_norm(1e-3)))
+    np.testing.assert_allclose(first, plain, rtol=1e-5)
+    assert 1.5 * 5e-2 < plain <= 2 * 5e-2 * (1 + 1e-5)  # the head's radius: 5 * lr
+    assert after < 0.5 * plain
+
+
+def test_an_injected_rate_changed_in_nnx_optimizer_scales_the_next_step(rng):
+    """learning-rates.md: the injected rates live in optimizer.opt_state.hyperparams; setting one
+    changes the next update of every group that follows it, without a new compile."""
+    params, grads = _small_lm(rng)
+    tx = optax.inject_hyperparams(rowgeom.lm_optimizer)(learning_rate=1e-3, weight_decay=0.0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    before, _ = update(grads, state, params)
+    state.hyperparams["learning_rate"] = jnp.asarray(2e-3, jnp.float32)  # its dtype: no compile
+    after, _ = update(grads, state, params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, 2 * b, rtol=1e-5, atol=1e-9),
+                 after, before)
+    assert update._cache_size() == 1
+
+    class TinyLM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(40, 8, rngs=rngs)
+            self.lm_head = nnx.Linear(8, 40, use_bias=False, rngs=rngs)
+
+    model = TinyLM(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    rates = optimizer.opt_state.hyperparams
+    assert set(rates) == {"learning_rate", "weight_decay"}
+    traces = []
+
+    @nnx.jit
+    def step(model, optimizer, g):
+        traces.append(None)
+        optimizer.update(model, g)
+
+    g = nnx.state(model, nnx.Param)
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), g)
+    moved = []
+    for rate in (1e-3, 3e-3):
+        rates["learning_rate"][...] = rate
+        old = np.asarray(model.lm_head.kernel[...])
+        step(model, optimizer, g)
+        moved.append(float(rowgeom.row_diameter(model.lm_head.kernel[...] - old, vocab_axis=1)))
+    assert 2.5 * moved[0] < moved[1] <= 2 * 5 * 3e-3 * (1 + 1e-5), moved  # the head: 5 * lr
+    assert len(traces) == 1

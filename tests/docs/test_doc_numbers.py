@@ -3,22 +3,28 @@
 - docs/results/oracle_table.json: the geometry page's instance counts, ranges and ratios;
 - docs/results/head_study.json: the learning-rate guide's sweep, the chosen head rates and
   `rowgeom.HEAD_LR_MULTIPLIERS`;
-- the generated table of docs/benchmarks.md (between its `benchmark-table` markers, written by
-  `benchmarks/run_all.py --docs`): the exact diameter's time, the bracket's tightness and the
-  tracker's cost, wherever another page quotes them.
+- the example's README: its configs' parameter counts and validation-set sizes, from the code.
 
 Each check formats the value from the file as the page writes it and looks for the sentence, so
 a rerun that changes a number fails here until the page says the new one.
+
+Timings, ratios and counts are never typed: each benchmark writes its own generated block of
+docs/benchmarks.md (`benchmarks/provenance.py`), and the tests here check that every block of the
+current benchmark set is there and parses (command, date, commit, machine, load, a table), and
+that no page types a measurement outside such a block.
 """
 
 from __future__ import annotations
 
+import ast
+import itertools
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
-from _doc_extract import ROOT
+from _doc_extract import FENCE, ROOT
 
 import rowgeom
 
@@ -133,65 +139,204 @@ def test_head_lr_multipliers_are_the_head_studys_choice(study):
 
 # ----------------------------------------------------------------------------- benchmarks
 
+BENCHMARKS = ROOT / "benchmarks"
+GENERATED = re.compile(r"<!-- ([\w-]+):start -->\n(.*?)\n<!-- \1:end -->", re.S)
 
-def _benchmark_section(title_start: str) -> list[list[str]]:
-    """The rows (cells) of the generated benchmark table under the heading `title_start`."""
+
+def _constant(script: str, name: str):
+    """A module-level constant of a benchmark script, read without importing it (they set
+    XLA_FLAGS and import JAX at import time)."""
+    tree = ast.parse((BENCHMARKS / script).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{script} has no {name}")
+
+
+def _owners() -> dict[str, set[str]]:
+    """Generated block name -> the scripts whose ``--docs`` write it: run_all.py writes its
+    outer block and one block per section; a script with a ``BLOCK`` writes that block."""
+    owners: dict[str, set[str]] = {_constant("run_all.py", "OUTER_BLOCK"): {"run_all.py"}}
+    for section in _constant("run_all.py", "SECTIONS"):
+        owners[section] = {"run_all.py"}
+    for path in sorted(BENCHMARKS.glob("bench_*.py")):
+        if "BLOCK = " in path.read_text():
+            owners.setdefault(_constant(path.name, "BLOCK"), set()).add(path.name)
+    return owners
+
+
+def _blocks(text: str) -> dict[str, str]:
+    """Every generated block of a page, nested ones included: name -> its text."""
+    found, todo = {}, [text]
+    while todo:
+        for name, body in GENERATED.findall(todo.pop()):
+            assert name not in found, f"two {name} blocks"
+            found[name] = body
+            todo.append(body)
+    return found
+
+
+def _table(body: str) -> list[list[str]]:
+    """The rows of the first markdown table of a block (header first), each a list of cells."""
+    lines = body.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and re.fullmatch(r"\|(?:-+\|)+", lines[i + 1].replace(" ", "")):
+            rows = [line] + [r for r in itertools.takewhile(lambda r: r.startswith("|"),
+                                                              lines[i + 2:])]
+            return [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
+    return []
+
+
+def test_every_benchmark_block_is_on_the_page_once():
     text = (DOCS / "benchmarks.md").read_text()
-    generated = text.split("<!-- benchmark-table:start -->")[1].split(
-        "<!-- benchmark-table:end -->")[0]
-    sections = re.split(r"^### ", generated, flags=re.M)
-    (section,) = [s for s in sections if s.startswith(title_start)]
-    rows = [line for line in section.splitlines() if line.startswith("|")][2:]
-    return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    owners = _owners()
+    for name in owners:
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        assert text.count(start) == text.count(end) == 1, name
+    stale = set(re.findall(r"<!-- ([\w-]+):(?:start|begin) -->", text)) - set(owners)
+    assert not stale, f"generated blocks no benchmark writes: {stale}"
+    outer = _blocks(text)[_constant("run_all.py", "OUTER_BLOCK")]
+    assert list(dict(GENERATED.findall(outer))) == list(_constant("run_all.py", "SECTIONS"))
 
 
-def _exact_diameter_rows() -> dict[str, list[str]]:
-    return {row[0]: row for row in _benchmark_section("Row diameter: exact")}
+def test_every_generated_block_has_its_provenance_and_a_table():
+    """Each block opens with the header of the run that wrote it (command, date, commit,
+    machine, load) and holds a well-formed table; the command is a script that writes it."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import provenance
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    owners = _owners()
+    for name, body in _blocks((DOCS / "benchmarks.md").read_text()).items():
+        if name == _constant("run_all.py", "OUTER_BLOCK"):
+            continue  # made of the section blocks, each checked here
+        header = provenance.parse_header(body.splitlines()[0])
+        assert header, f"block {name} does not start with a provenance header: {body[:200]}"
+        script = re.match(r"python benchmarks/(\w+\.py)\b", header["command"])
+        assert script and script.group(1) in owners[name] | {f"bench_{name}.py"}, (name, header)
+        assert (BENCHMARKS / script.group(1)).exists(), header["command"]
+        assert int(header["cores"]) >= 1 and int(header["devices"]) >= 1, header
+        rows = _table(body)
+        assert len(rows) >= 2, f"block {name} holds no table"
+        assert all(len(r) == len(rows[0]) for r in rows), f"block {name}: ragged table"
 
 
-def test_exact_diameter_time_on_the_pages_matches_the_benchmark():
-    seconds = _exact_diameter_rows()["(50304, 768)"][2]  # e.g. "12.7 s"
-    assert re.fullmatch(r"[\d.]+ s", seconds), seconds
-    for page in ("geometry.md", "guides/diagnostics.md"):
-        quoted = re.findall(r"([\d.]+ s) for a \\\(50304 ?\\times ?768\\\) head", _page(page))
-        assert quoted, f"{page} no longer quotes the exact diameter's time: update this test"
-        assert set(quoted) == {seconds}, f"{page} quotes {quoted}, the benchmark {seconds}"
+def test_provenance_header_reads_back():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import provenance
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    env = dict(date="2026-01-02 03:04 UTC", commit="0123abcd+changes", cores=2,
+               processor="Some CPU (rev 2), 3 GHz", platform="Linux x86_64", jax="0.10.2",
+               optax="0.2.8", backend="cpu", devices=8, load_before="1.0 2.5 10.3")
+    got = provenance.parse_header(provenance.header("python benchmarks/x.py --docs",
+                                                    provenance.finish(env)))
+    assert got and got["commit"] == env["commit"] and got["processor"] == env["processor"]
+    assert got["devices"] == "8" and got["load_before"] == env["load_before"]
+    assert provenance.parse_header("Run 2026-11-30 15:27 UTC on x86_64 Linux") is None
 
 
-def test_bracket_tightness_on_the_pages_matches_the_benchmark():
-    rows = _exact_diameter_rows()
-    lower = [float(r[4]) for r in rows.values()]
-    upper = [float(r[5]) for r in rows.values()]
-    assert {"(32768, 512)", "(50304, 768)"} <= set(rows)
-    for page in ("geometry.md", "guides/diagnostics.md"):
-        text = _page(page)
-        (within,) = set(re.findall(r"within (\d+) % of (?:exact|\\\(D\\\))", text))
-        (about,) = set(re.findall(r"about (\d+) % on the same rows", text))
-        assert all(1 - x <= int(within) / 100 for x in lower), (page, lower)
-        assert all(abs(100 * (x - 1) - int(about)) <= 2.5 for x in upper), (page, upper)
+# ----------------------------------------------------------------------------- typed measurements
+
+MEASURED_PAGES = sorted([*(DOCS.glob("*.md")), *(DOCS / "guides").glob("*.md"),
+                         *(DOCS / "api").glob("*.md"), ROOT / "README.md",
+                         ROOT / "examples" / "lm" / "README.md", ROOT / "CONTRIBUTING.md"])
+_NUMBER = (r"(?<![\w.^])(?:\d+(?:[.,]\d+)*|\.\d+|(?:one|two|three|four|five|six|seven|eight|"
+           r"nine|ten|twelve|fifteen|twenty|thirty|a few|several|tens of|a couple of)\b)")
+_RANGE = rf"{_NUMBER}(?:\s*(?:–|-|to)\s*{_NUMBER})?"
+# A number, then a unit of time, a ratio sign (not "V × d", a shape), a per cent sign or a count
+# of tests or steps per second.
+MEASUREMENT = re.compile(
+        rf"(?:about |~|≈)?{_RANGE}\s*(?:(?:s|ms|µs|us|sec|seconds?|min|minutes?|h|hours?)\b(?!-)"
+        r"|(?:×|x\b)(?!\s*(?:\d|\\\(|[A-Za-z]\b))|%|(?:times )?(?:faster|slower)\b"
+        r"|tests\b|steps/s\b)",
+        re.I)
+# Not prose: generated blocks, HTML comments, maths and inline code; in fenced code only the
+# comments are read, and program output (```text, which test_docs_output.py checks against the
+# code) not at all.
+_CUT = [GENERATED, re.compile(r"<!--.*?-->", re.S), re.compile(r"\$\$.*?\$\$|\\\[.*?\\\]", re.S),
+        re.compile(r"\\\(.*?\\\)", re.S)]
 
 
-def test_tracker_cost_on_the_pages_matches_the_benchmark():
-    """diagnostics.md: on CPU the tracker costs about as much as the RowNorm step, a little
-    more or less by layout: within a factor 1.5 either way in both layouts."""
-    rows = {r[0].strip("`"): r for r in _benchmark_section("Every O(Vd) head operation")}
+def _comments(block: re.Match) -> str:
+    """A fenced block reduced to its comments, line for line."""
+    lines = block.group(0).split("\n")
+    if block.group("lang") == "text":
+        return "\n" * (len(lines) - 1)
+    return "\n".join(line.split("#", 1)[1] if "#" in line else "" for line in lines)
 
-    def on_cpu(name):  # the formulation a one-CPU-device process runs, where the table has two
-        return rows.get(f"{name}[cpu]") or rows[name]
+# Values that read like measurements but are not (each one with why); the target is none typed.
+NOT_MEASUREMENTS = {
+    # Configuration: rowgeom.HEAD_LR_MULTIPLIERS, checked by test_head_lr_multipliers_...
+    ("docs/getting-started.md", "5×"): "the RowNorm head's default rate multiplier",
+    ("docs/getting-started.md", "3×"): "the AdamW / Muon heads' default rate multiplier",
+    ("docs/guides/learning-rates.md", "5×"): "the RowNorm head's default rate multiplier",
+    ("docs/guides/learning-rates.md", "3×"): "the AdamW / Muon heads' default rate multiplier",
+    ("examples/lm/README.md", "5 ×"): "the RowNorm head's default rate multiplier",
+    ("examples/lm/README.md", "3 ×"): "the AdamW / Muon heads' default rate multiplier",
+    # Maths: the bracket's upper end 2 max_i ||s_i - s̄|| is at most twice D.
+    ("docs/getting-started.md", "2×"): "the bracket's worst-case overshoot (a theorem)",
+    ("docs/geometry.md", "2×"): "the bracket's worst-case overshoot (a theorem)",
+    ("docs/guides/diagnostics.md", "2×"): "the bracket's worst-case overshoot (a theorem)",
+    ("docs/guides/learning-rates.md", "2×"): "the bracket's worst-case overshoot (a theorem)",
+    # A study's result, checked against docs/results/head_study.json by
+    # test_head_study_numbers_on_the_learning_rate_guide, and the paper it is compared with.
+    ("docs/guides/learning-rates.md", "1.67×"): "the head study's tuned-rate ratio (its JSON)",
+}
 
-    time = lambda cell: float(re.search(r"\(([\d.]+) ms", cell).group(1))  # noqa: E731
-    for column in (1, 2):  # (V, d) and (d, V)
-        ratio = (time(on_cpu("track_row_diameter")[column])
-                 / time(on_cpu("projected_rownorm")[column]))
-        assert 1 / 1.5 <= ratio <= 1.5, (column, ratio)
-    _assert_quotes("guides/diagnostics.md",
-                   "on CPU about as long as the projected RowNorm step itself, a little more or "
-                   "less depending on the layout")
+
+def typed_measurements(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every measurement typed in a page's prose or code comments."""
+    for pattern in _CUT:
+        text = pattern.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    text = FENCE.sub(_comments, text)
+    text = re.sub(r"`[^`\n]*`", "``", text)
+    return [(text.count("\n", 0, m.start()) + 1, m.group(0).strip())
+            for m in MEASUREMENT.finditer(text)]
 
 
-def test_benchmark_table_parses():
-    rows = _exact_diameter_rows()
-    assert all(np.isfinite(float(r[4])) and float(r[4]) <= 1.0 for r in rows.values())
+def _found() -> list[tuple[str, int, str]]:
+    return [(str(page.relative_to(ROOT)), line, hit) for page in MEASURED_PAGES
+            for line, hit in typed_measurements(page.read_text())]
+
+
+def test_no_measurement_is_typed_outside_a_generated_block():
+    """Timings, ratios, percentages and counts come from the command that measured them, in a
+    generated block; prose points at the table instead."""
+    typed = [f"{page}:{line}: {hit!r}" for page, line, hit in _found()
+             if (page, hit) not in NOT_MEASUREMENTS]
+    assert not typed, "typed measurements (generate them, or point at the table):\n" + "\n".join(
+        typed)
+
+
+def test_not_measurements_list_is_not_stale():
+    used = {(page, hit) for page, _, hit in _found()}
+    assert not set(NOT_MEASUREMENTS) - used, set(NOT_MEASUREMENTS) - used
+
+
+def test_typed_measurement_finder():
+    page = """Took 12.7 s, or about 5 minutes (~5 min); 2× faster, 0.84–0.96x, 26 %, 1170 tests.
+A 50304 × 768 head, \\(2\\times 3\\), `timeout=300 s`, x = 3, one second-order cone, the
+ones and tens are no measurements.
+
+```bash
+python run.py --steps 300   # several minutes on 2 cores
+```
+
+```text
+step 0: 3.5 ms
+```
+
+<!-- lm-step:start -->
+| 432 ms (1.00x) |
+<!-- lm-step:end -->
+"""
+    hits = [hit for _, hit in typed_measurements(page)]
+    assert hits == ["12.7 s", "about 5 minutes", "~5 min", "2×", "0.84–0.96x", "26 %",
+                    "1170 tests", "several minutes"], hits
 
 
 # ----------------------------------------------------------------------------- the example
@@ -227,3 +372,17 @@ def test_validation_set_sizes_in_the_example_readme():
     (gpu_tokens,) = gpu
     text = " ".join((ROOT / "examples" / "lm" / "README.md").read_text().split())
     assert (f"{tiny} tokens in cpu-tiny, {gpu_tokens / 1e6:.1f}M in the GPU configs") in text
+
+
+# ----------------------------------------------------------------------------- contributing
+
+
+def test_contributing_lists_every_file_with_a_longer_timeout():
+    """CONTRIBUTING.md's Timeouts list names exactly the test files that raise the timeout."""
+    mark = re.compile(r"^[^\"'#\n]*pytest\.mark\.timeout\(", re.M)  # in code, not in a string
+    raising = {str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
+               if mark.search(path.read_text())}
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    section = text.split("### Timeouts")[1].split("- The timeout uses")[0]
+    listed = set(re.findall(r"`(tests/[\w/]+\.py)`", section))
+    assert listed == raising, (sorted(raising - listed), sorted(listed - raising))

@@ -116,6 +116,51 @@ def test_nav_pages_and_figures_exist():
             assert (page.parent / image).exists(), f"{page.name}: missing figure {image}"
 
 
+def test_every_page_is_in_the_nav():
+    """A page outside the nav is found by nobody (docs/results/README.md describes the folder
+    for readers of the repository, not of the site)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    nav = set(re.findall(r"^\s+- (?:[^:\n]+: )?([\w/.-]+\.md)\s*$", config, re.M))
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")} - {"results/README.md"}
+    assert pages <= nav, sorted(pages - nav)
+
+
+def test_api_index_lists_every_public_name():
+    text = (DOCS / "api" / "index.md").read_text()
+    listed = set(re.findall(r"^\| \[`(\w+)`\]\[rowgeom\.\1\]", text, re.M))
+    assert listed == set(rowgeom.__all__), (sorted(set(rowgeom.__all__) - listed),
+                                            sorted(listed - set(rowgeom.__all__)))
+
+
+def _rowgeom_imports(path: pathlib.Path) -> set[str]:
+    """The private rowgeom modules `path` imports (``from rowgeom._x import``, ``from rowgeom
+    import _x``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "rowgeom":
+            found |= {a.name for a in node.names if a.name.startswith("_")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rowgeom._"):
+            found.add(node.module.split(".")[1])
+    return found - {path.stem}
+
+
+def test_architecture_page_lists_each_modules_imports_and_layers():
+    text = (DOCS / "architecture.md").read_text()
+    table = {}
+    for names, imports in re.findall(r"^\| ((?:`_\w+`(?:, )?)+) \| (—|(?:`_\w+`(?:, )?)+) \|$",
+                                     text, re.M):
+        for name in re.findall(r"`(_\w+)`", names):
+            table[name] = set(re.findall(r"`(_\w+)`", imports))
+    layers = {name: int(n) for n, names in re.findall(r"^layer (\d+)\s+(.*)$", text, re.M)
+              for name in re.findall(r"_\w+", names)}
+    modules = {p.stem: _rowgeom_imports(p) for p in (ROOT / "rowgeom").glob("_*.py")
+               if p.stem != "__init__"}
+    assert table == modules
+    assert set(layers) == set(modules)
+    for name, imported in modules.items():
+        assert all(layers[i] < layers[name] for i in imported), (name, imported)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(660)  # its subprocess has 600 s
 def test_benchmark_suite_quick_mode(tmp_path):

@@ -304,6 +304,38 @@ def test_every_k_steps_counts_only_applied_inner_updates(rng):
     assert np.isfinite(float(stats.upper))
 
 
+def test_a_nan_shows_in_the_stats_only_when_its_update_is_measured(rng):
+    """docs/reliability.md: with every_k_steps = k > 1 the stats describe updates 1, k, 2k, ...
+    only; a NaN in an update between them passes through (the update stays NaN) but never
+    reaches the stats, while a NaN in a measured update does. lm_optimizer's head likewise."""
+    k = 4
+    g = jnp.asarray(rng.normal(size=(5, 7)), jnp.float32)
+    nan = g.at[1, 2].set(jnp.nan)
+    tx = track_row_diameter(vocab_axis=0, every_k_steps=k)
+    step = jax.jit(tx.update)
+    for nan_at, shows in ((2, False), (3, False), (k, True)):
+        state = tx.init(g)
+        for i in range(1, 2 * k):
+            out, state = step(nan if i == nan_at else g, state)
+            assert np.isnan(out).any() == (i == nan_at)  # passed through, never replaced
+            stats = read_row_diameter(state)
+            finite = all(np.isfinite(float(f)) for f in stats[:3])
+            assert finite == (not shows or i < nan_at), (nan_at, i)
+    params = {"mlp": {"kernel": jnp.ones((6, 6))}, "lm_head": {"kernel": jnp.ones((6, 9))}}
+    grads = {"mlp": {"kernel": jnp.ones((6, 6))},
+             "lm_head": {"kernel": jnp.asarray(rng.normal(size=(6, 9)), jnp.float32)}}
+    bad = {"mlp": grads["mlp"], "lm_head": {"kernel": grads["lm_head"]["kernel"].at[0].set(
+        jnp.nan)}}
+    opt = rowgeom.lm_optimizer(1e-3)  # measures updates 1, 10, 20, ... by default
+    update, state = jax.jit(opt.update), opt.init(params)
+    for x in (grads, bad, grads):
+        out, state = update(x, state, params)
+    assert np.isnan(out["lm_head"]["kernel"]).any()  # the momentum carries the NaN on
+    stats = read_row_diameter(state)
+    assert stats.measured_at == {"lm_head/kernel": 1} and np.isfinite(
+        float(stats.upper["lm_head/kernel"]))
+
+
 @pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError), (2.5, TypeError),
                                         (True, TypeError), ("3", TypeError)])
 def test_every_k_steps_validation(bad, error):
