@@ -8,16 +8,26 @@
 - Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml);
   scripts that need their own process (8 simulated devices) run once per module through
   `_subprocess.ModuleSubprocess`, with a shorter timeout of their own.
-- Cheaper XLA:CPU compiles: `--xla_cpu_use_fusion_emitters=false` is appended to XLA_FLAGS
-  (before jax starts its backend; subprocesses inherit it). Compiling dominates the suite, and
-  the older loop emitters compile about a third faster; the HLO the tests read (fusions,
-  collectives, memory) comes from the same passes. `ROWGEOM_TEST_XLA_DEFAULTS=1` keeps XLA's
-  defaults (CI's minimum-versions step runs that way).
+- Cheaper XLA:CPU compiles, since compiling dominates the suite: `--xla_cpu_use_fusion_emitters=
+  false` is appended to XLA_FLAGS (before jax starts its backend; subprocesses inherit it: the
+  older loop emitters compile about a third faster), and this process compiles with
+  `jax_disable_most_optimizations` (LLVM's expensive passes off; another third). The HLO the
+  tests read (fusions, collectives) comes from the same HLO passes, and results are compared
+  with float64 references, not with bits. Subprocesses that read memory or collectives from a
+  compiled program compile with XLA's optimizations. Many tests build the same small programs
+  from fresh closures (jit's own cache keys on the function), so this process also keeps
+  jax's persistent compilation cache, keyed on the program itself, in a temporary directory of
+  its own (empty at the start, removed at exit: every program is still compiled once per run).
+  `ROWGEOM_TEST_XLA_DEFAULTS=1` keeps every default (CI's minimum-versions step runs that way).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
-if os.environ.get("ROWGEOM_TEST_XLA_DEFAULTS") != "1":
+_CHEAP_COMPILES = os.environ.get("ROWGEOM_TEST_XLA_DEFAULTS") != "1"
+if _CHEAP_COMPILES:
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
@@ -26,6 +36,13 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+if _CHEAP_COMPILES:
+    jax.config.update("jax_disable_most_optimizations", True)
+    _CACHE = tempfile.mkdtemp(prefix="rowgeom-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True,
@@ -36,17 +53,29 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _mapped_regions() -> tuple[int, int]:
+    """(memory mappings this process holds, the most it may hold), or (0, 1) off Linux."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 1
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
-    """Drops jax's compiled programs after each module. Every XLA:CPU executable keeps a few
-    memory mappings, and a process may hold only `vm.max_map_count` (65530 by default) of them:
-    the whole suite in one process compiles more than ten thousand programs, and the
-    compiler then crashes (SIGSEGV or SIGABRT) in whichever test comes next."""
+    """Drops jax's compiled programs after a module once the process holds half the memory
+    mappings it may. Every XLA:CPU executable keeps a few mappings, and a process may hold only
+    `vm.max_map_count` (65530 by default): the whole suite in one process compiles more than
+    ten thousand programs, and the compiler then crashes (SIGSEGV or SIGABRT) in whichever test
+    comes next."""
     yield
-    import gc
+    held, limit = _mapped_regions()
+    if held > limit // 2:
+        import gc
 
-    jax.clear_caches()
-    gc.collect()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture
