@@ -26,14 +26,15 @@ import os
 import shutil
 import tempfile
 
+import pytest
+from hypothesis import HealthCheck, settings
+
 _CHEAP_COMPILES = os.environ.get("ROWGEOM_TEST_XLA_DEFAULTS") != "1"
 if _CHEAP_COMPILES:
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
-import pytest
-from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 if _CHEAP_COMPILES:
