@@ -107,6 +107,9 @@ class HeadOptions:
         by name (``kernel`` -> 1, ``embedding``/``weight`` -> 0).
       eps: RowNorm only: rows shorter than it are divided by it (`rownorm_direction`); None:
         ``1e-8``.
+      bias_correction: RowNorm only: divide the EMA ``B_t = m·B_{t-1} + (1 - m)·G_t`` by
+        ``1 - m^t`` before the normalisation (``optax.ema(debias=True)``), as the paper's recipe
+        does. It changes only how the rows compare with ``eps`` in the first updates.
       rescale: RowNorm only: None, ``"exact"`` (multiply the direction by ``2/D(S*)``, the whole
         diameter budget, ``O(V²d)`` per step) or ``"bound"`` (divide by the ``O(Vd)`` upper
         bound instead).
@@ -131,6 +134,7 @@ class HeadOptions:
     momentum: float | None = None
     vocab_axis: int | None = None
     eps: float | None = None
+    bias_correction: bool = False
     rescale: str | None = None
     num_valid: int | None = None
     track: bool = True
@@ -139,7 +143,11 @@ class HeadOptions:
     def __post_init__(self):
         one_of(self.optimizer, HEAD_OPTIMIZERS, "HeadOptions.optimizer")
         one_of(self.rescale, _RESCALE_MODES, "HeadOptions.rescale")
-        _only_for("HeadOptions", self.optimizer, "rownorm", rescale=self.rescale, eps=self.eps)
+        _only_for("HeadOptions", self.optimizer, "rownorm", rescale=self.rescale, eps=self.eps,
+                  bias_correction=self.bias_correction or None)
+        if not isinstance(self.bias_correction, bool):
+            raise TypeError("HeadOptions.bias_correction must be a bool, got "
+                            f"{self.bias_correction!r}")
         if self.optimizer == "adamw" and self.momentum is not None:
             raise ValueError("HeadOptions.momentum: an AdamW head's momentum is AdamOptions.b1, "
                              f"got momentum={self.momentum!r}")

@@ -80,10 +80,12 @@ def _adamw(group: GroupPlan, adam: AdamOptions) -> optax.GradientTransformation:
                        weight_decay=group.weight_decay, nesterov=adam.nesterov)
 
 
-def _rownorm_chain(group: GroupPlan, direction) -> optax.GradientTransformation:
-    """EMA momentum (float32, no debiasing: before the normalisation) -> RowNorm -> decay."""
+def _rownorm_chain(group: GroupPlan, direction, *, debias: bool = False
+                   ) -> optax.GradientTransformation:
+    """EMA momentum (float32, before the normalisation; debiased where the head's options say)
+    -> RowNorm -> decay."""
     return optax.chain(
-        optax.ema(decay=group.momentum, debias=False, accumulator_dtype=jnp.float32),
+        optax.ema(decay=group.momentum, debias=debias, accumulator_dtype=jnp.float32),
         direction,
         optax.add_decayed_weights(group.weight_decay),
         optax.scale_by_learning_rate(group.learning_rate),
@@ -112,7 +114,8 @@ def _group_chain(plan: OptimizerPlan, label: str) -> optax.GradientTransformatio
         return _muon_chain(group, plan.hparams.muon)
     if group.optimizer == "adamw":
         return _adamw(group, plan.hparams.adam)
-    return _rownorm_chain(group, _rownorm_direction(plan, label, group))
+    debias = label == "head" and plan.hparams.head.bias_correction
+    return _rownorm_chain(group, _rownorm_direction(plan, label, group), debias=debias)
 
 
 def _head_chain(plan: OptimizerPlan) -> optax.GradientTransformation:
