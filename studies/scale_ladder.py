@@ -4,6 +4,7 @@ Muon and projected RowNorm heads grow with the width d and the vocabulary V.
     python -m studies.scale_ladder --plan      # every run with its estimated cost, and the total
     python -m studies.scale_ladder             # run (or resume) the ladder, then write the report
     python -m studies.scale_ladder --report-only   # rebuild the report from finished runs
+    python -m studies.scale_ladder --refit docs/results/scale_ladder.json   # from stored records
     python -m studies.scale_ladder --quick --workdir /tmp/q --out /tmp/q/out   # seconds (CI)
     python -m studies.scale_ladder --time-shapes   # re-measure the per-step costs behind --plan
 
@@ -595,6 +596,23 @@ def ladder_study(ladder: Ladder, *, workdir: Path, out: Path, data_source=None, 
     return result
 
 
+def refit(stored: Path, *, out: Path, baseline: dict | None = None, ladder: Ladder | None = None,
+          log=print) -> dict:
+    """Rebuild the report from the run records stored in an earlier report (`scale_ladder.json`),
+    training nothing and reading no run directory: the measured tables are the stored runs',
+    the fits and predictions are recomputed (at the current `PAPER_SHAPES`)."""
+    t0 = time.perf_counter()
+    data = json.loads(Path(stored).read_text())
+    if ladder is None:
+        ladder = quick_ladder() if data["quick"] else full_ladder()
+    runs = {p: list(rs) for p, rs in data["runs"].items()}
+    log(f"refit: {sum(len(v) for v in runs.values())} run records from {stored}, nothing trained")
+    return ladder_report.write_report(
+        runs, rules=data["tuned_rate_rules"], ladder=ladder, out=Path(out),
+        config=data["config_first_point"], session_wall_s=time.perf_counter() - t0,
+        baseline=baseline)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m studies.scale_ladder",
                                      description=__doc__.split("\n\n")[0])
@@ -606,6 +624,10 @@ def main(argv=None):
                         help="measure the per-step cost of each shape (for STEP_COST_S)")
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from finished runs, train nothing")
+    parser.add_argument("--refit", default=None, metavar="JSON",
+                        help="rebuild the report from the run records stored in an earlier "
+                             "scale_ladder.json (no run directory needed, nothing trained): "
+                             "the fits and predictions at the current paper shapes")
     parser.add_argument("--workdir", default=None,
                         help="run directories (default runs/scale_ladder[_quick])")
     parser.add_argument("--out", default=None,
@@ -634,13 +656,16 @@ def main(argv=None):
         measured = time_shapes(ladder)
         print(json.dumps(measured, indent=1))
         return measured
-    workdir = Path(args.workdir or ("runs/scale_ladder_quick" if args.quick
-                                    else "runs/scale_ladder"))
-    out = Path(args.out or (workdir / "report" if args.quick else "docs/results"))
     if args.baseline is None:
         baseline = BASELINE if not args.quick and BASELINE.exists() else None
     else:
         baseline = None if args.baseline == "none" else Path(args.baseline)
+    if args.refit is not None:
+        return refit(Path(args.refit), out=Path(args.out or "docs/results"),
+                     baseline=load_baseline(baseline), ladder=ladder)
+    workdir = Path(args.workdir or ("runs/scale_ladder_quick" if args.quick
+                                    else "runs/scale_ladder"))
+    out = Path(args.out or (workdir / "report" if args.quick else "docs/results"))
     return ladder_study(ladder, workdir=workdir, out=out, data_source=args.data_source,
                         steps=args.steps, report_only=args.report_only,
                         baseline=load_baseline(baseline))
