@@ -13,8 +13,11 @@ this reuses): Muon backbone, cosine schedule, a BPE trained on the standard libr
 last-K head-step diameter and Hilbert RMS on held-out hidden states. The ladder:
 
 - widths d ∈ {128, 256, 512, 768} at V 4096; vocabularies V ∈ {4096, 16384, 50304} at d 256
-  (a BPE of each size, cached per size); and the paper's smallest head shape d 768, V 50304 on
-  a one-layer backbone (`POINTS`). Layers 2, head dim 32, MLP 3d, sequence 64, batch 16,
+  (a BPE of each size, cached per size); and a thin point d 768, V 50304 on a one-layer
+  backbone (`POINTS`): the paper's 380M head width at a vocabulary of the GPT-2 size padded to
+  50,304 (its own BPE, every row a token). The paper's head shapes are d 512 / 768 / 1024 at
+  V 50,257 (`PAPER_SHAPES`): the report predicts there, beside the paper's measured values
+  (`PAPER_TABLE`, Tables 1-3 of the paper). Layers 2, head dim 32, MLP 3d, sequence 64, batch 16,
   100 steps (warm-up 10, cosine), last-5-step means.
 - heads (`HEADS`): AdamW; Muon RMS-matched (the library's `scale="rms"`, step RMS 0.2); Muon
   spectral-scaled (`scale="spectral"`: polar factor × sqrt(fan_out/fan_in) = sqrt(V/d)); projected
@@ -88,7 +91,7 @@ POINTS = tuple(sorted({*(Point(d, WIDTH_V) for d in WIDTHS), *(Point(VOCAB_D, v)
                        THIN}))
 # The grid is cut to fit one ~2 h session of a 2-core machine (`--plan` prices every run):
 # 100 steps per run; 2 seeds at the two cheap sweep points, 1 elsewhere; the tuned-rate, matched
-# and robustness protocols only at the sweep points; the thin paper-shape point without the
+# and robustness protocols only at the sweep points; the thin d 768 × V 50304 point without the
 # spectral-scaled Muon head (its direction is the RMS-matched head's: only the rate differs).
 SEEDS_BY_POINT = {Point(128, 4096): (1, 2), Point(256, 4096): (1, 2),
                   Point(512, 4096): (1,), Point(768, 4096): (1,),
@@ -109,8 +112,38 @@ ROBUST_SEEDS = (1, 2, 3)  # seed-major: seed 1 on every head and rate first
 ROOT = Path(__file__).resolve().parents[1]
 # The one-seed run committed with issue 12's results, the report's "before" (`--baseline`).
 BASELINE = ROOT / "docs" / "results" / "scale_ladder_baseline.json"
+# The paper's published values (arXiv 2608.22253 v2, section "Pretraining experiments"):
+# Table 1's head shapes (width d, GPT-2 vocabulary V = 50,257), Table 2's peak head rates and
+# recipe, Table 3's final-update results as (mean, sample sd) over seeds 0, 1, 2. Every
+# comparison with the paper on the report is computed from these numbers (`ladder_report.paper`).
+PAPER_TABLE = {
+    "190M": {"d": 512, "V": 50257, "updates": 7083,
+             "peak_lr": {"adamw": 4.0e-3, "rownorm": 3.2e-3},
+             "val_loss": {"adamw": (3.1588, 0.0027), "rownorm": (3.1741, 0.0031)},
+             "D": {"adamw": (2.870e-2, 0.140e-2), "rownorm": (6.369e-4, 0.009e-4)},
+             "hilbert_rms": {"adamw": (9.076e-2, 0.605e-2), "rownorm": (7.506e-3, 0.017e-3)}},
+    "380M": {"d": 768, "V": 50257, "updates": 14464,
+             "peak_lr": {"adamw": 2.667e-3, "rownorm": 2.133e-3},
+             "val_loss": {"adamw": (2.9403, 0.0019), "rownorm": (2.9494, 0.0024)},
+             "D": {"adamw": (2.303e-2, 0.324e-2), "rownorm": (4.241e-4, 0.015e-4)},
+             "hilbert_rms": {"adamw": (7.732e-2, 0.874e-2), "rownorm": (5.667e-3, 0.024e-3)}},
+    "640M": {"d": 1024, "V": 50257, "updates": 24406,
+             "peak_lr": {"adamw": 2.0e-3, "rownorm": 1.6e-3},
+             "val_loss": {"adamw": (2.8156, 0.0024), "rownorm": (2.8213, 0.0033)},
+             "D": {"adamw": (1.895e-2, 0.368e-2), "rownorm": (3.1856e-4, 0.0029e-4)},
+             "hilbert_rms": {"adamw": (7.555e-2, 0.382e-2), "rownorm": (4.955e-3, 0.025e-3)}},
+}
+# Table 2's recipe, as far as the comparison needs it: every rate warms up, then follows a cosine
+# to 10 % of its peak at the final update T (so Table 3's D is a step at 0.1 × the peak rate);
+# 256 sequences × 2,048 tokens per update; the AdamW head's betas and eps.
+PAPER_RECIPE = {"final_lr_fraction": 0.1, "tokens_per_update": 256 * 2048,
+                "adamw_head": {"b1": 0.9, "b2": 0.999, "eps": 1e-10}}
 # The paper's head shapes (190M / 380M / 640M): predictions are made here.
-PAPER_SHAPES = {"190M": (768, 50304), "380M": (1024, 50304), "640M": (1280, 50304)}
+PAPER_SHAPES = {name: (m["d"], m["V"]) for name, m in PAPER_TABLE.items()}
+# The AdamW head of the committed ladder runs (2026-11-30 / 12-01): rowgeom.AdamOptions' defaults
+# then, a record of what those runs trained with (not read from the library, whose defaults may
+# change after them).
+RUNS_ADAMW_HEAD = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}
 
 # Per-step wall time (s) of the jitted train step, measured by `--time-shapes`
 # (examples/lm/train.py benchmark: median of 4 steps after 2, seq 64, batch 16) on 2 otherwise
@@ -606,11 +639,33 @@ def refit(stored: Path, *, out: Path, baseline: dict | None = None, ladder: Ladd
     if ladder is None:
         ladder = quick_ladder() if data["quick"] else full_ladder()
     runs = {p: list(rs) for p, rs in data["runs"].items()}
-    log(f"refit: {sum(len(v) for v in runs.values())} run records from {stored}, nothing trained")
+    n = sum(len(v) for v in runs.values())
+    log(f"refit: {n} run records from {stored}, nothing trained")
+
+    def shapes(s):
+        return ", ".join(f"{name} d {d} × V {v:,}" for name, (d, v) in s.items())
+
+    old = {k: tuple(v) for k, v in data.get("paper_shapes", {}).items()}
+    where = ("unchanged" if old == PAPER_SHAPES else
+             f"before: {shapes(old)}" if old else "new on this page")
+    thin = ladder.thin
+    note = (f"**How this page was made.** Rebuilt by `python -m studies.scale_ladder --refit "
+            f"{_shown(stored)}` from the {n} run records stored in that file: no run was "
+            "trained or retrained. Recomputed from those records: every table, fit and figure, "
+            f"and the predictions at the paper's head shapes, {shapes(PAPER_SHAPES)} ({where}). "
+            "Not rerun: the runs themselves, so every measured number is the stored one, "
+            f"including the thin point {thin.name} (d {thin.d} × V {thin.V:,}; not one of the "
+            "paper's head shapes).")
     return ladder_report.write_report(
         runs, rules=data["tuned_rate_rules"], ladder=ladder, out=Path(out),
         config=data["config_first_point"], session_wall_s=time.perf_counter() - t0,
-        baseline=baseline)
+        baseline=baseline, provenance=(note,))
+
+
+def _shown(path: Path) -> str:
+    """A path as the page shows it: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def main(argv=None):
