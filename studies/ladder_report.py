@@ -183,7 +183,7 @@ def adam_ratio_bound(b1: float, b2: float, t: int | None = None) -> float:
     grew like (β₁/β₂)^−k towards step t.
 
     >>> round(adam_ratio_bound(0.9, 0.95), 3), round(adam_ratio_bound(0.9, 0.999), 2)
-    (1.166, 7.27)
+    (1.165, 7.27)
     """
     if not b1 * b1 < b2:
         return float("inf")
