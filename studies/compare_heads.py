@@ -177,17 +177,23 @@ def study(cfg: configs.Config, *, workdir: Path, out: Path, heads=HEADS, sweep=N
 
 # ----------------------------------------------------------------------------- report
 
+# The paper's abstract rounds Table 3's ratios (below, computed per size) to these ranges.
+PAPER_ABSTRACT = {"diameter_reduction": "45–60×", "hilbert_reduction": "12–15×"}
+
+
 def paper() -> dict:
     """The paper's numbers set beside the study's: arXiv 2608.22253 v2, whose baseline is the AdamW
-    head (Table 2), its Table 3 ratios of means (AdamW ÷ RowNorm, each head at its own Table 2
-    rate) and loss differences over the three sizes, from `studies.scale_ladder.PAPER_TABLE`."""
+    head (Table 2): the abstract's ranges with Table 3's ratios of means per size (AdamW ÷
+    RowNorm, each head at its own Table 2 rate) and loss differences, computed from
+    `studies.scale_ladder.PAPER_TABLE`."""
     from studies import ladder_report, scale_ladder
 
     pp = ladder_report.paper(scale_ladder.PAPER_TABLE, scale_ladder.PAPER_RECIPE)
     models, adam = pp["models"].values(), pp["recipe"]["adamw_head"]
 
-    def span(values, fmt):
-        return f"{min(values):{fmt}}–{max(values):{fmt}}"
+    def table3(key, metric):
+        return (f"{PAPER_ABSTRACT[key]} (Table 3: "
+                + " / ".join(f"{m['reduction'][metric]:.3g}" for m in models) + ")")
 
     ratio = "/".join(sorted({f"{m['final_lr']['adamw'] / m['final_lr']['rownorm']:.3g}"
                              for m in models}))
@@ -195,9 +201,8 @@ def paper() -> dict:
     widths = "/".join(str(m["d"]) for m in models)
     loss = [m["loss_delta"] for m in models]
     return {"baseline": LABEL["adamw"],
-            "diameter_reduction": span([m["reduction"]["D"] for m in models], ".3g") + "×",
-            "hilbert_reduction": span([m["reduction"]["hilbert_rms"] for m in models], ".3g")
-            + "×",
+            "diameter_reduction": table3("diameter_reduction", "D"),
+            "hilbert_reduction": table3("hilbert_reduction", "hilbert_rms"),
             "loss_delta": f"{min(loss):+.4f} … {max(loss):+.4f}",
             "setting": f"{'/'.join(pp['table'])} parameters (heads d {widths} × V {vocab}), Muon "
                        f"backbone, 3 seeds; baseline: the AdamW head (β₂ {adam['b2']:g}, eps "
