@@ -792,11 +792,12 @@ SPREAD_RULE = (
 
 def write_report(runs: dict, *, rules, ladder, out: Path, config: dict,
                  session_wall_s: float, baseline: dict | None = None,
-                 provenance: tuple = ()) -> dict:
+                 provenance: tuple = (), refit: dict | None = None) -> dict:
     """Write scale_ladder.json / .md (and figures when there are runs) under `out`.
 
     provenance: paragraphs saying how this page was made when that is not the plain run (e.g.
     `scale_ladder.refit`: rebuilt from stored run records); printed under the status line.
+    refit: what `scale_ladder.refit` records in the JSON (its source, the shapes before it).
 
     baseline: `baseline_from_report` of an earlier run, or None: its seeds per cell, reductions
     and predictions are shown next to the current ones.
@@ -817,6 +818,7 @@ def write_report(runs: dict, *, rules, ladder, out: Path, config: dict,
     cov = coverage(runs, ladder, None if baseline is None else baseline["runs"])
     result = {"quick": ladder.quick, "config_first_point": config, **content,
               "coverage": cov, "baseline": summary, "provenance": list(provenance),
+              "refit": refit,
               "wall_s_runs_total": sum(r["wall_s"] for v in runs.values() for r in v),
               "wall_s_this_session": session_wall_s,
               "runs": {k: v for k, v in runs.items() if v}}

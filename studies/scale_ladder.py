@@ -645,7 +645,9 @@ def refit(stored: Path, *, out: Path, baseline: dict | None = None, ladder: Ladd
     def shapes(s):
         return ", ".join(f"{name} d {d} × V {v:,}" for name, (d, v) in s.items())
 
-    old = {k: tuple(v) for k, v in data.get("paper_shapes", {}).items()}
+    # the shapes the stored runs were last predicted at before any refit (kept across refits)
+    old = (data.get("refit") or {}).get("paper_shapes_before", data.get("paper_shapes", {}))
+    old = {k: tuple(v) for k, v in old.items()}
     where = ("unchanged" if old == PAPER_SHAPES else
              f"before: {shapes(old)}" if old else "new on this page")
     thin = ladder.thin
@@ -659,7 +661,8 @@ def refit(stored: Path, *, out: Path, baseline: dict | None = None, ladder: Ladd
     return ladder_report.write_report(
         runs, rules=data["tuned_rate_rules"], ladder=ladder, out=Path(out),
         config=data["config_first_point"], session_wall_s=time.perf_counter() - t0,
-        baseline=baseline, provenance=(note,))
+        baseline=baseline, provenance=(note,),
+        refit={"from": _shown(stored), "paper_shapes_before": old})
 
 
 def _shown(path: Path) -> str:

@@ -536,3 +536,7 @@ def test_refit_rebuilds_the_report_from_stored_records_without_training(tmp_path
                                    scale_ladder.PAPER_RECIPE)["models"]["190M"]["D_per_lr"]
     assert f"| {d_per_lr['adamw']['mean']:.3g} ± {d_per_lr['adamw']['sd']:.2g} |" in md
     assert "| 190M (512 × 50257) |" in md and "(no such head in the paper)" not in md
+    # a refit of a refit keeps the shapes predicted at before the first one: the same page
+    scale_ladder.refit(tmp_path / "b" / "scale_ladder.json", out=tmp_path / "b", ladder=ladder,
+                       log=lambda *a: None)
+    assert (tmp_path / "b" / "scale_ladder.md").read_text() == md
