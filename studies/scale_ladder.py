@@ -47,9 +47,13 @@ one from scratch, so a killed ladder resumes where it stopped. The report is
 `scale_ladder.{json,md}` and `scale_ladder_*.png` under `--out` (docs/results), rewritten after
 every run; it contains only what finished runs measured and fits to them: every cell as mean ±
 std over its seeds, reductions and loss differences per seed pair, fits on per-seed points, and
-whether each difference is larger than the seed spread (`studies.ladder_report`). `--baseline`
-(default `docs/results/scale_ladder_baseline.json`, the one-seed run committed with the first
-results) adds that run's seeds per cell, reductions and predictions next to the current ones:
+whether each difference is larger than the seed spread (`studies.ladder_report`), and, beside the
+predictions at the paper's head shapes, the paper's own published values (`PAPER_TABLE`: its
+final-update D ÷ lr, ratios and the AdamW head's ceiling, computed there). `--refit JSON`
+rebuilds the report from the run records stored in a `scale_ladder.json`, training nothing.
+`--baseline` (default `docs/results/scale_ladder_baseline.json`, the one-seed run committed with
+the first results) adds that run's seeds per cell, reductions and predictions next to the
+current ones:
 
     python -m studies.scale_ladder --report-only --workdir WORKDIR --out docs/results
 """
