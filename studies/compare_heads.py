@@ -177,10 +177,38 @@ def study(cfg: configs.Config, *, workdir: Path, out: Path, heads=HEADS, sweep=N
 
 # ----------------------------------------------------------------------------- report
 
-PAPER = {"diameter_reduction": "45–60×", "hilbert_reduction": "12–15×",
-         "loss_delta": "+0.0057 … +0.0153",
-         "setting": "190M/380M/640M parameters, Muon backbone, 3 seeds; baseline head not named "
-                    "in the abstract"}
+# The paper's abstract rounds Table 3's ratios (below, computed per size) to these ranges.
+PAPER_ABSTRACT = {"diameter_reduction": "45–60×", "hilbert_reduction": "12–15×"}
+
+
+def paper() -> dict:
+    """The paper's numbers set beside the study's: arXiv 2608.22253 v2, whose baseline is the AdamW
+    head (Table 2): the abstract's ranges with Table 3's ratios of means per size (AdamW ÷
+    RowNorm, each head at its own Table 2 rate) and loss differences, computed from
+    `studies.scale_ladder.PAPER_TABLE`."""
+    from studies import ladder_report, scale_ladder
+
+    pp = ladder_report.paper(scale_ladder.PAPER_TABLE, scale_ladder.PAPER_RECIPE)
+    models, adam = pp["models"].values(), pp["recipe"]["adamw_head"]
+
+    def table3(key, metric):
+        return (f"{PAPER_ABSTRACT[key]} (Table 3: "
+                + " / ".join(f"{m['reduction'][metric]:.3g}" for m in models) + ")")
+
+    ratio = "/".join(sorted({f"{m['final_lr']['adamw'] / m['final_lr']['rownorm']:.3g}"
+                             for m in models}))
+    vocab = ", ".join(sorted({f"{m['V']:,}" for m in models}))
+    widths = "/".join(str(m["d"]) for m in models)
+    loss = [m["loss_delta"] for m in models]
+    return {"baseline": LABEL["adamw"],
+            "diameter_reduction": table3("diameter_reduction", "D"),
+            "hilbert_reduction": table3("hilbert_reduction", "hilbert_rms"),
+            "loss_delta": f"{min(loss):+.4f} … {max(loss):+.4f}",
+            "setting": f"{'/'.join(pp['table'])} parameters (heads d {widths} × V {vocab}), Muon "
+                       f"backbone, 3 seeds; baseline: the AdamW head (β₂ {adam['b2']:g}, eps "
+                       f"{adam['eps']:g}) at {ratio}× the RowNorm head's rate (Table 2)"}
+
+
 LABEL = {"adamw": "AdamW", "muon": "Muon", "rownorm": "projected RowNorm",
          "rownorm-rescaled": "projected RowNorm, rescaled"}
 METRICS = (("final_val_loss", "final val loss"),
@@ -279,9 +307,10 @@ def _main_table(summary, heads):
                          f"({_pm(*d['paired'], '.3g')}) | {hb['ratio_of_means']:.3g}× "
                          f"({_pm(*hb['paired'], '.3g')}) | "
                          f"{_pm(*cmp['loss_delta'], '+.4f')} |")
-    lines.append(f"| **paper**: projected RowNorm | unnamed (AdamW or Muon?) | "
-                 f"{PAPER['diameter_reduction']} | {PAPER['hilbert_reduction']} | "
-                 f"{PAPER['loss_delta']} |")
+    pp = paper()
+    lines.append(f"| **paper**: projected RowNorm | {pp['baseline']} | "
+                 f"{pp['diameter_reduction']} | {pp['hilbert_reduction']} | "
+                 f"{pp['loss_delta']} |")
     return lines
 
 
@@ -352,7 +381,7 @@ def write_report(runs, *, cfg, out: Path, heads, sweep, seeds, sweep_seed, sessi
               "sweep_grid": {h: list(sweep[h]) for h in heads}, "sweep_seed": sweep_seed,
               "sweep_tried": {h: sorted(r["head_learning_rate"] for r in sweeps
                                         if r["head"] == h) for h in heads},
-              "seeds": list(seeds), "chosen_head_learning_rates": rates, "paper": PAPER,
+              "seeds": list(seeds), "chosen_head_learning_rates": rates, "paper": paper(),
               "summary": summary, "runs_done": len(runs), "runs_planned": expected,
               "wall_s_runs_total": run_wall, "wall_s_this_session": session_wall_s,
               "runs": runs}
@@ -390,7 +419,7 @@ def write_report(runs, *, cfg, out: Path, heads, sweep, seeds, sweep_seed, sessi
           "[the geometry](../geometry.md#why-muon-and-adam-head-steps-have-large-diameters).",
           f"- Seeds {list(seeds)}; head learning rate per head by a sweep on seed {sweep_seed}.",
           "", "## Results (mean ± std over seeds)", "", *_main_table(summary, heads), "",
-          f"Paper setting: {PAPER['setting']}.", "",
+          f"Paper setting: {paper()['setting']}.", "",
           "![curves](head_study_curves.png)", "",
           f"## Learning-rate sweep (seed {sweep_seed}; lowest final val loss chosen)", "",
           "A factor-3 grid of peak head rates per head; when the best rate is at an edge of "

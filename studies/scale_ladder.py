@@ -4,6 +4,7 @@ Muon and projected RowNorm heads grow with the width d and the vocabulary V.
     python -m studies.scale_ladder --plan      # every run with its estimated cost, and the total
     python -m studies.scale_ladder             # run (or resume) the ladder, then write the report
     python -m studies.scale_ladder --report-only   # rebuild the report from finished runs
+    python -m studies.scale_ladder --refit docs/results/scale_ladder.json   # from stored records
     python -m studies.scale_ladder --quick --workdir /tmp/q --out /tmp/q/out   # seconds (CI)
     python -m studies.scale_ladder --time-shapes   # re-measure the per-step costs behind --plan
 
@@ -12,8 +13,11 @@ this reuses): Muon backbone, cosine schedule, a BPE trained on the standard libr
 last-K head-step diameter and Hilbert RMS on held-out hidden states. The ladder:
 
 - widths d ∈ {128, 256, 512, 768} at V 4096; vocabularies V ∈ {4096, 16384, 50304} at d 256
-  (a BPE of each size, cached per size); and the paper's smallest head shape d 768, V 50304 on
-  a one-layer backbone (`POINTS`). Layers 2, head dim 32, MLP 3d, sequence 64, batch 16,
+  (a BPE of each size, cached per size); and a thin point d 768, V 50304 on a one-layer
+  backbone (`POINTS`): the paper's 380M head width at a vocabulary of the GPT-2 size padded to
+  50,304 (its own BPE, every row a token). The paper's head shapes are d 512 / 768 / 1024 at
+  V 50,257 (`PAPER_SHAPES`): the report predicts there, beside the paper's measured values
+  (`PAPER_TABLE`, Tables 1-3 of the paper). Layers 2, head dim 32, MLP 3d, sequence 64, batch 16,
   100 steps (warm-up 10, cosine), last-5-step means.
 - heads (`HEADS`): AdamW; Muon RMS-matched (the library's `scale="rms"`, step RMS 0.2); Muon
   spectral-scaled (`scale="spectral"`: polar factor × sqrt(fan_out/fan_in) = sqrt(V/d)); projected
@@ -43,9 +47,13 @@ one from scratch, so a killed ladder resumes where it stopped. The report is
 `scale_ladder.{json,md}` and `scale_ladder_*.png` under `--out` (docs/results), rewritten after
 every run; it contains only what finished runs measured and fits to them: every cell as mean ±
 std over its seeds, reductions and loss differences per seed pair, fits on per-seed points, and
-whether each difference is larger than the seed spread (`studies.ladder_report`). `--baseline`
-(default `docs/results/scale_ladder_baseline.json`, the one-seed run committed with the first
-results) adds that run's seeds per cell, reductions and predictions next to the current ones:
+whether each difference is larger than the seed spread (`studies.ladder_report`), and, beside the
+predictions at the paper's head shapes, the paper's own published values (`PAPER_TABLE`: its
+final-update D ÷ lr, ratios and the AdamW head's ceiling, computed there). `--refit JSON`
+rebuilds the report from the run records stored in a `scale_ladder.json`, training nothing.
+`--baseline` (default `docs/results/scale_ladder_baseline.json`, the one-seed run committed with
+the first results) adds that run's seeds per cell, reductions and predictions next to the
+current ones:
 
     python -m studies.scale_ladder --report-only --workdir WORKDIR --out docs/results
 """
@@ -87,7 +95,7 @@ POINTS = tuple(sorted({*(Point(d, WIDTH_V) for d in WIDTHS), *(Point(VOCAB_D, v)
                        THIN}))
 # The grid is cut to fit one ~2 h session of a 2-core machine (`--plan` prices every run):
 # 100 steps per run; 2 seeds at the two cheap sweep points, 1 elsewhere; the tuned-rate, matched
-# and robustness protocols only at the sweep points; the thin paper-shape point without the
+# and robustness protocols only at the sweep points; the thin d 768 × V 50304 point without the
 # spectral-scaled Muon head (its direction is the RMS-matched head's: only the rate differs).
 SEEDS_BY_POINT = {Point(128, 4096): (1, 2), Point(256, 4096): (1, 2),
                   Point(512, 4096): (1,), Point(768, 4096): (1,),
@@ -108,8 +116,38 @@ ROBUST_SEEDS = (1, 2, 3)  # seed-major: seed 1 on every head and rate first
 ROOT = Path(__file__).resolve().parents[1]
 # The one-seed run committed with issue 12's results, the report's "before" (`--baseline`).
 BASELINE = ROOT / "docs" / "results" / "scale_ladder_baseline.json"
+# The paper's published values (arXiv 2608.22253 v2, section "Pretraining experiments"):
+# Table 1's head shapes (width d, GPT-2 vocabulary V = 50,257), Table 2's peak head rates and
+# recipe, Table 3's final-update results as (mean, sample sd) over seeds 0, 1, 2. Every
+# comparison with the paper on the report is computed from these numbers (`ladder_report.paper`).
+PAPER_TABLE = {
+    "190M": {"d": 512, "V": 50257, "updates": 7083,
+             "peak_lr": {"adamw": 4.0e-3, "rownorm": 3.2e-3},
+             "val_loss": {"adamw": (3.1588, 0.0027), "rownorm": (3.1741, 0.0031)},
+             "D": {"adamw": (2.870e-2, 0.140e-2), "rownorm": (6.369e-4, 0.009e-4)},
+             "hilbert_rms": {"adamw": (9.076e-2, 0.605e-2), "rownorm": (7.506e-3, 0.017e-3)}},
+    "380M": {"d": 768, "V": 50257, "updates": 14464,
+             "peak_lr": {"adamw": 2.667e-3, "rownorm": 2.133e-3},
+             "val_loss": {"adamw": (2.9403, 0.0019), "rownorm": (2.9494, 0.0024)},
+             "D": {"adamw": (2.303e-2, 0.324e-2), "rownorm": (4.241e-4, 0.015e-4)},
+             "hilbert_rms": {"adamw": (7.732e-2, 0.874e-2), "rownorm": (5.667e-3, 0.024e-3)}},
+    "640M": {"d": 1024, "V": 50257, "updates": 24406,
+             "peak_lr": {"adamw": 2.0e-3, "rownorm": 1.6e-3},
+             "val_loss": {"adamw": (2.8156, 0.0024), "rownorm": (2.8213, 0.0033)},
+             "D": {"adamw": (1.895e-2, 0.368e-2), "rownorm": (3.1856e-4, 0.0029e-4)},
+             "hilbert_rms": {"adamw": (7.555e-2, 0.382e-2), "rownorm": (4.955e-3, 0.025e-3)}},
+}
+# Table 2's recipe, as far as the comparison needs it: every rate warms up, then follows a cosine
+# to 10 % of its peak at the final update T (so Table 3's D is a step at 0.1 × the peak rate);
+# 256 sequences × 2,048 tokens per update; the AdamW head's betas and eps.
+PAPER_RECIPE = {"final_lr_fraction": 0.1, "tokens_per_update": 256 * 2048,
+                "adamw_head": {"b1": 0.9, "b2": 0.999, "eps": 1e-10}}
 # The paper's head shapes (190M / 380M / 640M): predictions are made here.
-PAPER_SHAPES = {"190M": (768, 50304), "380M": (1024, 50304), "640M": (1280, 50304)}
+PAPER_SHAPES = {name: (m["d"], m["V"]) for name, m in PAPER_TABLE.items()}
+# The AdamW head of the committed ladder runs (2026-11-30 / 12-01): rowgeom.AdamOptions' defaults
+# then, a record of what those runs trained with (not read from the library, whose defaults may
+# change after them).
+RUNS_ADAMW_HEAD = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}
 
 # Per-step wall time (s) of the jitted train step, measured by `--time-shapes`
 # (examples/lm/train.py benchmark: median of 4 steps after 2, seq 64, batch 16) on 2 otherwise
@@ -595,6 +633,48 @@ def ladder_study(ladder: Ladder, *, workdir: Path, out: Path, data_source=None, 
     return result
 
 
+def refit(stored: Path, *, out: Path, baseline: dict | None = None, ladder: Ladder | None = None,
+          log=print) -> dict:
+    """Rebuild the report from the run records stored in an earlier report (`scale_ladder.json`),
+    training nothing and reading no run directory: the measured tables are the stored runs',
+    the fits and predictions are recomputed (at the current `PAPER_SHAPES`)."""
+    t0 = time.perf_counter()
+    data = json.loads(Path(stored).read_text())
+    if ladder is None:
+        ladder = quick_ladder() if data["quick"] else full_ladder()
+    runs = {p: list(rs) for p, rs in data["runs"].items()}
+    n = sum(len(v) for v in runs.values())
+    log(f"refit: {n} run records from {stored}, nothing trained")
+
+    def shapes(s):
+        return ", ".join(f"{name} d {d} × V {v:,}" for name, (d, v) in s.items())
+
+    # the shapes the stored runs were last predicted at before any refit (kept across refits)
+    old = (data.get("refit") or {}).get("paper_shapes_before", data.get("paper_shapes", {}))
+    old = {k: tuple(v) for k, v in old.items()}
+    where = ("unchanged" if old == PAPER_SHAPES else
+             f"before: {shapes(old)}" if old else "new on this page")
+    thin = ladder.thin
+    note = (f"**How this page was made.** Rebuilt by `python -m studies.scale_ladder --refit "
+            f"{_shown(stored)}` from the {n} run records stored in that file: no run was "
+            "trained or retrained. Recomputed from those records: every table, fit and figure, "
+            f"and the predictions at the paper's head shapes, {shapes(PAPER_SHAPES)} ({where}). "
+            "Not rerun: the runs themselves, so every measured number is the stored one, "
+            f"including the thin point {thin.name} (d {thin.d} × V {thin.V:,}; not one of the "
+            "paper's head shapes).")
+    return ladder_report.write_report(
+        runs, rules=data["tuned_rate_rules"], ladder=ladder, out=Path(out),
+        config=data["config_first_point"], session_wall_s=time.perf_counter() - t0,
+        baseline=baseline, provenance=(note,),
+        refit={"from": _shown(stored), "paper_shapes_before": old})
+
+
+def _shown(path: Path) -> str:
+    """A path as the page shows it: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m studies.scale_ladder",
                                      description=__doc__.split("\n\n")[0])
@@ -606,6 +686,10 @@ def main(argv=None):
                         help="measure the per-step cost of each shape (for STEP_COST_S)")
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from finished runs, train nothing")
+    parser.add_argument("--refit", default=None, metavar="JSON",
+                        help="rebuild the report from the run records stored in an earlier "
+                             "scale_ladder.json (no run directory needed, nothing trained): "
+                             "the fits and predictions at the current paper shapes")
     parser.add_argument("--workdir", default=None,
                         help="run directories (default runs/scale_ladder[_quick])")
     parser.add_argument("--out", default=None,
@@ -634,13 +718,16 @@ def main(argv=None):
         measured = time_shapes(ladder)
         print(json.dumps(measured, indent=1))
         return measured
-    workdir = Path(args.workdir or ("runs/scale_ladder_quick" if args.quick
-                                    else "runs/scale_ladder"))
-    out = Path(args.out or (workdir / "report" if args.quick else "docs/results"))
     if args.baseline is None:
         baseline = BASELINE if not args.quick and BASELINE.exists() else None
     else:
         baseline = None if args.baseline == "none" else Path(args.baseline)
+    if args.refit is not None:
+        return refit(Path(args.refit), out=Path(args.out or "docs/results"),
+                     baseline=load_baseline(baseline), ladder=ladder)
+    workdir = Path(args.workdir or ("runs/scale_ladder_quick" if args.quick
+                                    else "runs/scale_ladder"))
+    out = Path(args.out or (workdir / "report" if args.quick else "docs/results"))
     return ladder_study(ladder, workdir=workdir, out=out, data_source=args.data_source,
                         steps=args.steps, report_only=args.report_only,
                         baseline=load_baseline(baseline))

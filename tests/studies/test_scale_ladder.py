@@ -418,3 +418,125 @@ def test_report_coverage_against_a_baseline(tmp_path):
     assert row in md
     assert result["baseline"]["protocols"]["equal"]["reductions"]["d32-V512-L2"]["adamw"][
         "D"]["n"] == 1
+
+
+# ----------------------------------------------------------------------------- the paper
+
+
+def test_paper_shapes_and_values_are_the_published_ones():
+    """The ladder predicts at the paper's head shapes (Table 1: d 512 / 768 / 1024, V 50,257),
+    and the study's table is the paper's Tables 1-3 (arXiv 2608.22253 v2), typed here once more:
+    the final-update D ÷ lr and the ratios the report derives from it are the paper's."""
+    assert scale_ladder.PAPER_SHAPES == {"190M": (512, 50257), "380M": (768, 50257),
+                                         "640M": (1024, 50257)}
+    published = {  # d, updates, peak head rates; Table 3 (mean, sd): D, Hilbert RMS, loss
+        "190M": (512, 7083, (4.0e-3, 3.2e-3), ((2.870e-2, 0.140e-2), (6.369e-4, 0.009e-4)),
+                 ((9.076e-2, 0.605e-2), (7.506e-3, 0.017e-3)),
+                 ((3.1588, 0.0027), (3.1741, 0.0031))),
+        "380M": (768, 14464, (2.667e-3, 2.133e-3), ((2.303e-2, 0.324e-2), (4.241e-4, 0.015e-4)),
+                 ((7.732e-2, 0.874e-2), (5.667e-3, 0.024e-3)),
+                 ((2.9403, 0.0019), (2.9494, 0.0024))),
+        "640M": (1024, 24406, (2.0e-3, 1.6e-3), ((1.895e-2, 0.368e-2), (3.1856e-4, 0.0029e-4)),
+                 ((7.555e-2, 0.382e-2), (4.955e-3, 0.025e-3)),
+                 ((2.8156, 0.0024), (2.8213, 0.0033)))}
+    table = scale_ladder.PAPER_TABLE
+    for name, (d, updates, lrs, D, hilbert, loss) in published.items():
+        m = table[name]
+        assert (m["d"], m["V"], m["updates"]) == (d, 50257, updates)
+        assert (m["peak_lr"]["adamw"], m["peak_lr"]["rownorm"]) == lrs
+        for key, want in (("D", D), ("hilbert_rms", hilbert), ("val_loss", loss)):
+            assert (m[key]["adamw"], m[key]["rownorm"]) == want, (name, key)
+        # Table 1: parameters 32·16·d² + 2·V·d, updates floor(20 tokens per parameter / 524,288)
+        params = 32 * 16 * d * d + 2 * 50257 * d
+        assert updates == 20 * params // scale_ladder.PAPER_RECIPE["tokens_per_update"]
+    assert scale_ladder.PAPER_RECIPE["final_lr_fraction"] == 0.1
+    assert scale_ladder.PAPER_RECIPE["adamw_head"] == {"b1": 0.9, "b2": 0.999, "eps": 1e-10}
+    pp = ladder_report.paper(table, scale_ladder.PAPER_RECIPE)["models"]
+    # at the final update the head rate is 10 % of the peak: AdamW D ÷ lr ≈ 72, 86, 95; RowNorm 2
+    np.testing.assert_allclose([pp[n]["D_per_lr"]["adamw"]["mean"] for n in published],
+                               [2.870e-2 / 4.0e-4, 2.303e-2 / 2.667e-4, 1.895e-2 / 2.0e-4])
+    assert [round(pp[n]["D_per_lr"]["adamw"]["mean"]) for n in published] == [72, 86, 95]
+    np.testing.assert_allclose([pp[n]["D_per_lr"]["rownorm"]["mean"] for n in published], 2.0,
+                               atol=0.015)
+    # Table 3's own ratios of means and paired loss differences (printed under the table)
+    assert [round(pp[n]["reduction"]["D"], 1) for n in published] == [45.1, 54.3, 59.5]
+    assert [round(pp[n]["reduction"]["hilbert_rms"], 1) for n in published] == [12.1, 13.6, 15.2]
+    assert [round(pp[n]["loss_delta"], 4) for n in published] == [0.0153, 0.0091, 0.0057]
+    # per unit head rate the AdamW rate's 1.25× is divided out: 72 / 2 = 36, not 45
+    np.testing.assert_allclose(pp["190M"]["reduction_per_lr"]["D"],
+                               pp["190M"]["reduction"]["D"] / 1.25, rtol=1e-12)
+
+
+def _adam_ratios(g, b1, b2, eps=0.0):
+    """|m̂_t| / (√v̂_t + eps) of one coordinate of Adam (bias-corrected) along a gradient sequence."""
+    m = v = 0.0
+    out = []
+    for t, x in enumerate(g, start=1):
+        m, v = b1 * m + (1 - b1) * x, b2 * v + (1 - b2) * x * x
+        mh, vh = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        out.append(abs(mh) / (np.sqrt(vh) + eps) if vh > 0 else 0.0)
+    return np.array(out)
+
+
+def test_adam_ratio_bound_holds_and_is_attained():
+    """No gradient sequence takes one Adam coordinate past the bound at its step (random and
+    bursty sequences), a sequence growing like (β₂/β₁)^t towards the last step attains it, and
+    the D ÷ lr ceiling is 2·√d times it."""
+    rng = np.random.default_rng(5)
+    for b1, b2 in ((0.9, 0.95), (0.9, 0.999)):
+        for g in (rng.normal(size=300), rng.normal(size=300) * (rng.random(300) < 0.02),
+                  np.r_[np.zeros(250), 1.0, np.zeros(49)], np.ones(300)):
+            r = _adam_ratios(g, b1, b2)
+            bounds = [ladder_report.adam_ratio_bound(b1, b2, t) for t in range(1, 301)]
+            assert np.all(r <= np.array(bounds) * (1 + 1e-9))
+        t = 2000
+        g = (b2 / b1) ** (np.arange(t) - t)  # Cauchy–Schwarz's equality case at step t
+        np.testing.assert_allclose(_adam_ratios(g, b1, b2)[-1],
+                                   ladder_report.adam_ratio_bound(b1, b2, t), rtol=1e-6)
+    assert ladder_report.adam_ratio_bound(0.9, 0.95) < 1.17 < 7.2 < ladder_report.adam_ratio_bound(
+        0.9, 0.999)
+    np.testing.assert_allclose(ladder_report.adamw_ceiling(512, 0.9, 0.95),
+                               2 * np.sqrt(512) * ladder_report.adam_ratio_bound(0.9, 0.95))
+    assert ladder_report.adam_ratio_bound(0.99, 0.95) == np.inf  # β₁² ≥ β₂: no bound
+
+
+def test_refit_rebuilds_the_report_from_stored_records_without_training(tmp_path, monkeypatch):
+    """`--refit JSON` reads a stored report's run records, trains nothing, reproduces its measured
+    tables, predicts D ÷ lr per head at the paper's shapes beside the paper's values, and says on
+    the page what was and was not rerun."""
+    rng = np.random.default_rng(6)
+    shapes = [(128, 4096), (256, 4096), (512, 4096), (256, 16384), (256, 50304)]
+    runs = []
+    for d, V in shapes:
+        for s in (1, 2):
+            noise = np.exp(rng.normal(0, 0.02))
+            runs += [_rec(d, V, "rownorm", s, D=0.036, hilbert=0.3 * d ** 0.3 * 0.018),
+                     _rec(d, V, "adamw", s, D=0.018 * 0.8 * d ** 0.5 * noise,
+                          hilbert=0.018 * 2 * d ** 0.9)]
+    ladder = scale_ladder.full_ladder(heads=("adamw", "rownorm"), protocols=("equal",))
+    first = ladder_report.write_report({"equal": runs}, rules={}, ladder=ladder,
+                                       out=tmp_path / "a", config={"steps": 100},
+                                       session_wall_s=0.0)
+    stored = tmp_path / "a" / "scale_ladder.json"
+    monkeypatch.setattr(scale_ladder, "run_point", lambda *a, **k: pytest.fail("trained"))
+    again = scale_ladder.refit(stored, out=tmp_path / "b", ladder=ladder, log=lambda *a: None)
+    assert json.dumps(again["protocols"]) == json.dumps(first["protocols"])
+    pred = again["protocols"]["equal"]["predicted_per_lr"]
+    fit = pred["adamw"]["D_per_lr"]["fit"]
+    assert fit["n"] == 10 and fit["slopes"]["d"]["ci"][0] < 0.5 < fit["slopes"]["d"]["ci"][1]
+    truth = 0.8 * 768 ** 0.5
+    assert pred["adamw"]["D_per_lr"]["at"]["380M"]["ci"][0] < truth
+    assert truth < pred["adamw"]["D_per_lr"]["at"]["380M"]["ci"][1]
+    np.testing.assert_allclose(pred["rownorm"]["D_per_lr"]["at"]["190M"]["value"], 2.0)
+    md = (tmp_path / "b" / "scale_ladder.md").read_text()
+    assert "no run was trained or retrained" in md and "Not rerun: the runs themselves" in md
+    assert "190M d 512 × V 50,257" in md
+    assert "## The paper's measured values beside the predictions" in md
+    d_per_lr = ladder_report.paper(scale_ladder.PAPER_TABLE,
+                                   scale_ladder.PAPER_RECIPE)["models"]["190M"]["D_per_lr"]
+    assert f"| {d_per_lr['adamw']['mean']:.3g} ± {d_per_lr['adamw']['sd']:.2g} |" in md
+    assert "| 190M (512 × 50257) |" in md and "(no such head in the paper)" not in md
+    # a refit of a refit keeps the shapes predicted at before the first one: the same page
+    scale_ladder.refit(tmp_path / "b" / "scale_ladder.json", out=tmp_path / "b", ladder=ladder,
+                       log=lambda *a: None)
+    assert (tmp_path / "b" / "scale_ladder.md").read_text() == md
