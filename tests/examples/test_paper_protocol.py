@@ -163,3 +163,31 @@ def test_diagnostics_are_the_papers(size):
 def test_other_heads_are_refused_on_the_paper_configs():
     with pytest.raises(ValueError, match=r"^--head must be one of .* for the paper's config"):
         flags.parse_config(["--config", "190m", "--head", "muon"])
+
+
+def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
+    """The `test` config with the paper's diagnostics switched on, trained 8 updates: the head
+    step's diameter (without decay) every 3 updates and on the last, the evaluation's loss and
+    Hilbert RMS every 4, and the centring comparison of the RowNorm head at evaluations."""
+    from _lm_fixtures import config_on
+
+    from examples.lm import metrics, train
+
+    root = small_corpus(tmp_path, tokenize=True)
+    cfg = config_on(root, eval__diameter_every=3, optim__head_bias_correction=True,
+                    optim__head_weight_decay=0.0, checkpoint__every=100)
+    train.train(cfg, tmp_path / "run", progress=False, print_fn=lambda *a: None)
+    records = {r["step"]: r for r in metrics.read_metrics(tmp_path / "run")}
+    with_d = sorted(s for s, r in records.items() if "head_step_diameter" in r)
+    assert with_d == [3, 4, 6, 8]  # every 3, the evaluations (4, 8) and the last (8)
+    evals = sorted(s for s, r in records.items() if "val_loss" in r)
+    assert evals == [4, 8]
+    last = records[8]
+    head_lr = last["head_learning_rate"]
+    # Projected RowNorm without decay: D(S_t) <= 2 lr, and the uncentred step is the same up to
+    # the centring, whose size the record states.
+    assert 0 < last["head_step_diameter"] <= 2 * head_lr * (1 + 1e-5)
+    assert last["head_step_hilbert_rms"] > 0
+    for key in ("centring_ratio", "ema_mean_row_ratio", "uncentred_step_diameter"):
+        assert np.isfinite(last[key]), key
+    assert last["centring_ratio"] < 0.5 and last["uncentred_step_diameter"] <= 2 * head_lr * 1.01
