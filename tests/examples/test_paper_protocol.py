@@ -191,3 +191,26 @@ def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
     for key in ("centring_ratio", "ema_mean_row_ratio", "uncentred_step_diameter"):
         assert np.isfinite(last[key]), key
     assert last["centring_ratio"] < 0.5 and last["uncentred_step_diameter"] <= 2 * head_lr * 1.01
+
+
+def test_the_launcher_runs_the_18_runs_or_a_subset(capsys):
+    from examples.lm import paper_runs
+
+    assert paper_runs.main(["--dry-run", "--root", "runs/paper", "--data.source", "/d"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 18
+    assert lines[0].endswith("-m examples.lm.train --config 190m --head rownorm --seed 0 "
+                             "--workdir runs/paper/190m-rownorm-seed0 --no-progress "
+                             "--data.source /d")
+    assert paper_runs.main(["--dry-run", "--root", "r", "--sizes", "640m", "--heads", "adamw",
+                            "--seeds", "1", "--", "--mesh.fsdp", "8"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.endswith("--config 640m --head adamw --seed 1 --workdir r/640m-adamw-seed1 "
+                         "--no-progress --mesh.fsdp 8")
+    # Every command parses as the paper's config for its head.
+    from examples.lm import flags
+    command = paper_runs.commands(sizes=["380m"], heads=["adamw"], seeds=[2], root="r",
+                                  data_source=None)[0]
+    args = flags.parser().parse_args(command[3:])
+    assert flags.config_from_args(args) == configs.override(configs.paper_config("380m", "adamw"),
+                                                            {"seed": 2})
