@@ -105,6 +105,9 @@ class EvalConfig:
     # Every this many updates (and on the last), the exact row diameter of the head step without
     # its decoupled decay, `head_step_diameter` in a record of its own; 0: off.
     diameter_every: int = 0
+    # At evaluations, a RowNorm head's step against the uncentred one of the paper's code
+    # (evaluate.centring_diagnostics: centring_ratio, uncentred_step_diameter, ...).
+    centring: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +368,8 @@ def paper_config(size: str, head: str = "rownorm") -> Config:
     return Config(
         model=model, data=DataConfig(batch_size=micro), optim=optim,
         eval=EvalConfig(every=500, tokens=PAPER_EVAL_TOKENS, hilbert_sequences=4,
-                        exact_diameter_max_elements=1 << 30, diameter_every=10),
+                        exact_diameter_max_elements=1 << 30, diameter_every=10,
+                        centring=rownorm),
         checkpoint=CheckpointConfig(every=1000), steps=p.updates, head=head, log_every=10)
 
 

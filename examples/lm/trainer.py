@@ -105,13 +105,13 @@ class Trainer:
             gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
         self.step_diameter = evaluate.make_step_diameter(
             gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
-        # A RowNorm head's step against the uncentred one (evaluate.centring_diagnostics):
-        # where the optimizer state holds the head's EMA moment, at every evaluation.
+        # With eval.centring, a RowNorm head's step against the uncentred one
+        # (evaluate.centring_diagnostics): where the optimizer state holds the head's EMA moment.
         self.centring_probe = None
         hp = head_group(self.cfg)
         full_head = self.abstract_state["params"]["lm_head"]["kernel"].shape if (
             "lm_head" in self.abstract_state["params"]) else None
-        if (hp.optimizer == "rownorm" and full_head is not None
+        if (self.cfg.eval.centring and hp.optimizer == "rownorm" and full_head is not None
                 and evaluate.head_ema(self.abstract_state["opt_state"], full_head) is not None):
             o = self.cfg.optim
             self.centring_probe = evaluate.make_centring_probe(

@@ -151,7 +151,7 @@ def test_muon_scale_is_sqrt_max_1_fan_out_over_fan_in():
 def test_diagnostics_are_the_papers(size):
     cfg = configs.get_config(size)
     # Exact D of the head step every 10 updates; validation loss and Hilbert RMS every 500.
-    assert cfg.eval.diameter_every == 10 and cfg.eval.every == 500
+    assert cfg.eval.diameter_every == 10 and cfg.eval.every == 500 and cfg.eval.centring
     v, d = cfg.model.num_tokens, cfg.model.d_model
     assert v * d <= cfg.eval.exact_diameter_max_elements  # exact, never the bracket
     # Hilbert RMS over 8,192 fixed validation positions; loss on the first 5,242,880 tokens.
@@ -174,7 +174,8 @@ def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
     from examples.lm import metrics, train
 
     root = small_corpus(tmp_path, tokenize=True)
-    cfg = config_on(root, eval__diameter_every=3, optim__head_bias_correction=True,
+    cfg = config_on(root, eval__diameter_every=3, eval__centring=True,
+                    optim__head_bias_correction=True,
                     optim__head_weight_decay=0.0, checkpoint__every=100)
     train.train(cfg, tmp_path / "run", progress=False, print_fn=lambda *a: None)
     records = {r["step"]: r for r in metrics.read_metrics(tmp_path / "run")}
