@@ -166,9 +166,10 @@ def test_other_heads_are_refused_on_the_paper_configs():
 
 
 def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
-    """The `test` config with the paper's diagnostics switched on, trained 8 updates: the head
-    step's diameter (without decay) every 3 updates and on the last, the evaluation's loss and
-    Hilbert RMS every 4, and the centring comparison of the RowNorm head at evaluations."""
+    """The `test` config with the paper's block, recipe options and diagnostics switched on,
+    trained 8 updates of 2 micro-batches: the head step's diameter (without decay) every 3
+    updates and on the last, the evaluation's loss and Hilbert RMS every 4, and the centring
+    comparison of the RowNorm head at evaluations."""
     from _lm_fixtures import config_on
 
     from examples.lm import metrics, train
@@ -176,7 +177,11 @@ def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
     root = small_corpus(tmp_path, tokenize=True)
     cfg = config_on(root, eval__diameter_every=3, eval__centring=True,
                     optim__head_bias_correction=True,
-                    optim__head_weight_decay=0.0, checkpoint__every=100)
+                    optim__head_weight_decay=0.0, checkpoint__every=100,
+                    model__qk_norm=True, model__norm_gain=False, model__init_std=0.02,
+                    model__scan_layers=True, optim__muon_scale="keller", optim__muon_eps=1e-5,
+                    optim__adam_b2=0.999, optim__adam_eps=1e-10, optim__head_eps=1e-8,
+                    optim__grad_accum_steps=2, data__batch_size=4)
     train.train(cfg, tmp_path / "run", progress=False, print_fn=lambda *a: None)
     records = {r["step"]: r for r in metrics.read_metrics(tmp_path / "run")}
     with_d = sorted(s for s, r in records.items() if "head_step_diameter" in r)
