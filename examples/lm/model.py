@@ -212,8 +212,8 @@ class Attention(nnx.Module):
         self.k_proj = _linear(d, d, ("embed", "heads"), cfg, rngs)
         self.v_proj = _linear(d, d, ("embed", "heads"), cfg, rngs)
         self.o_proj = _linear(d, d, ("heads", "embed"), cfg, rngs, std=_residual_std(d, cfg))
-        # Per-head query/key RMSNorm over the head width (before RoPE): bounds the attention
-        # logits, which the paper's models rely on at their Muon rates.
+        # Per-head query/key RMSNorm over the head width, before RoPE (the paper's block, its
+        # Table 1): the attention logits stay bounded whatever the weights' scale.
         if cfg.qk_norm:
             self.q_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
             self.k_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
