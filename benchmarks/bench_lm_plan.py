@@ -4,11 +4,13 @@ Every number comes from `python -m examples.lm.plan`'s reading of the compiled s
 (`examples/lm/plan.py`, `examples/lm/compiled.py`), compiled from abstract inputs on 8
 simulated CPU devices (nothing is allocated):
 
-1. `190m`, `380m`, `640m` at their own global batch (256 x 1024) on `fsdp 8`, `data 2 x fsdp 4`
-   and `fsdp 4 x tensor 2`: per-device peak memory (arguments + outputs + temporaries - donated)
-   against a 16 GiB chip, collective bytes per device (as partitioned: the element types an
-   accelerator moves) against the parameter bytes, matmul FLOPs against the model's count
-   (6N + attention), and the compile time.
+1. `190m`, `380m`, `640m` (the paper's models) at their own micro-batch (the paper's 8 GPUs'
+   micro-batch of 2,048-token sequences; `python -m examples.lm.plan --paper` finds the one that
+   fits 16 GiB) on `fsdp 8`, `data 2 x fsdp 4` and `fsdp 4 x tensor 2`: per-device peak
+   memory (arguments + outputs + temporaries - donated) against a 16 GiB chip, collective
+   bytes per device (as partitioned: the element types an accelerator moves) against the
+   parameter bytes, matmul FLOPs against the model's count (6N + attention), and the compile
+   time.
 2. The recomputation policies side by side (`190m`, `fsdp 8`), and the optimizer's share of
    the step's collectives (less those of the same step without the optimizer update).
 3. Compile time of the `640m` step with scanned and with unrolled blocks, in one run.

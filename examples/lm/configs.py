@@ -12,8 +12,11 @@ Named configs (`get_config`):
 - `test`: a few thousand parameters, for unit tests (seconds to compile and run).
 - `cpu-tiny` (default): ~1.5M parameters, sized for a CPU.
 - `cpu-small`: ~7.6M parameters (vocab 8192, d 256, 4 layers, seq 256): a longer CPU run.
-- `190m`, `380m`, `640m`: the paper's model sizes for GPU/TPU (Muon backbone, bf16 compute,
-  fp32 master weights and optimizer state, GPT-2 vocabulary size padded to 50304).
+- `190m`, `380m`, `640m`: the paper's models and recipe (arXiv 2608.22253, Tables 1-2; see
+  `PAPER_MODELS` and `paper_config`): 32 blocks of width 512 / 768 / 1024 with query/key norm,
+  no norm gains and N(0, 0.02^2) init, the GPT-2 vocabulary of 50,257 padded to 50,304, context
+  2,048, 256 sequences per update, Nesterov Muon backbone and the head of `--head` (`adamw` or
+  `rownorm`) at Table 2's rate. bf16 compute, fp32 master weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from examples.lm import mesh as mesh_lib
 from examples.lm.model import REMAT_POLICIES, ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
+MUON_SCALES = ("rms", "keller", "spectral", "none")
 HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields whose values are checked against a fixed set (shown by --help).
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
-           "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES}
+           "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
+           "optim.muon_scale": MUON_SCALES}
 # The padded vocabulary of a --data.tokenizer run is a multiple of this (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
 
@@ -69,6 +74,17 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
     grad_clip: float | None = 1.0  # global-norm clipping of the gradient; None: off
     grad_accum_steps: int = 1  # micro-batches per optimizer step (optax.MultiSteps)
+    # rowgeom.MuonOptions' scale and eps: "rms" matches AdamW's step RMS (one base rate for
+    # every group); "keller" is sqrt(max(1, fan_out / fan_in)), the paper's.
+    muon_scale: str = "rms"
+    muon_eps: float = 1e-7
+    # rowgeom.AdamOptions' b2 and eps (the embedding, vector and an AdamW head's groups).
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    # A RowNorm head's EMA debiased by 1 - momentum^t (rowgeom.HeadOptions.bias_correction),
+    # and its eps (None: rowgeom's 1e-8).
+    head_bias_correction: bool = False
+    head_eps: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +102,12 @@ class EvalConfig:
     # Also probe the head step (diameter, Hilbert perturbation; no validation loss) on each of the
     # last `probe_last_steps` steps, so that "mean over the last K steps" can be computed.
     probe_last_steps: int = 0
+    # Every this many updates (and on the last), the exact row diameter of the head step without
+    # its decoupled decay, `head_step_diameter` in a record of its own; 0: off.
+    diameter_every: int = 0
+    # At evaluations, a RowNorm head's step against the uncentred one of the paper's code
+    # (evaluate.centring_diagnostics: centring_ratio, uncentred_step_diameter, ...).
+    centring: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,14 +170,21 @@ class Config:
             if flat[name] < 1:
                 raise ValueError(f"--{name} must be >= 1, got {flat[name]}")
         for name, low, high in (("eval.probe_last_steps", 0, self.steps),
+                                ("eval.diameter_every", 0, self.steps),
                                 ("optim.decay_fraction", 0.0, 1.0),
-                                ("optim.min_lr_ratio", 0.0, 1.0)):
+                                ("optim.min_lr_ratio", 0.0, 1.0),
+                                ("optim.adam_b2", 0.0, 1.0)):
             if not low <= flat[name] <= high:
                 raise ValueError(f"--{name} must be in [{low}, {high}], got {flat[name]}")
         if self.optim.warmup_steps < 0:
             raise ValueError(f"--optim.warmup_steps must be >= 0, got {self.optim.warmup_steps}")
         if self.optim.grad_clip is not None and self.optim.grad_clip <= 0:
             raise ValueError(f"--optim.grad_clip must be > 0 or none, got {self.optim.grad_clip}")
+        for name in ("optim.muon_eps", "optim.adam_eps"):
+            if flat[name] < 0:
+                raise ValueError(f"--{name} must be >= 0, got {flat[name]}")
+        if self.optim.head_eps is not None and self.optim.head_eps <= 0:
+            raise ValueError(f"--optim.head_eps must be > 0 or none, got {self.optim.head_eps}")
         if self.eval.tokens is not None and self.eval.tokens < 1:
             raise ValueError(f"--eval.tokens must be >= 1 or none, got {self.eval.tokens}")
         mesh_lib.check_sizes(self.mesh.data, self.mesh.fsdp, self.mesh.tensor)
@@ -274,21 +303,74 @@ def _model(**fields) -> ModelConfig:
     return dataclasses.replace(_cpu_tiny_model(), **fields)
 
 
-def _gpu(remat: str, **model) -> Config:
-    # Sized for 8 devices with 16 GiB each (a TPU v5e host; python -m examples.lm.plan): the
-    # global batch of 256 x 1024 per optimizer step as 4 micro-batches of 64 sequences, so that
-    # under tensor parallelism the activations' all-reduces stay within a few times the
-    # parameter bytes; scanned blocks (compile time independent of depth); the cheapest
-    # recomputation that fits on every 8-device mesh (`remat`); a loss that holds one
-    # (B, 128, V) chunk of logits at a time.
+@dataclasses.dataclass(frozen=True)
+class PaperModel:
+    """One of the paper's models (arXiv 2608.22253, Table 1) and its run (Table 2)."""
+
+    d_model: int
+    params: int  # the paper's count: 32*16*d^2 + 2*50257*d, padding rows excluded
+    updates: int  # floor(20 * params / 524288): 20 tokens per parameter
+    micro_batch_per_gpu: int  # the paper's, on 8 x H200
+    accum: int
+    adamw_head_lr: float
+    rownorm_head_lr: float
+
+
+PAPER_MODELS: dict[str, PaperModel] = {
+    "190m": PaperModel(512, 185_680_896, 7_083, 32, 1, 4.0e-3, 3.2e-3),
+    "380m": PaperModel(768, 379_184_640, 14_464, 16, 2, 2.667e-3, 2.133e-3),
+    "640m": PaperModel(1024, 639_797_248, 24_406, 8, 4, 2.0e-3, 1.6e-3),
+}
+PAPER_HEADS = ("rownorm", "adamw")
+PAPER_VOCAB = 50_257  # GPT-2; padded to 50,304 (a multiple of 128) for the hardware
+PAPER_SEQUENCES = 256  # per update, whatever the mesh
+PAPER_EVAL_TOKENS = 5_242_880  # the first 2,560 validation sequences of 2,048
+
+
+def paper_config(size: str, head: str = "rownorm") -> Config:
+    """The paper's model `size` ("190m", "380m", "640m") trained by its recipe with `head`.
+
+    Table 2: 256 x 2,048 tokens per update, as the paper's micro-batch x accumulation on 8
+    devices (`data.batch_size` is global: 8 x its per-GPU micro-batch); warmup floor(0.1 T)
+    then cosine to 10 % of the peak on the last update; clip 1.0; Nesterov Muon 8e-3 (momentum
+    0.95, 5 Newton-Schulz steps, eps 1e-5, sqrt(max(1, fan_out/fan_in))), wd 0.1; embedding
+    AdamW 4e-3, (0.9, 0.999), eps 1e-10, wd 0.1; head: AdamW at Table 2's rate, same betas, eps
+    and decay, or projected RowNorm at Table 2's rate, EMA 0.95 bias-corrected, eps 1e-8, no
+    decay. The diagnostics: exact D of the head step every 10 updates, the Hilbert RMS over
+    4 x 2,048 = 8,192 validation positions and the loss on the first 5,242,880 validation
+    tokens every 500 updates, all also on the last.
+    """
+    if size not in PAPER_MODELS:
+        raise ValueError(f"size must be one of {sorted(PAPER_MODELS)}, got {size!r}")
+    if head not in PAPER_HEADS:
+        raise ValueError(f"--head must be one of {PAPER_HEADS} for the paper's config {size!r} "
+                         f"(Table 2 gives no other head's rate), got {head!r}")
+    p = PAPER_MODELS[size]
+    d = p.d_model
+    micro = 8 * p.micro_batch_per_gpu  # global micro-batch: the paper's per-GPU one on 8 GPUs
+    model = ModelConfig(
+        vocab_size=-(-PAPER_VOCAB // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        valid_vocab_size=PAPER_VOCAB, d_model=d, num_layers=32, num_heads=d // 64,
+        mlp_dim=4 * d, max_seq_len=2048, rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True,
+        norm_gain=False, init_std=0.02, compute_dtype="bfloat16", param_dtype="float32",
+        # Scanned blocks (compile time independent of depth); "dots" keeps the weight matmuls'
+        # outputs and recomputes attention (python -m examples.lm.plan --paper); a loss that
+        # holds one (B, 128, V) chunk of logits at a time.
+        scan_layers=True, remat="dots", loss_chunk=128)
+    rownorm = head == "rownorm"
+    optim = OptimConfig(
+        learning_rate=8e-3, embedding_learning_rate=4e-3,
+        head_learning_rate=p.rownorm_head_lr if rownorm else p.adamw_head_lr,
+        weight_decay=0.1, head_weight_decay=0.0 if rownorm else 0.1,
+        schedule="cosine", warmup_steps=p.updates // 10, min_lr_ratio=0.1, grad_clip=1.0,
+        grad_accum_steps=p.accum, muon_scale="keller", muon_eps=1e-5, adam_b2=0.999,
+        adam_eps=1e-10, head_bias_correction=rownorm, head_eps=1e-8 if rownorm else None)
     return Config(
-        model=_model(vocab_size=50304, max_seq_len=1024, compute_dtype="bfloat16",
-                     scan_layers=True, remat=remat, loss_chunk=128, **model),
-        data=DataConfig(batch_size=64),
-        optim=OptimConfig(learning_rate=3e-3, weight_decay=0.1, warmup_steps=500, schedule="wsd",
-                          grad_clip=1.0, grad_accum_steps=4),
-        eval=EvalConfig(every=500, batches=128, hilbert_sequences=2),
-        checkpoint=CheckpointConfig(every=1000), steps=20000, log_every=50)
+        model=model, data=DataConfig(batch_size=micro), optim=optim,
+        eval=EvalConfig(every=500, tokens=PAPER_EVAL_TOKENS, hilbert_sequences=4,
+                        exact_diameter_max_elements=1 << 30, diameter_every=10,
+                        centring=rownorm),
+        checkpoint=CheckpointConfig(every=1000), steps=p.updates, head=head, log_every=10)
 
 
 CONFIGS: dict[str, Config] = {
@@ -304,16 +386,20 @@ CONFIGS: dict[str, Config] = {
                      max_seq_len=256),
         data=DataConfig(batch_size=16), optim=OptimConfig(warmup_steps=100),
         eval=EvalConfig(every=250), checkpoint=CheckpointConfig(every=500), steps=2000),
-    "190m": _gpu("dots", d_model=768, num_layers=14, num_heads=12, mlp_dim=2560),
-    "380m": _gpu("dots", d_model=1024, num_layers=22, num_heads=16, mlp_dim=2816),
-    "640m": _gpu("block", d_model=1280, num_layers=26, num_heads=20, mlp_dim=3456),
+    **{size: paper_config(size) for size in PAPER_MODELS},
 }
 DEFAULT_CONFIG = "cpu-tiny"
 
 
-def get_config(name: str) -> Config:
-    """The named config `name` (one of `CONFIGS`)."""
-    try:
+def get_config(name: str, *, head: str | None = None) -> Config:
+    """The named config `name` (one of `CONFIGS`) training `head` (None: the config's own).
+
+    A paper config's head rate and decay depend on the head (Table 2): `paper_config`. Any
+    other config only sets its `head` field."""
+    if name not in CONFIGS:
+        raise ValueError(f"--config must be one of {sorted(CONFIGS)}, got {name!r}")
+    if head is None:
         return CONFIGS[name]
-    except KeyError:
-        raise ValueError(f"--config must be one of {sorted(CONFIGS)}, got {name!r}") from None
+    if name in PAPER_MODELS:
+        return paper_config(name, head)
+    return override(CONFIGS[name], {"head": head})

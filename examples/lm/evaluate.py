@@ -17,6 +17,12 @@ empirical Hilbert perturbation `δ_n = range_v((ΔW·h_n)_v)` (`rowgeom.hilbert_
 Lemma 1 of arXiv 2608.22253) over the final hidden states `h_n` of a fixed batch of validation
 sequences: RMS and max over n, and the tightness `max_n δ_n / (||h_n||·D)`, which is at most 1.
 
+`make_step_diameter` measures the head step's diameter alone (no hidden states), for the cadence
+of `eval.diameter_every` (the paper: exact, every 10 updates). `centring_diagnostics` compares a
+projected RowNorm head's step with the uncentred one the paper's authors train with (each EMA
+row divided by its norm + eps, no centring): `centring_ratio` = ||U - U_uncentred||_F / ||U||_F
+and `uncentred_step_diameter`, with `ema_mean_row_ratio`, the EMA's mean row over its RMS row.
+
 `tracked_head_stats` reads the O(Vd) bracket of the full change that rowgeom's tracker
 (`track_row_diameter`, at the end of the head chain) recorded in the optimizer state.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import rowgeom
@@ -79,6 +86,72 @@ def make_head_probe(graphdef, head_matrix, *, exact: bool, out_sharding):
         hidden = hidden.reshape(-1, hidden.shape[-1])
         return head_diagnostics(head_new - head_old, head_old, hidden, head_lr, head_wd,
                                 vocab_axis=vocab_axis, exact=exact)
+
+    return jax.jit(probe, out_shardings=out_sharding)
+
+
+def make_step_diameter(graphdef, head_matrix, *, exact: bool, out_sharding):
+    """Jitted (params, rest, head_old, head_lr, head_wd) -> {"head_step_diameter": D} of the
+    head step without its decoupled decay, `ΔW + lr·wd·W_old` (no forward pass)."""
+
+    def diameter(params, rest, head_old, head_lr, head_wd):
+        head_new, vocab_axis = head_matrix(nnx.merge(graphdef, params, rest))
+        step = (head_new.astype(jnp.float32) - head_old.astype(jnp.float32)
+                + (head_lr * head_wd) * head_old.astype(jnp.float32))
+        return {"head_step_diameter": _diameter(step, vocab_axis=vocab_axis, exact=exact)[0]}
+
+    return jax.jit(diameter, out_shardings=out_sharding)
+
+
+def head_ema(opt_state, head_shape: tuple[int, ...]):
+    """`(ema, count)` of the one `optax.EmaState` moment in `opt_state` shaped like the head
+    (a projected RowNorm head's EMA, `rowgeom.lm_optimizer`), else None. The same lookup serves
+    an abstract state (is there one?) and a traced one (inside jit)."""
+    found = []
+    is_ema = lambda x: isinstance(x, optax.EmaState)
+    for leaf in jax.tree.leaves(opt_state, is_leaf=is_ema):
+        if is_ema(leaf):
+            found += [(v, leaf.count) for v in jax.tree.leaves(leaf.ema)
+                      if tuple(v.shape) == tuple(head_shape)]
+    return found[0] if len(found) == 1 else None
+
+
+def centring_diagnostics(step, ema, count, head_lr, *, momentum: float, debias: bool,
+                         eps: float, vocab_axis: int, exact: bool) -> dict:
+    """How far projected RowNorm's step is from the uncentred one (arXiv 2608.22253's code).
+
+    step: the head step without decay, real-token rows only; ema: the head's EMA moment, all
+    rows (its padding rows are dropped here); count: the EMA's update count. The uncentred
+    direction divides each (debiased) EMA row by its norm + eps; ours is `-step / head_lr`.
+    """
+    num = step.shape[vocab_axis]
+    b = jax.lax.slice_in_dim(ema.astype(jnp.float32), 0, num, axis=vocab_axis)
+    if debias:  # optax.ema(debias=True): divide by 1 - momentum^count
+        b = b / (1.0 - momentum ** count.astype(jnp.float32))
+    feature_axes = tuple(a for a in range(b.ndim) if a != vocab_axis)
+    norms = jnp.sqrt(jnp.sum(b * b, axis=feature_axes, keepdims=True))
+    uncentred = b / (norms + eps)
+    ours = -step.astype(jnp.float32) / head_lr
+    ratio = jnp.linalg.norm(ours - uncentred) / jnp.linalg.norm(ours)
+    mean_row = jnp.linalg.norm(jnp.mean(b, axis=vocab_axis))
+    rms_row = jnp.sqrt(jnp.mean(jnp.sum(b * b, axis=feature_axes)))
+    d = _diameter(head_lr * uncentred, vocab_axis=vocab_axis, exact=exact)[0]
+    return {"centring_ratio": ratio, "ema_mean_row_ratio": mean_row / rms_row,
+            "uncentred_step_diameter": d}
+
+
+def make_centring_probe(graphdef, head_matrix, head_shape, *, momentum: float, debias: bool,
+                        eps: float, exact: bool, out_sharding):
+    """Jitted (params, rest, opt_state, head_old, head_lr, head_wd) -> `centring_diagnostics`
+    of the update just applied."""
+
+    def probe(params, rest, opt_state, head_old, head_lr, head_wd):
+        head_new, vocab_axis = head_matrix(nnx.merge(graphdef, params, rest))
+        step = (head_new.astype(jnp.float32) - head_old.astype(jnp.float32)
+                + (head_lr * head_wd) * head_old.astype(jnp.float32))
+        ema, count = head_ema(opt_state, head_shape)
+        return centring_diagnostics(step, ema, count, head_lr, momentum=momentum,
+                                    debias=debias, eps=eps, vocab_axis=vocab_axis, exact=exact)
 
     return jax.jit(probe, out_shardings=out_sharding)
 

@@ -83,9 +83,13 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def config_from_args(args: argparse.Namespace) -> configs.Config:
-    """The named config with the command line's `--<dotted path>` overrides applied."""
-    return configs.override(configs.get_config(args.config or configs.DEFAULT_CONFIG),
-                            _overrides(args))
+    """The named config with the command line's `--<dotted path>` overrides applied.
+
+    `--head` picks the named config's version for that head first (a paper config's head rate
+    and decay are the head's, `configs.paper_config`), then every override applies."""
+    overrides = _overrides(args)
+    base = configs.get_config(args.config or configs.DEFAULT_CONFIG, head=overrides.get("head"))
+    return configs.override(base, overrides)
 
 
 def explicit_fields(args: argparse.Namespace) -> frozenset[str]:

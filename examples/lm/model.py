@@ -72,6 +72,15 @@ class ModelConfig:
     # Sequence positions per chunk of the loss (loss.py): the logits of one chunk exist at a
     # time. None: the whole sequence at once.
     loss_chunk: int | None = None
+    # The switches that separate the paper's block (arXiv 2608.22253, Table 1) from this
+    # example's default one. qk_norm: RMS-normalise each head's query and key (no gain, eps
+    # norm_eps) before RoPE. norm_gain: every RMSNorm learns a gain vector (False: the model has
+    # no vector parameters at all). init_std: every embedding, linear and head weight drawn from
+    # N(0, init_std^2), with no depth scaling (None: LeCun, depth-scaled residual writes and a
+    # unit-variance embedding).
+    qk_norm: bool = False
+    norm_gain: bool = True
+    init_std: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
@@ -96,6 +105,13 @@ class ModelConfig:
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
                                   or chunk < 1):
             raise ValueError(f"--model.loss_chunk must be a positive int or none, got {chunk!r}")
+        for name in ("qk_norm", "norm_gain"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"--model.{name} must be a bool, got {getattr(self, name)!r}")
+        std = self.init_std
+        if std is not None and (isinstance(std, bool) or not isinstance(std, (int, float))
+                                or not 0 < std < math.inf):
+            raise ValueError(f"--model.init_std must be a positive float or none, got {std!r}")
         for name in ("compute_dtype", "param_dtype"):
             dtype = jnp.dtype(getattr(self, name))
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -158,18 +174,24 @@ def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, *, theta: float) -> ja
 def _linear(d_in, d_out, names, cfg, rngs, *, std=None):
     """A bias-free Linear whose kernel (d_in, d_out) is sharded over `names`.
 
-    Default init is LeCun normal (std 1/sqrt(d_in)), which keeps activations O(1) after a pre-norm.
+    Default init is LeCun normal (std 1/sqrt(d_in)), which keeps activations O(1) after a pre-norm;
+    `cfg.init_std` overrides every choice (the paper's N(0, 0.02^2)).
     """
-    std = 1.0 / math.sqrt(d_in) if std is None else std
+    if cfg.init_std is not None:
+        std = cfg.init_std
+    elif std is None:
+        std = 1.0 / math.sqrt(d_in)
     return nnx.Linear(
         d_in, d_out, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
         kernel_init=nnx.initializers.normal(std), kernel_metadata=_sharded(names), rngs=rngs)
 
 
-def _rmsnorm(cfg, rngs):
-    # The scale vector is tiny: replicated ("norm") rather than left unannotated.
+def _rmsnorm(cfg, rngs, features=None):
+    # The scale vector is tiny: replicated ("norm") rather than left unannotated. flax computes
+    # the mean square in float32 even for bf16 inputs.
     return nnx.RMSNorm(
-        cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
+        cfg.d_model if features is None else features, epsilon=cfg.norm_eps,
+        dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype, use_scale=cfg.norm_gain,
         scale_metadata=_sharded(("norm",)), rngs=rngs)
 
 
@@ -190,6 +212,13 @@ class Attention(nnx.Module):
         self.k_proj = _linear(d, d, ("embed", "heads"), cfg, rngs)
         self.v_proj = _linear(d, d, ("embed", "heads"), cfg, rngs)
         self.o_proj = _linear(d, d, ("heads", "embed"), cfg, rngs, std=_residual_std(d, cfg))
+        # Per-head query/key RMSNorm over the head width, before RoPE (the paper's block, its
+        # Table 1): the attention logits stay bounded whatever the weights' scale.
+        if cfg.qk_norm:
+            self.q_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
+            self.k_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -198,7 +227,10 @@ class Attention(nnx.Module):
         positions_T = jnp.arange(T)
         heads = lambda y_BTD: constrain(y_BTD.reshape(B, T, N, H), *_BTNH)
         rope = lambda y_BTNH: apply_rope(y_BTNH, positions_T, theta=theta)
-        q_BTNH, k_BTNH = rope(heads(self.q_proj(x_BTD))), rope(heads(self.k_proj(x_BTD)))
+        q_BTNH, k_BTNH = heads(self.q_proj(x_BTD)), heads(self.k_proj(x_BTD))
+        if self.q_norm is not None:
+            q_BTNH, k_BTNH = self.q_norm(q_BTNH), self.k_norm(k_BTNH)
+        q_BTNH, k_BTNH = rope(q_BTNH), rope(k_BTNH)
         v_BTNH = heads(self.v_proj(x_BTD))
         # The default (XLA) implementation forms the scores and the softmax in fp32 even for bf16
         # inputs; implementation="cudnn" would select the GPU flash-attention kernel instead.
@@ -271,6 +303,7 @@ class Transformer(nnx.Module):
         # Untied: unit-variance rows (the first pre-norm removes the scale anyway). Tied: the table
         # is also the head, so rows of norm ~1 (std 1/sqrt(d)) keep the initial logits O(1).
         embed_std = 1.0 / math.sqrt(d) if cfg.tied_embeddings else 1.0
+        embed_std = embed_std if cfg.init_std is None else cfg.init_std
         self.embed = nnx.Embed(
             v, d, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
             embedding_init=_zero_padding(nnx.initializers.normal(embed_std), cfg.num_tokens, 0),
@@ -288,8 +321,9 @@ class Transformer(nnx.Module):
             self.lm_head = nnx.Linear(
                 d, v, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
                 preferred_element_type=jnp.float32,
-                kernel_init=_zero_padding(nnx.initializers.normal(1.0 / math.sqrt(d)),
-                                          cfg.num_tokens, 1),
+                kernel_init=_zero_padding(nnx.initializers.normal(
+                    1.0 / math.sqrt(d) if cfg.init_std is None else cfg.init_std),
+                    cfg.num_tokens, 1),
                 kernel_metadata=_sharded(("embed", "vocab")), rngs=rngs)
 
     def hidden(self, tokens_BT: jax.Array) -> jax.Array:
@@ -365,6 +399,17 @@ def head_matrix(model: Transformer) -> tuple[jax.Array, int]:
 def count_params(model: Transformer) -> int:
     """Number of trainable scalars (a tied table is counted once)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Trainable scalars of `cfg`'s model without the padding rows of a padded vocabulary (they
+    are zero and never trained), from the abstract model: nothing is allocated. The paper counts
+    parameters this way (its 190M model: 185,680,896 with V = 50,257)."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    padding_rows = cfg.vocab_size - cfg.num_tokens
+    tables = 1 if cfg.tied_embeddings else 2  # the embedding and the head
+    return total - tables * padding_rows * cfg.d_model
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

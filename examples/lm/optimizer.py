@@ -46,16 +46,22 @@ def optimizer_options(cfg: configs.Config) -> dict:
     (AdamW, tied="embedding"). A None rate or decay leaves rowgeom's default.
     """
     o, rescaled = cfg.optim, cfg.head == "rownorm-rescaled"
+    rownorm = rescaled or cfg.head == "rownorm"
     head = rowgeom.HeadOptions(optimizer="rownorm" if rescaled else cfg.head,
                                rescale="exact" if rescaled else None,
+                               # RowNorm-only fields: None / False for the other heads.
+                               eps=o.head_eps if rownorm else None,
+                               bias_correction=o.head_bias_correction and rownorm,
                                num_valid=cfg.model.valid_vocab_size,
                                track_every_k_steps=track_every_k_steps(cfg))
     groups = {"head": rowgeom.GroupOptions(learning_rate=o.head_learning_rate,
                                            weight_decay=o.head_weight_decay),
               "embedding": rowgeom.GroupOptions(learning_rate=o.embedding_learning_rate),
               "vector": rowgeom.GroupOptions(learning_rate=o.vector_learning_rate)}
+    muon = rowgeom.MuonOptions(scale=o.muon_scale, eps=o.muon_eps)
+    adam = rowgeom.AdamOptions(b2=o.adam_b2, eps=o.adam_eps)
     return dict(head=head, tied="embedding" if cfg.model.tied_embeddings else None,
-                weight_decay=o.weight_decay, groups=groups)
+                weight_decay=o.weight_decay, groups=groups, muon=muon, adam=adam)
 
 
 def group_hparams(cfg: configs.Config) -> rowgeom.LMHyperparams:

@@ -12,6 +12,18 @@ per device, the memory by kind (`memory_analysis`), the FLOPs against the model'
 bytes (the HLO text), and whether the step fits `--device-memory`; it exits with status 1 when it
 does not. Every config flag of the trainer applies (`--model.remat`, `--data.batch_size`, ...);
 with `--optim.grad_accum_steps` the figures are those of one micro-batch step.
+
+    python -m examples.lm.plan --paper                  # every paper config (configs.PAPER_MODELS)
+    python -m examples.lm.plan --paper --config 190m --head adamw
+
+`--paper` plans each paper config where the paper ran it: 256 x 2,048 per update on 8 devices,
+data parallel, at the paper's micro-batch and accumulation (`configs.paper_config`). It prints
+the parameter count without padding beside the paper's, whether the step fits 80 GiB (H100) and
+141 GiB (H200) per device, the micro-batch, accumulation and recomputation that fit a 16 GiB
+TPU v5e chip (FSDP over the 8 chips) with their recomputation cost (compiled matmul FLOPs over
+the model's count), and the exact head diameter's share of the training FLOPs: the diameter
+program's compiled matmul FLOPs over `eval.diameter_every` updates of `grad_accum_steps`
+micro-batch steps each.
 """
 
 from __future__ import annotations
@@ -106,6 +118,89 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     return out
 
 
+# Per-device memory of the GPUs the paper's configs are planned for, and of a TPU v5e chip.
+GPU_MEMORY = {"H100": 80 * GIB, "H200": 141 * GIB}
+V5E_MEMORY = 16 * GIB
+# (recomputation, sequences per device) tried for the v5e, cheapest recomputation and largest
+# micro-batch first: the first that fits is reported.
+V5E_CANDIDATES = (("dots", 8), ("dots", 4), ("block", 8), ("block", 4), ("block", 2),
+                  ("block", 1))
+
+
+def diameter_flops(cfg: configs.Config, devices) -> float:
+    """Matmul FLOPs per device of the exact head-step diameter program (the trainer's
+    `step_diameter`, compiled for `cfg` on `devices`)."""
+    from examples.lm.trainer import Trainer  # noqa: PLC0415
+
+    mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    trainer = Trainer(cfg, mesh)
+    if not trainer.exact_diameter:
+        raise ValueError("the config measures the O(Vd) bracket, not the exact diameter")
+    state = trainer.abstract_state
+    head = jax.eval_shape(trainer.head_of, state["params"], state["rest"])
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    with jax.set_mesh(mesh):
+        program = trainer.step_diameter.lower(state["params"], state["rest"], head, scalar,
+                                              scalar).compile()
+    return compiled_lib.read_compiled(program)["matmul_flops"]
+
+
+def paper_plan(size: str, head: str, devices, *, print_fn=print) -> dict:
+    """The `--paper` figures of one paper config on 8 `devices` (see the module docstring)."""
+    cfg = configs.override(configs.paper_config(size, head),
+                           {"mesh.data": len(devices), "mesh.fsdp": 1, "mesh.tensor": 1})
+    paper = configs.PAPER_MODELS[size]
+    count = model_lib.param_count(cfg.model)
+    gpu = plan(cfg, devices)
+    peak = gpu["peak_bytes"]
+    diameter = diameter_flops(cfg, devices)
+    update = cfg.eval.diameter_every * cfg.optim.grad_accum_steps * gpu["matmul_flops"]
+    out = {"size": size, "head": head, "param_count": count, "paper_param_count": paper.params,
+           "batch": cfg.data.batch_size, "grad_accum_steps": cfg.optim.grad_accum_steps,
+           "remat": cfg.model.remat, "peak_bytes": peak,
+           "fits": {name: peak <= limit for name, limit in GPU_MEMORY.items()},
+           "step_matmul_flops": gpu["matmul_flops"], "diameter_matmul_flops": diameter,
+           "diameter_share": diameter / update}
+    per_gpu = cfg.data.batch_size // len(devices)
+    print_fn(f"{size} ({head} head): {count:,} parameters without padding (paper "
+             f"{paper.params:,}); 8 devices, data parallel, micro-batch {per_gpu} x "
+             f"{cfg.seq_len} per device x {cfg.optim.grad_accum_steps} accumulation = "
+             f"{cfg.data.batch_size * cfg.optim.grad_accum_steps} sequences per update, remat "
+             f"{cfg.model.remat}: peak {_gib(peak)} per device; "
+             + ", ".join(f"{'fits' if fits else 'does NOT fit'} {_gib(GPU_MEMORY[name])} "
+                         f"({name})" for name, fits in out["fits"].items()))
+    print_fn(f"  exact D every {cfg.eval.diameter_every} updates: {diameter:.3g} matmul FLOPs "
+             f"per device against {update:.3g} for {cfg.eval.diameter_every} updates: "
+             f"{100 * out['diameter_share']:.3f}% of the training FLOPs (in float32 at "
+             "Precision.HIGHEST, slower per FLOP than the bf16 step)")
+    out["v5e"] = None
+    for remat, sequences in V5E_CANDIDATES:
+        micro = sequences * len(devices)
+        if configs.PAPER_SEQUENCES % micro:
+            continue
+        v5e = configs.override(cfg, {
+            "mesh.data": 1, "mesh.fsdp": len(devices), "model.remat": remat,
+            "data.batch_size": micro,
+            "optim.grad_accum_steps": configs.PAPER_SEQUENCES // micro})
+        result = plan(v5e, devices)
+        if result["peak_bytes"] <= V5E_MEMORY:
+            out["v5e"] = {"remat": remat, "sequences_per_device": sequences,
+                          "grad_accum_steps": v5e.optim.grad_accum_steps,
+                          "peak_bytes": result["peak_bytes"],
+                          "recompute": result["matmul_flops"] / result["model_flops"]}
+            break
+    if out["v5e"] is None:
+        print_fn(f"  no micro-batch of {V5E_CANDIDATES} fits {_gib(V5E_MEMORY)} (TPU v5e)")
+    else:
+        v = out["v5e"]
+        print_fn(f"  TPU v5e ({_gib(V5E_MEMORY)}), fsdp 8: {v['sequences_per_device']} "
+                 f"sequences per chip x {v['grad_accum_steps']} accumulation, remat "
+                 f"{v['remat']}: peak {_gib(v['peak_bytes'])}; matmul FLOPs "
+                 f"{v['recompute']:.2f}x the model's count (the paper's GPUs: "
+                 f"{gpu['matmul_flops'] / gpu['model_flops']:.2f}x)")
+    return out
+
+
 def _partitioned(dump_dir: str | None) -> dict | None:
     """`compiled.analyse_hlo` of the train step as XLA dumped it after SPMD partitioning."""
     dumps = sorted(glob.glob(os.path.join(dump_dir, "*after_spmd-partitioning*.txt"))
@@ -182,8 +277,13 @@ def main(argv=None) -> int:
                              "simulated CPU devices as the mesh sizes multiply to, an axis of -1 "
                              "counting 1)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
+    parser.add_argument("--paper", action="store_true",
+                        help="plan the paper configs on 8 devices (--config: only that one; "
+                             "--head: its head, default rownorm); see the module docstring")
     flags.add_config_arguments(parser)
     args = parser.parse_args(argv)
+    if args.paper:
+        return _main_paper(parser, args)
     dump_dir = tempfile.mkdtemp(prefix="rowgeom-plan-")
     try:
         cfg = flags.config_from_args(args)
@@ -202,6 +302,22 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=1)
     fits = args.device_memory is None or result["peak_bytes"] <= args.device_memory
     return 0 if fits else 1
+
+
+def _main_paper(parser, args) -> int:
+    if args.config is not None and args.config not in configs.PAPER_MODELS:
+        parser.error(f"--paper plans the paper configs {sorted(configs.PAPER_MODELS)}, got "
+                     f"--config {args.config}")
+    sizes = [args.config] if args.config else list(configs.PAPER_MODELS)
+    head = flags.config_from_args(args).head if args.field__head else "rownorm"
+    jax.config.update("jax_num_cpu_devices", 8)
+    devices = (jax.devices()[:8] if jax.default_backend() != "cpu" and jax.device_count() >= 8
+               else jax.devices("cpu")[:8])
+    results = [paper_plan(size, head, devices) for size in sizes]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all(r["fits"]["H100"] for r in results) else 1
 
 
 if __name__ == "__main__":

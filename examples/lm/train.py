@@ -147,15 +147,19 @@ class _Loop:
         cfg, trainer = self.cfg, self.trainer
         is_eval = step % cfg.eval.every == 0 or step == cfg.steps
         is_probe = not is_eval and step > cfg.steps - cfg.eval.probe_last_steps
-        head_old = (trainer.head_of(state["params"], state["rest"]) if is_eval or is_probe
-                    else None)
+        every = cfg.eval.diameter_every
+        # The head step's diameter alone, where no probe measures it anyway.
+        is_diameter = (not (is_eval or is_probe) and every > 0
+                       and (step % every == 0 or step == cfg.steps))
+        head_old = (trainer.head_of(state["params"], state["rest"])
+                    if is_eval or is_probe or is_diameter else None)
         losses = []
         for micro in range(self.accum):
             inputs, targets = self.train_batches.get((step - 1) * self.accum + micro)
             state, loss = trainer.train_step(state, inputs, targets)
             losses.append(loss)
         self.window_steps += 1
-        if not (is_eval or is_probe or step % cfg.log_every == 0):
+        if not (is_eval or is_probe or is_diameter or step % cfg.log_every == 0):
             return state, {}
         record = {"step": step, "train_loss": _scalar(sum(losses) / self.accum),
                   "learning_rate": _scalar(self.lr(step - 1)),
@@ -164,6 +168,10 @@ class _Loop:
             record |= self._evaluate(state)
         if is_eval or is_probe:
             record |= self._probe(state, head_old, step)
+        if is_diameter:
+            record |= self._step_diameter(state, head_old, step)
+        if is_eval and trainer.centring_probe is not None:
+            record |= self._centring(state, head_old, step)
         if is_eval:
             self.last_eval = record
         record |= self._throughput()
@@ -186,6 +194,20 @@ class _Loop:
                                         jnp.float32(self.trainer.head_wd))
         return ({k: _scalar(v) for k, v in sorted(probe.items())}
                 | evaluate.tracked_head_stats(state["opt_state"]))
+
+    def _step_diameter(self, state, head_old, step) -> dict:
+        """The diameter of the head step just applied, without its decoupled decay."""
+        out = self.trainer.step_diameter(state["params"], state["rest"], head_old,
+                                         self.trainer.head_lr(step - 1),
+                                         jnp.float32(self.trainer.head_wd))
+        return {k: _scalar(v) for k, v in out.items()}
+
+    def _centring(self, state, head_old, step) -> dict:
+        """A RowNorm head's step against the uncentred one (evaluate.centring_diagnostics)."""
+        out = self.trainer.centring_probe(state["params"], state["rest"], state["opt_state"],
+                                          head_old, self.trainer.head_lr(step - 1),
+                                          jnp.float32(self.trainer.head_wd))
+        return {k: _scalar(v) for k, v in out.items()}
 
     def _throughput(self) -> dict:
         """Tokens/s, s/step (and model-FLOPs utilisation) since the last record."""

@@ -103,6 +103,21 @@ class Trainer:
         self.exact_diameter = math.prod(head_shape) <= self.cfg.eval.exact_diameter_max_elements
         self.head_probe = evaluate.make_head_probe(
             gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
+        self.step_diameter = evaluate.make_step_diameter(
+            gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
+        # With eval.centring, a RowNorm head's step against the uncentred one
+        # (evaluate.centring_diagnostics): where the optimizer state holds the head's EMA moment.
+        self.centring_probe = None
+        hp = head_group(self.cfg)
+        full_head = self.abstract_state["params"]["lm_head"]["kernel"].shape if (
+            "lm_head" in self.abstract_state["params"]) else None
+        if (self.cfg.eval.centring and hp.optimizer == "rownorm" and full_head is not None
+                and evaluate.head_ema(self.abstract_state["opt_state"], full_head) is not None):
+            o = self.cfg.optim
+            self.centring_probe = evaluate.make_centring_probe(
+                gd, model_lib.head_matrix, full_head, momentum=hp.momentum,
+                debias=o.head_bias_correction, eps=1e-8 if o.head_eps is None else o.head_eps,
+                exact=self.exact_diameter, out_sharding=repl)
 
     def compute_params(self, params):
         """`params` in the model's compute dtype, each kept on its own sharding (so the cast runs

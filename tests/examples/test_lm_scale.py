@@ -48,7 +48,7 @@ def test_sharded_steps_match_one_device(checks, variant, mesh):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_190m_fits_a_16_gib_chip_at_its_own_batch_on_fsdp_8(checks):
+def test_190m_fits_a_16_gib_chip_at_4_sequences_per_chip_on_fsdp_8(checks):
     result = checks.json()["plan"]
     assert result["loops_known"]
     assert result["peak_over_16gib"] <= 1.0, result
