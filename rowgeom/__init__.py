@@ -35,7 +35,7 @@ from rowgeom._oracle import common_ball_oracle, diameter_oracle
 from rowgeom._partition import partition_by_label
 from rowgeom._plan import LeafPlan, OptimizerPlan, describe
 from rowgeom._recipe import STATIC_ARGS, lm_optimizer
-from rowgeom._rownorm import project_rownorm, projected_rownorm, rownorm_direction
+from rowgeom._rownorm import projected_rownorm, rownorm_direction
 
 __version__ = "0.1.0"
 
@@ -54,7 +54,6 @@ __all__ = (
     "newton_schulz",
     "ns_coefficients",
     "partition_by_label",
-    "project_rownorm",
     "projected_rownorm",
     "read_row_diameter",
     "row_diameter",

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from rowgeom._cpu import IMPLS
 from rowgeom._muon import check_muon_options
 from rowgeom._names import HEAD_OPTIMIZERS, ROUTER_OPTIMIZERS
 from rowgeom._newton_schulz import resolve_coefficients
@@ -119,6 +120,9 @@ class HeadOptions:
         mask: a padding row's gradient is zero, and so is its AdamW or Muon step.
       track: record `rowgeom.RowDiameterStats` of the full head step (`read_row_diameter`).
       track_every_k_steps: measure them on the first step and every k-th (1: every step).
+      impl: the formulation of RowNorm and of the tracker's bracket (`rownorm_direction`'s
+        ``impl``): ``"auto"`` (decided per head leaf when traced: the XLA:CPU formulation for
+        an array on one CPU device, the masked one elsewhere), ``"xla"`` or ``"cpu"``.
 
     Examples:
       >>> import rowgeom
@@ -139,10 +143,12 @@ class HeadOptions:
     num_valid: int | None = None
     track: bool = True
     track_every_k_steps: int = 10
+    impl: str = "auto"
 
     def __post_init__(self):
         one_of(self.optimizer, HEAD_OPTIMIZERS, "HeadOptions.optimizer")
         one_of(self.rescale, _RESCALE_MODES, "HeadOptions.rescale")
+        one_of(self.impl, IMPLS, "HeadOptions.impl")
         _only_for("HeadOptions", self.optimizer, "rownorm", rescale=self.rescale, eps=self.eps,
                   bias_correction=self.bias_correction or None)
         if not isinstance(self.bias_correction, bool):

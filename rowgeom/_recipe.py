@@ -104,7 +104,7 @@ def _rownorm_direction(plan: OptimizerPlan, label: str, group: GroupPlan):
     return projected_rownorm(
         vocab_axis={p: leaf.vocab_axis for p, leaf in group.leaves.items()},
         center_input=center, center_output=center, rescale=head.rescale,
-        num_valid=head.num_valid, **_given(eps=head.eps))
+        num_valid=head.num_valid, impl=head.impl, **_given(eps=head.eps))
 
 
 def _group_chain(plan: OptimizerPlan, label: str) -> optax.GradientTransformation:
@@ -126,7 +126,8 @@ def _head_chain(plan: OptimizerPlan) -> optax.GradientTransformation:
         return _group_chain(plan, "head")
     axes = {path: leaf.vocab_axis for path, leaf in plan.by_label("head").items()}
     return optax.chain(_group_chain(plan, "head"),
-                       track_row_diameter(vocab_axis=axes, every_k_steps=head.track_every_k_steps))
+                       track_row_diameter(vocab_axis=axes, every_k_steps=head.track_every_k_steps,
+                                          impl=head.impl))
 
 
 def optimizer_from_plan(plan: OptimizerPlan) -> optax.GradientTransformationExtraArgs:
