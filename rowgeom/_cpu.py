@@ -73,7 +73,8 @@ def resolve_impl(impl: str, x) -> str:
         return impl
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         devices = x.sharding.device_set
-        return "cpu" if len(devices) == 1 and next(iter(devices)).platform == "cpu" else "xla"
+        platforms = {getattr(device, "platform", None) for device in devices}
+        return "cpu" if len(devices) == 1 and platforms == {"cpu"} else "xla"
     mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
     if mesh is not None and getattr(mesh, "size", 1) > 1:
         return "xla"
