@@ -474,7 +474,14 @@ def describe(params: Any, learning_rate: Any = None, *, head: str | HeadOptions 
     Args:
       params: the parameter tree (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes).
       learning_rate: `lm_optimizer`'s base rate; None leaves the rate columns empty.
-      head, muon, adam, router, labels, tied, weight_decay, groups: as in `lm_optimizer`.
+      head: as in `lm_optimizer`.
+      muon: as in `lm_optimizer`.
+      adam: as in `lm_optimizer`.
+      router: as in `lm_optimizer`.
+      labels: as in `lm_optimizer`.
+      tied: as in `lm_optimizer`.
+      weight_decay: as in `lm_optimizer`.
+      groups: as in `lm_optimizer`.
 
     Returns:
       A `Plan`: a tuple of `PlanRow` whose ``str()`` is an aligned table.
