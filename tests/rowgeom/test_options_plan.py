@@ -267,3 +267,28 @@ def test_per_leaf_options_nested_and_flat_mean_the_same():
               "norm/scale": "vector"}
     assert [r.label for r in rowgeom.describe(params, LR, labels=labels)] == [
         r.label for r in rowgeom.describe(params, LR)]
+
+
+def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
+    """nnx.Optimizer hands ``init`` Variables and ``update`` plain arrays: the same paths,
+    shapes and dtypes, so the same plan object, and the update is the one a plain tree gets."""
+    from flax import nnx
+
+    from rowgeom import _recipe
+    from tests.rowgeom._nnx_models import TinyLM
+
+    seen = []
+    real = _plan.plan_of
+    monkeypatch.setattr(_recipe, "plan_of", lambda t, o: seen.append(real(t, o)) or seen[-1])
+    model = TinyLM(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    arrays = jax.tree.map(lambda x: x, nnx.to_pure_dict(params))
+    grads = jax.tree.map(jnp.ones_like, params)
+    optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(LR), wrt=nnx.Param)
+    optimizer.update(model, grads)
+    assert len(seen) == 2 and seen[0] is seen[1]
+    assert rowgeom.make_plan(arrays) is seen[0]
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tx = rowgeom.lm_optimizer(LR)
+    updates = tx.update(jax.tree.map(jnp.ones_like, arrays), tx.init(arrays), arrays)[0]
+    assert_trees_equal(after, optax.apply_updates(arrays, updates))
