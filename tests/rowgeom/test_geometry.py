@@ -282,6 +282,18 @@ def test_bracket_formulation_follows_impl():
     assert set(re.findall(r"length=(\d+)", masked)) == {"2"}  # the sweeps (and their rescaling)
 
 
+def test_bracket_formulation_follows_the_device_count(monkeypatch):
+    """``impl="auto"`` (the lm_optimizer head's default): the XLA:CPU loop for a traced array in
+    a process with one CPU device, where no array can be sharded; the plain reductions as soon
+    as the process has more devices (an input may then be sharded, even invisibly to tracing)."""
+    spec = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+    jaxpr = lambda: str(jax.make_jaxpr(
+        lambda s: row_diameter_bounds(s, vocab_axis=1, impl="auto"))(spec))
+    assert "length=64" in jaxpr()
+    monkeypatch.setattr(jax, "device_count", lambda *a: 8)
+    assert "length=64" not in jaxpr() and "dynamic_slice" not in jaxpr()
+
+
 @pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("sweeps", [0, 1, 2])
 def test_bracket_reads_the_rows_once_per_step_of_the_algorithm(formulation, sweeps):
