@@ -403,7 +403,9 @@ class _Keyed:
 
 @functools.lru_cache(maxsize=64)
 def _memoised(keyed: _Keyed, hp: PlanOptions) -> Plan:
-    return _plan(keyed.tree, hp)
+    plan = _plan(keyed.tree, hp)
+    keyed.tree = None  # the memo keeps the key, never the arrays
+    return plan
 
 
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,

@@ -292,3 +292,15 @@ def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
     tx = rowgeom.lm_optimizer(LR)
     updates = tx.update(jax.tree.map(jnp.ones_like, arrays), tx.init(arrays), arrays)[0]
     assert_trees_equal(after, optax.apply_updates(arrays, updates))
+
+
+def test_the_plan_memo_keeps_no_arrays():
+    import gc
+    import weakref
+
+    params = tree(vocab=V + 3)
+    ref = weakref.ref(params["lm_head"]["kernel"])
+    rowgeom.make_plan(params)
+    del params
+    gc.collect()
+    assert ref() is None
