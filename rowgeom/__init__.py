@@ -6,13 +6,11 @@ measure a head step the way the softmax sees it.
 """
 
 from rowgeom._clip import clip_row_diameter
-from rowgeom._deprecated import FLAT_KEYWORDS, make_labeler, renamed
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import row_diameter, row_diameter_bounds
 from rowgeom._hilbert import hilbert_distance, hilbert_perturbation
-from rowgeom._hparams import GroupHyperparams, LMHyperparams, lm_optimizer_hparams
 from rowgeom._labels import Labeler, label_params
-from rowgeom._muon import MuonDimensionNumbers, muon_orthogonalize
+from rowgeom._muon import MuonDimensionNumbers, MuonOptions, muon_orthogonalize
 from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
@@ -28,14 +26,14 @@ from rowgeom._options import (
     AdamOptions,
     GroupOptions,
     HeadOptions,
-    MuonOptions,
     RouterOptions,
+    group_options,
 )
 from rowgeom._oracle import common_ball_oracle, diameter_oracle
 from rowgeom._partition import partition_by_label
-from rowgeom._plan import LeafPlan, OptimizerPlan, describe
+from rowgeom._plan import Plan, PlanRow, describe, make_plan
 from rowgeom._recipe import STATIC_ARGS, lm_optimizer
-from rowgeom._rownorm import project_rownorm, projected_rownorm, rownorm_direction
+from rowgeom._rownorm import projected_rownorm, rownorm_direction
 
 __version__ = "0.1.0"
 
@@ -54,39 +52,31 @@ __all__ = (
     "newton_schulz",
     "ns_coefficients",
     "partition_by_label",
-    "project_rownorm",
     "projected_rownorm",
     "read_row_diameter",
     "row_diameter",
     "row_diameter_bounds",
     "rownorm_direction",
     "track_row_diameter",
-    # Routing and composition (labels, options, the plan, resolved hyperparameters).
+    # Routing and composition (labels, options, the plan, each group's resolved options).
     "AdamOptions",
     "DEFAULT_EMBEDDING_NAMES",
     "DEFAULT_HEAD_NAMES",
     "DEFAULT_HIDDEN_NAMES",
     "DEFAULT_ROUTER_NAMES",
     "DEFAULT_VECTOR_NAMES",
-    "FLAT_KEYWORDS",
-    "GroupHyperparams",
     "GroupOptions",
     "HEAD_LR_MULTIPLIERS",
     "HeadOptions",
-    "LMHyperparams",
     "Labeler",
-    "LeafPlan",
     "MuonOptions",
-    "OptimizerPlan",
+    "Plan",
+    "PlanRow",
     "RouterOptions",
     "STATIC_ARGS",
     "TOKEN_EMBEDDING_NAMES",
     "describe",
-    "lm_optimizer_hparams",
-    "make_labeler",
+    "group_options",
+    "make_plan",
 )
 
-
-def __getattr__(name: str):
-    # Names of 0.1.0 kept as deprecated aliases (CHANGELOG.md, rowgeom._deprecated).
-    return globals()[renamed(name)]

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from rowgeom._cpu import check_impl
 from rowgeom._geometry import _row_diameter, _upper_bound
 from rowgeom._tree import map_head_leaves, vocab_axes
 from rowgeom._validation import check_int, check_matrix_like
@@ -52,6 +53,7 @@ def clip_row_diameter(
         vocab_axis: Any,
         exact: bool = False,
         block_size: int = 1024,
+        impl: str = "xla",
 ) -> optax.GradientTransformation:
     """Rescales each update so that its row diameter is at most ``max_diameter``.
 
@@ -68,6 +70,7 @@ def clip_row_diameter(
       exact: use the exact ``O(V^2 d)`` diameter (``D <= max_diameter`` up to float rounding)
         instead of the ``O(V d)`` upper bound ``2 max_i ||u_i - ubar||``.
       block_size: rows per block of the exact diameter's scan.
+      impl: the formulation of the upper bound's pass, as in `rowgeom.row_diameter_bounds`.
 
     Returns:
       A stateless ``optax.GradientTransformation``. ``None`` and ``optax.MaskedNode`` leaves pass
@@ -85,13 +88,14 @@ def clip_row_diameter(
     if not isinstance(exact, bool):
         raise TypeError(f"exact must be a bool, got {exact!r}")
     block_size = check_int(block_size, argname="block_size", minimum=1)
+    impl = check_impl(impl)
 
     def clip_leaf(u, vocab):
         axis = check_matrix_like(u, argname="updates", vocab_axis=vocab)
         if exact:
             diameter = _row_diameter(u, axis=axis, block_size=block_size)
         else:
-            diameter = _upper_bound(u, axis)
+            diameter = _upper_bound(u, axis, impl)
         cap = jnp.asarray(max_diameter, jnp.float32)
         scale = jnp.where(diameter > cap, cap / jnp.where(diameter > 0, diameter, 1.0), 1.0)
         return (u.astype(jnp.float32) * scale).astype(u.dtype)

@@ -14,9 +14,8 @@ matrix-vector products in every formulation.
 Contract: `rownorm` is the same function as `rowgeom._rownorm._masked` (same pivot, eps rule
 and overflow guard, `rowgeom._numerics`) and `sq_dists` the same as the masked distance pass, up
 to float32 rounding order. Both slice the vocabulary and feature axes, which would gather a
-sharded head or fail on Explicit sharding types, so callers use them only when
-`one_cpu_device()` holds: then no array of the process can be sharded, whatever mesh or
-placement the caller used.
+sharded head or fail on Explicit sharding types, so callers use them only when asked
+to (``impl="cpu"``, or ``impl="auto"`` on one CPU device: `resolve_impl`).
 
     >>> import jax.numpy as jnp
     >>> from rowgeom import _cpu
@@ -31,9 +30,7 @@ placement the caller used.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,41 +50,42 @@ _SLAB_BYTES = 4 * 2**20
 _SLAB_ROWS = 1
 
 
-FORMULATIONS = ("cpu", "masked")
-_traced_as: str | None = None  # set only by `traced_as`
+IMPLS = ("xla", "cpu", "auto")
+"""The values of the head ops' ``impl`` option (`rownorm_direction`, `projected_rownorm`,
+`row_diameter_bounds`, `track_row_diameter`, `clip_row_diameter`, `rowgeom.HeadOptions`)."""
 
 
-def one_cpu_device() -> bool:
-    """True when the process has exactly one device and it is a CPU.
+def resolve_impl(impl: str, x) -> str:
+    """The formulation ``impl`` names for the array ``x``: ``"xla"`` or ``"cpu"``.
 
-    Checked at trace time. It is the only condition under which the formulations here cannot be
-    wrong: with more than one device an input may be sharded even where tracing cannot see it
-    (an Auto-sharded array under ``jax.jit`` outside ``jax.set_mesh`` has no mesh in context).
-    Inside `traced_as` it answers for the formulation named there instead.
+    ``"xla"``: the masked formulation of `rowgeom._rownorm` / `rowgeom._geometry` (whole-axis
+    reductions; any backend, any mesh). ``"cpu"``: this module's (slices; only correct where
+    ``x`` is not sharded over several devices). ``"auto"`` is decided when ``x`` is traced, by
+    where ``x`` lives: a concrete array on exactly one CPU device -> ``"cpu"``, on anything else
+    -> ``"xla"``; a traced array whose abstract sharding names a mesh of more than one device
+    -> ``"xla"``; otherwise (a tracer without a mesh, whose devices tracing cannot see) ``"cpu"``
+    only when the default backend is CPU with one device, where no array can be sharded.
+    Nothing else (no global flag) enters the choice, and only the chosen one is traced.
     """
-    if _traced_as is not None:
-        return _traced_as == "cpu"
-    return jax.default_backend() == "cpu" and jax.device_count() == 1
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        devices = x.sharding.device_set
+        platforms = {getattr(device, "platform", None) for device in devices}
+        return "cpu" if len(devices) == 1 and platforms == {"cpu"} else "xla"
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is not None and getattr(mesh, "size", 1) > 1:
+        return "xla"
+    return "cpu" if jax.default_backend() == "cpu" and jax.device_count() == 1 else "xla"
 
 
-@contextlib.contextmanager
-def traced_as(name: str) -> Iterator[None]:
-    """Traces rowgeom with one formulation, whatever the process's devices: ``"cpu"`` (this
-    module's, as with one CPU device) or ``"masked"`` (every other backend and any mesh). For
-    rowgeom's tests and benchmarks, which compare both in one process; not thread-safe.
-
-    The choice is made when a function is traced, so trace (first call) a function inside the
-    block. rowgeom's own jitted helpers key their caches on the choice; a jitted function of the
-    caller's traced in one block is not retraced in another.
-    """
-    global _traced_as
-    if name not in FORMULATIONS:
-        raise ValueError(f"name must be one of {FORMULATIONS}, got {name!r}")
-    saved, _traced_as = _traced_as, name
-    try:
-        yield
-    finally:
-        _traced_as = saved
+def check_impl(impl: str) -> str:
+    """``impl`` if it names a formulation; a ValueError naming the option otherwise."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
 
 
 # --- projected RowNorm ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ References: arXiv 2608.22253 (Theorem 1); the bracket's proof: docs/geometry.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rowgeom._cpu import check_impl
 from rowgeom._geometry import _bounds_and_sum
 from rowgeom._numerics import _pow2_exponent, _times_pow2
 from rowgeom._tree import (
@@ -89,9 +91,9 @@ class RowDiameterStats(NamedTuple):
 _MEASURED = 3  # the first three fields are measured; the last two are counters
 
 
-def _leaf_stats(u, vocab):
+def _leaf_stats(u, vocab, impl="xla"):
     axis = check_matrix_like(u, argname="updates", vocab_axis=vocab)
-    lower, upper, row_sum = _bounds_and_sum(u, axis=axis, sweeps=2)
+    lower, upper, row_sum = _bounds_and_sum(u, axis=axis, sweeps=2, impl=impl)
     # ||row_sum|| on a power-of-two rescaled copy (exact): squares of entries near 1e19 overflow.
     exponent = _pow2_exponent(row_sum)
     residual = jnp.sqrt(jnp.sum(jnp.square(_times_pow2(row_sum, -exponent))))
@@ -130,6 +132,7 @@ def _check_every_k_steps(k) -> int:
 def track_row_diameter(
         *, vocab_axis: int | PyTree | Callable[[PyTree], PyTree],
         every_k_steps: int | None = None,
+        impl: str = "xla",
 ) -> optax.GradientTransformation:
     """Records the ``O(Vd)`` row-diameter bracket of each update; updates pass unchanged.
 
@@ -146,6 +149,7 @@ def track_row_diameter(
         CPU and GPU; under ``jax.vmap`` both would). A static Python int >= 1; default
         every update; None means 1 (so that ``optax.inject_hyperparams`` never injects the
         default).
+      impl: the formulation of the bracket's passes, as in `rowgeom.row_diameter_bounds`.
 
     Returns:
       A ``GradientTransformation`` whose state is a ``RowDiameterStats`` of the latest measured
@@ -181,6 +185,8 @@ def track_row_diameter(
       (10, 12)
     """
     k = _check_every_k_steps(every_k_steps)
+    impl = check_impl(impl)
+    leaf_stats = functools.partial(_leaf_stats, impl=impl)
 
     def init_fn(params):
         axes = vocab_axes(vocab_axis, params)
@@ -194,7 +200,7 @@ def track_row_diameter(
 
         def measure() -> tuple[PyTree, PyTree, PyTree]:
             lower, upper, residual = _unzip(
-                map_head_leaves(_leaf_stats, _skip, updates, axes), updates, _MEASURED)
+                map_head_leaves(leaf_stats, _skip, updates, axes), updates, _MEASURED)
             return lower, upper, residual
 
         plus_one = lambda tree: jax.tree.map(lambda c: c + 1, tree)

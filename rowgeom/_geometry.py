@@ -168,19 +168,17 @@ def _features(x: jax.Array, t: int) -> tuple[int, ...]:
     return tuple(i for i in range(x.ndim) if i != t)
 
 
-def _sq_dists(x: jax.Array, t: int, point: jax.Array) -> jax.Array:
+def _sq_dists(x: jax.Array, t: int, point: jax.Array, impl: str = "xla") -> jax.Array:
     """``||x_v - p||^2`` per token ``v`` of a `_token_view` ``x``; ``point`` is shaped like ``x``
     with a unit token axis.
 
     A plain reduction over whole axes: under a mesh only a reduced vector crosses devices (a
-    ``V``-vector for a feature-sharded head). In a process with one CPU device a leading feature
-    axis is reduced by `rowgeom._cpu.sq_dists` instead (the same function), because XLA:CPU
-    reduces a leading axis as a slow strided loop.
+    ``V``-vector for a feature-sharded head). With ``impl="cpu"`` (a resolved `rowgeom._cpu`
+    formulation) a leading feature axis is reduced by `rowgeom._cpu.sq_dists` instead (the same
+    function), because XLA:CPU reduces a leading axis as a slow strided loop.
     """
-    if t == 1 and x.shape[0] > 1 and _cpu.one_cpu_device():
-        # Lowered for another platform (jax.export), still the plain reduction.
-        return lax.platform_dependent(x, point, cpu=_cpu.sq_dists,
-                                      default=lambda x, p: _masked_sq_dists(x, t, p))
+    if impl == "cpu" and t == 1 and x.shape[0] > 1:
+        return _cpu.sq_dists(x, point)
     return _masked_sq_dists(x, t, point)
 
 
@@ -231,23 +229,26 @@ def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return lax.reduce((n2, index, n2), init, combine, (0,))
 
 
-def _centroid_sq_dists(x: jax.Array, t: int, total: jax.Array | None = None):
+def _centroid_sq_dists(x: jax.Array, t: int, total: jax.Array | None = None,
+                       impl: str = "xla"):
     """``(c, ||x_i - c||^2 per token)`` of a `_token_view`, ``c`` its centroid; ``total``: the
     rows' sum (``c * V``) when already at hand."""
     if total is None:
         total = jnp.sum(x, axis=t, keepdims=True)
     centre = total / x.shape[t]
-    return centre, _sq_dists(x, t, centre)
+    return centre, _sq_dists(x, t, centre, impl)
 
 
-def _upper_bound(s, axis: int) -> jax.Array:
+def _upper_bound(s, axis: int, impl: str = "xla") -> jax.Array:
     """``2 max_i ||s_i - sbar|| >= D(S)``, O(Vd); 0 for V = 1.
 
     Recomputed on power-of-two rescaled rows only when the result is outside
     ``[2^-60, 2^60]`` (squares may have over/underflowed), so the usual case costs one pass.
     """
     x, t = _token_view(s, axis)
-    bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(_centroid_sq_dists(x, t)[1])[0])
+    impl = _cpu.resolve_impl(impl, s)
+    bound = lambda x: 2.0 * jnp.sqrt(_max_index_sum(
+        _centroid_sq_dists(x, t, impl=impl)[1])[0])
     fast = bound(x)
 
     def rescaled(x):
@@ -257,36 +258,38 @@ def _upper_bound(s, axis: int) -> jax.Array:
     return lax.cond(_out_of_range(fast), rescaled, lambda x: fast, x)
 
 
-def _bounds(s, *, axis: int, sweeps: int):
-    return _bounds_and_sum(s, axis=axis, sweeps=sweeps)[:2]
+def _bounds(s, *, axis: int, sweeps: int, impl: str = "xla"):
+    return _bounds_and_sum(s, axis=axis, sweeps=sweeps, impl=impl)[:2]
 
 
-def _bounds_and_sum(s, *, axis: int, sweeps: int):
+def _bounds_and_sum(s, *, axis: int, sweeps: int, impl: str = "xla"):
     """``(lower, upper, row_sum)``: the bracket and ``sum_i s_i`` (float32, shape of one token
-    row), which the bracket's centroid needs anyway: one pass fewer for the tracker."""
-    return _jitted_bounds_and_sum(s, axis=axis, sweeps=sweeps, cpu=_cpu.one_cpu_device())
+    row), which the bracket's centroid needs anyway: one pass fewer for the tracker. ``impl``:
+    `rowgeom._cpu.IMPLS`, resolved here for ``s``."""
+    return _jitted_bounds_and_sum(s, axis=axis, sweeps=sweeps,
+                                  impl=_cpu.resolve_impl(impl, s))
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "sweeps", "cpu"))
-def _jitted_bounds_and_sum(s, *, axis: int, sweeps: int, cpu: bool):
-    del cpu  # only a cache key: the formulation is chosen while tracing (`rowgeom._cpu`)
+@functools.partial(jax.jit, static_argnames=("axis", "sweeps", "impl"))
+def _jitted_bounds_and_sum(s, *, axis: int, sweeps: int, impl: str):
     x, t = _token_view(s, axis)
     total = jnp.sum(x, axis=t, keepdims=True)
-    fast = _bounds_of_view(x, t, sweeps=sweeps, total=total)
+    fast = _bounds_of_view(x, t, sweeps=sweeps, total=total, impl=impl)
     row_sum = total.reshape(s.shape[:axis] + s.shape[axis + 1:])
     if x.shape[t] <= 1:
         return fast + (row_sum,)
 
     def rescaled(s):  # squares may have over/underflowed: redo on power-of-two scaled rows
         y, exponent = _rescale_rows(_token_view(s, axis)[0], t)
-        return tuple(_times_pow2(b, exponent) for b in _bounds_of_view(y, t, sweeps=sweeps))
+        return tuple(_times_pow2(b, exponent)
+                     for b in _bounds_of_view(y, t, sweeps=sweeps, impl=impl))
 
     # The operand is `s` itself, not its view: inside one program with the step that produced
     # `s`, XLA materialised the view as a second full-size buffer for the conditional.
     return lax.cond(_out_of_range(fast[1]), rescaled, lambda s: fast, s) + (row_sum,)
 
 
-def _bounds_of_view(x, t: int, *, sweeps: int, total=None):
+def _bounds_of_view(x, t: int, *, sweeps: int, total=None, impl: str = "xla"):
     """``(lower, upper)`` of a `_token_view` (see `row_diameter_bounds`).
 
     The passes over ``x`` the algorithm needs and no more: its sum (the centroid; skipped when
@@ -297,7 +300,7 @@ def _bounds_of_view(x, t: int, *, sweeps: int, total=None):
     if num_rows <= 1:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
-    centre, sq_centred = _centroid_sq_dists(x, t, total)
+    centre, sq_centred = _centroid_sq_dists(x, t, total, impl)
     top, anchor, sum_n2 = _max_index_sum(sq_centred)
     r_c = jnp.sqrt(top)
     upper = 2.0 * r_c  # 2 max_i ||x_i - c|| >= D for *any* point c: the rounded centroid too
@@ -324,7 +327,8 @@ def _bounds_of_view(x, t: int, *, sweeps: int, total=None):
     return jnp.minimum(lower, upper), upper
 
 
-def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Array, jax.Array]:
+def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2,
+                        impl: str = "xla") -> tuple[jax.Array, jax.Array]:
     """An ``O(V d)`` bracket ``lower <= D(S) <= upper`` (float32 scalars).
 
     With centred rows ``x_i = s_i - xbar``, ``r_c = max_i ||x_i||``, ``rms_c^2 = mean ||x_i||^2``:
@@ -346,6 +350,9 @@ def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Arr
       s: rank >= 2 floating array with token rows along ``vocab_axis``.
       vocab_axis: the token axis.
       sweeps: number of farthest-point sweeps (0 keeps only the centroid bounds, see above).
+      impl: ``"xla"`` (whole-axis reductions: any backend, any mesh), ``"cpu"`` (the XLA:CPU
+        formulation of the centred norms over a leading feature axis; an array on one device
+        only) or ``"auto"`` (decided for ``s`` when traced: `rowgeom._cpu.resolve_impl`).
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
@@ -356,4 +363,4 @@ def row_diameter_bounds(s, *, vocab_axis: int, sweeps: int = 2) -> tuple[jax.Arr
     """
     axis = check_matrix_like(s, argname="s", vocab_axis=vocab_axis)
     sweeps = check_int(sweeps, argname="sweeps", minimum=0)
-    return _bounds(s, axis=axis, sweeps=sweeps)
+    return _bounds(s, axis=axis, sweeps=sweeps, impl=_cpu.check_impl(impl))

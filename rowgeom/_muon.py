@@ -13,6 +13,7 @@ what that costs: docs/benchmarks.md; why it matters under sharding: docs/guides/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -44,6 +45,7 @@ from rowgeom._tree import (
     path_str,
     resolve_per_leaf,
 )
+from rowgeom._validation import check_bool, check_momentum, not_array, prefixed
 
 _SCALES = ("spectral", "keller", "rms", "none")
 
@@ -248,10 +250,84 @@ def check_muon_options(*, scale: str | None, eps: float, rms_scale: float,
     return scale
 
 
-def muon_orthogonalize(*, ns_steps: int = 5, ns_coeffs: Any = "keller", eps: float = 1e-7,
-                       compute_dtype: Any = None, scale: str | None = "rms",
-                       rms_scale: float = 0.2, dimension_numbers: Any = None,
-                       shard_matrices: bool = True) -> optax.GradientTransformation:
+@dataclasses.dataclass(frozen=True)
+class MuonOptions:
+    """Every option of a Muon chain (``optax.trace`` then `muon_orthogonalize`): the one home of
+    their defaults, which `muon_orthogonalize`'s own keywords read.
+
+    `rowgeom.lm_optimizer` trains its hidden group (and a Muon head or router) with it.
+
+    Attributes:
+      momentum: ``optax.trace`` decay before the orthogonalization (the hidden and a Muon
+        router group's momentum; a group's `GroupOptions.momentum` overrides it).
+      nesterov: Nesterov momentum (buffer ``b = m·b + g``, direction ``g + m·b``).
+      mu_dtype: dtype of the momentum buffer (``optax.trace``'s ``accumulator_dtype``); None:
+        the parameters'.
+      ns_steps: Newton–Schulz steps.
+      ns_coeffs: preset name, triple or table (`rowgeom.ns_coefficients`).
+      eps: added to each matrix's Frobenius norm before normalising.
+      compute_dtype: dtype of the Newton–Schulz iteration (e.g. ``jnp.bfloat16``; products
+        accumulate in float32); None: each update's own.
+      scale: `muon_orthogonalize`'s ``scale`` (``"rms"``: step RMS `rms_scale`; ``"keller"``:
+        ``sqrt(max(1, fan_out / fan_in))``).
+      rms_scale: the step RMS of ``scale="rms"``.
+      shard_matrices: when the updates live on a multi-device mesh, orthogonalize whole
+        matrices, each on one device (`muon_orthogonalize`'s option of that name); False leaves
+        Newton–Schulz to the partitioner.
+      dimension_numbers: None (in `lm_optimizer`, each hidden leaf's matrix axes inferred from
+        the model structure; an undecidable leaf raises, naming it); a mapping ``{"/"-joined
+        path: MuonDimensionNumbers}`` overriding the inference for those leaves or subtrees;
+        or, as in `muon_orthogonalize`, one ``MuonDimensionNumbers`` for every hidden leaf, a
+        tree or a callable of the parameter tree (nothing inferred).
+
+    Examples:
+      >>> import rowgeom
+      >>> rowgeom.MuonOptions(ns_steps=6).ns_steps
+      6
+      >>> rowgeom.MuonOptions(rms_scale=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: MuonOptions.rms_scale must be a finite number > 0, got 0
+    """
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    mu_dtype: Any = None
+    ns_steps: int = 5
+    ns_coeffs: Any = "keller"
+    eps: float = 1e-7
+    compute_dtype: Any = None
+    scale: str | None = "rms"
+    rms_scale: float = 0.2
+    shard_matrices: bool = True
+    dimension_numbers: Any = None
+
+    def __post_init__(self):
+        check_bool(self.nesterov, "MuonOptions.nesterov")
+        check_bool(self.shard_matrices, "MuonOptions.shard_matrices")
+        check_momentum(self.momentum, "MuonOptions.momentum")
+        for name in ("ns_coeffs", "dimension_numbers", "eps", "rms_scale"):
+            not_array(getattr(self, name), f"MuonOptions.{name}")
+        prefixed("MuonOptions", resolve_coefficients, self.ns_coeffs, self.ns_steps)
+        prefixed("MuonOptions", check_muon_options, scale=self.scale, eps=self.eps,
+                 rms_scale=self.rms_scale, compute_dtype=self.compute_dtype)
+
+    def orthogonalize(self, dimension_numbers: Any) -> optax.GradientTransformation:
+        """`muon_orthogonalize` with these options and the given dimension numbers."""
+        return muon_orthogonalize(
+            ns_steps=self.ns_steps, ns_coeffs=self.ns_coeffs, eps=self.eps,
+            compute_dtype=self.compute_dtype, scale=self.scale, rms_scale=self.rms_scale,
+            shard_matrices=self.shard_matrices, dimension_numbers=dimension_numbers)
+
+
+_D = MuonOptions  # muon_orthogonalize's defaults are MuonOptions'
+
+
+def muon_orthogonalize(*, ns_steps: int = _D.ns_steps, ns_coeffs: Any = _D.ns_coeffs,
+                       eps: float = _D.eps, compute_dtype: Any = _D.compute_dtype,
+                       scale: str | None = _D.scale, rms_scale: float = _D.rms_scale,
+                       dimension_numbers: Any = None, shard_matrices: bool = _D.shard_matrices
+                       ) -> optax.GradientTransformation:
     """Replaces every matrix of the updates by `scale(m, n) * newton_schulz(matrix)`.
 
     Args:

@@ -1,12 +1,12 @@
 """`lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home.
 
 Contract: `HeadOptions` (the head's optimizer, momentum, vocabulary axis, RowNorm's eps, padding,
-rescaling and tracker), `MuonOptions` (every option of the hidden group's Muon chain: momentum,
-Newton–Schulz, eps, compute dtype, scale, sharding, matrix axes), `RouterOptions` (the router
-group's optimizer), `AdamOptions` (every AdamW group) and `GroupOptions` (one group's rate and
-decay override). Each checks its fields on creation, naming the field. A field that only one
-optimizer reads (a RowNorm head's ``eps``, an AdamW head has no ``momentum``) is None by default
-and an error when given to another. `rowgeom._hparams.lm_optimizer_hparams` resolves them.
+rescaling, formulation and tracker), `MuonOptions` (in `rowgeom._muon`, beside the transform
+whose defaults it owns), `RouterOptions` (the router group's optimizer), `AdamOptions` (every
+AdamW group) and `GroupOptions` (one group's rate, decay and momentum). Each checks its fields
+on creation, naming the field. A field that only one optimizer reads (a RowNorm head's ``eps``,
+an AdamW head has no ``momentum``) is None by default and an error when given to another.
+`group_options` resolves every group's `GroupOptions`: the one home of the derived defaults.
 
 Why the defaults follow from one learning rate (RMS-matched Muon, the head rate as a radius, the
 head study's multipliers): docs/guides/learning-rates.md.
@@ -15,18 +15,22 @@ head study's multipliers): docs/guides/learning-rates.md.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import types
+from collections.abc import Mapping
 from typing import Any
 
-import jax
-
-from rowgeom._muon import check_muon_options
-from rowgeom._names import HEAD_OPTIMIZERS, ROUTER_OPTIMIZERS
-from rowgeom._newton_schulz import resolve_coefficients
+from rowgeom._cpu import IMPLS
+from rowgeom._muon import MuonOptions
+from rowgeom._names import HEAD_OPTIMIZERS, LABELS, ROUTER_OPTIMIZERS
 from rowgeom._rownorm import _RESCALE_MODES, _check_eps
-from rowgeom._validation import check_int
+from rowgeom._validation import (
+    check_bool,
+    check_int,
+    check_momentum,
+    check_real,
+    one_of,
+    prefixed,
+)
 
 Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
 
@@ -47,51 +51,12 @@ EMA_MOMENTUM = 0.95
 their options leave it None."""
 
 
-def one_of(value, allowed, argname: str):
-    """`value` if it is in `allowed`; a ValueError naming `argname` otherwise."""
-    if value not in allowed:
-        raise ValueError(f"{argname} must be one of {allowed}, got {value!r}")
-    return value
-
-
-def _not_array(value, argname: str):
-    if isinstance(value, jax.Array):
-        raise TypeError(f"{argname} must be a Python value, not a jax array: options objects are "
-                        "static (only lm_optimizer's float rates are injectable)")
-    return value
-
-
-def _real(value, argname: str, *, low: float, high: float = math.inf,
-          low_open: bool = False, high_open: bool = False) -> None:
-    """Raises unless `value` is a real number in the interval (bounds open where said)."""
-    _not_array(value, argname)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"{argname} must be a finite real number, got {value!r}")
-    value = float(value)
-    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
-        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ValueError(f"{argname} must be in {bounds}, got {value!r}")
-
-
-def _momentum(value, argname: str) -> None:
-    if value is not None:
-        _real(value, argname, low=0.0, high=1.0, high_open=True)
-
-
 def _only_for(owner: str, optimizer: str, needs: str, **fields) -> None:
     """Raises when a field that only the `needs` optimizer reads is given to another."""
     given = [name for name, value in fields.items() if value is not None]
     if given and optimizer != needs:
         raise ValueError(f"{owner}.{given[0]} applies to optimizer={needs!r} only, got "
                          f"optimizer={optimizer!r} with {given[0]}={fields[given[0]]!r}")
-
-
-def _prefixed(owner: str, check, *args, **kwargs):
-    """Runs a transform's own argument check, its error naming the options field."""
-    try:
-        return check(*args, **kwargs)
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"{owner}.{err}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +71,7 @@ class HeadOptions:
       vocab_axis: the vocabulary axis of every head leaf; None: the one axis of size ``V``, else
         by name (``kernel`` -> 1, ``embedding``/``weight`` -> 0).
       eps: RowNorm only: rows shorter than it are divided by it (`rownorm_direction`); None:
-        ``1e-8``.
+        `rownorm_direction`'s default (``1e-8``).
       bias_correction: RowNorm only: divide the EMA ``B_t = m·B_{t-1} + (1 - m)·G_t`` by
         ``1 - m^t`` before the normalisation (``optax.ema(debias=True)``), as the paper's recipe
         does. It changes only how the rows compare with ``eps`` in the first updates.
@@ -119,6 +84,9 @@ class HeadOptions:
         mask: a padding row's gradient is zero, and so is its AdamW or Muon step.
       track: record `rowgeom.RowDiameterStats` of the full head step (`read_row_diameter`).
       track_every_k_steps: measure them on the first step and every k-th (1: every step).
+      impl: the formulation of RowNorm and of the tracker's bracket (`rownorm_direction`'s
+        ``impl``): ``"auto"`` (decided per head leaf when traced: the XLA:CPU formulation for
+        an array on one CPU device, the masked one elsewhere), ``"xla"`` or ``"cpu"``.
 
     Examples:
       >>> import rowgeom
@@ -139,92 +107,28 @@ class HeadOptions:
     num_valid: int | None = None
     track: bool = True
     track_every_k_steps: int = 10
+    impl: str = "auto"
 
     def __post_init__(self):
         one_of(self.optimizer, HEAD_OPTIMIZERS, "HeadOptions.optimizer")
         one_of(self.rescale, _RESCALE_MODES, "HeadOptions.rescale")
+        one_of(self.impl, IMPLS, "HeadOptions.impl")
         _only_for("HeadOptions", self.optimizer, "rownorm", rescale=self.rescale, eps=self.eps,
                   bias_correction=self.bias_correction or None)
-        if not isinstance(self.bias_correction, bool):
-            raise TypeError("HeadOptions.bias_correction must be a bool, got "
-                            f"{self.bias_correction!r}")
+        check_bool(self.bias_correction, "HeadOptions.bias_correction")
         if self.optimizer == "adamw" and self.momentum is not None:
             raise ValueError("HeadOptions.momentum: an AdamW head's momentum is AdamOptions.b1, "
                              f"got momentum={self.momentum!r}")
-        _momentum(self.momentum, "HeadOptions.momentum")
+        check_momentum(self.momentum, "HeadOptions.momentum")
         if self.eps is not None:
-            _prefixed("HeadOptions", _check_eps, self.eps)
+            prefixed("HeadOptions", _check_eps, self.eps)
         if self.vocab_axis is not None:
             check_int(self.vocab_axis, argname="HeadOptions.vocab_axis", minimum=-(2**31))
         if self.num_valid is not None:
             check_int(self.num_valid, argname="HeadOptions.num_valid", minimum=1)
-        if not isinstance(self.track, bool):
-            raise TypeError(f"HeadOptions.track must be a bool, got {self.track!r}")
+        check_bool(self.track, "HeadOptions.track")
         check_int(self.track_every_k_steps, argname="HeadOptions.track_every_k_steps",
                   minimum=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class MuonOptions:
-    """The Muon chain of the hidden group (and of a Muon head and router): every option of
-    ``optax.trace`` and `rowgeom.muon_orthogonalize` that `lm_optimizer` does not derive.
-
-    Attributes:
-      momentum: ``optax.trace`` decay before the orthogonalization (a Muon head uses
-        `HeadOptions.momentum` instead).
-      nesterov: Nesterov momentum.
-      mu_dtype: dtype of the momentum buffer (``optax.trace``'s ``accumulator_dtype``); None:
-        the parameters'.
-      ns_steps: Newton–Schulz steps.
-      ns_coeffs: preset name, triple or table (`rowgeom.ns_coefficients`).
-      eps: added to each matrix's Frobenius norm before normalising.
-      compute_dtype: dtype of the Newton–Schulz iteration (e.g. ``jnp.bfloat16``; products
-        accumulate in float32); None: each update's own.
-      scale: `rowgeom.muon_orthogonalize`'s ``scale`` (``"rms"``: step RMS `rms_scale`).
-      rms_scale: the step RMS of ``scale="rms"``.
-      shard_matrices: when the updates live on a multi-device mesh, orthogonalize whole
-        matrices, each on one device (`rowgeom.muon_orthogonalize`'s option of that name);
-        False leaves Newton–Schulz to the partitioner.
-      dimension_numbers: None (each hidden leaf's matrix axes inferred from the model
-        structure; an undecidable leaf raises, naming it); a mapping ``{"/"-joined path:
-        MuonDimensionNumbers}`` overriding the inference for those leaves or subtrees; or, as in
-        `rowgeom.muon_orthogonalize`, one ``MuonDimensionNumbers`` for every hidden leaf, a tree
-        or a callable of the parameter tree (nothing inferred).
-
-    Examples:
-      >>> import rowgeom
-      >>> rowgeom.MuonOptions(ns_steps=6).ns_steps
-      6
-      >>> rowgeom.MuonOptions(rms_scale=0)
-      Traceback (most recent call last):
-      ...
-      ValueError: MuonOptions.rms_scale must be a finite number > 0, got 0
-    """
-
-    momentum: float = 0.95
-    nesterov: bool = True
-    mu_dtype: Any = None
-    ns_steps: int = 5
-    ns_coeffs: Any = "keller"
-    eps: float = 1e-7
-    compute_dtype: Any = None
-    scale: str | None = "rms"
-    rms_scale: float = 0.2
-    shard_matrices: bool = True
-    dimension_numbers: Any = None
-
-    def __post_init__(self):
-        for name in ("nesterov", "shard_matrices"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"MuonOptions.{name} must be a bool, got {getattr(self, name)!r}")
-        _momentum(self.momentum, "MuonOptions.momentum")
-        _not_array(self.ns_coeffs, "MuonOptions.ns_coeffs")
-        _not_array(self.dimension_numbers, "MuonOptions.dimension_numbers")
-        for name in ("eps", "rms_scale"):
-            _not_array(getattr(self, name), f"MuonOptions.{name}")
-        _prefixed("MuonOptions", resolve_coefficients, self.ns_coeffs, self.ns_steps)
-        _prefixed("MuonOptions", check_muon_options, scale=self.scale, eps=self.eps,
-                  rms_scale=self.rms_scale, compute_dtype=self.compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,14 +150,15 @@ class RouterOptions:
         ``"adamw"`` (`AdamOptions`).
       momentum: RowNorm only: the EMA momentum before the normalisation (no Nesterov,
         float32); None: 0.95.
-      eps: RowNorm only: rows shorter than it are divided by it; None: ``1e-8``.
+      eps: RowNorm only: rows shorter than it are divided by it; None: `rownorm_direction`'s
+        default (``1e-8``).
 
     Examples:
       >>> import rowgeom
       >>> rowgeom.RouterOptions(optimizer="rownorm").optimizer
       'rownorm'
-      >>> rowgeom.lm_optimizer_hparams(1e-3, router="rownorm")["router"].optimizer
-      'rownorm'
+      >>> rowgeom.group_options(1e-3, router="rownorm")["router"].momentum
+      0.95
     """
 
     optimizer: str = "muon"
@@ -264,9 +169,9 @@ class RouterOptions:
         one_of(self.optimizer, ROUTER_OPTIMIZERS, "RouterOptions.optimizer")
         _only_for("RouterOptions", self.optimizer, "rownorm", momentum=self.momentum,
                   eps=self.eps)
-        _momentum(self.momentum, "RouterOptions.momentum")
+        check_momentum(self.momentum, "RouterOptions.momentum")
         if self.eps is not None:
-            _prefixed("RouterOptions", _check_eps, self.eps)
+            prefixed("RouterOptions", _check_eps, self.eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,26 +193,119 @@ class AdamOptions:
     nesterov: bool = False
 
     def __post_init__(self):
-        _real(self.b1, "AdamOptions.b1", low=0.0, high=1.0, high_open=True)
-        _real(self.b2, "AdamOptions.b2", low=0.0, high=1.0, high_open=True)
-        _real(self.eps, "AdamOptions.eps", low=0.0)
-        _real(self.eps_root, "AdamOptions.eps_root", low=0.0)
-        if not isinstance(self.nesterov, bool):
-            raise TypeError(f"AdamOptions.nesterov must be a bool, got {self.nesterov!r}")
+        check_real(self.b1, "AdamOptions.b1", low=0.0, high=1.0, high_open=True)
+        check_real(self.b2, "AdamOptions.b2", low=0.0, high=1.0, high_open=True)
+        check_real(self.eps, "AdamOptions.eps", low=0.0)
+        check_real(self.eps_root, "AdamOptions.eps_root", low=0.0)
+        check_bool(self.nesterov, "AdamOptions.nesterov")
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupOptions:
-    """One group's learning rate and weight decay (None: derived from `lm_optimizer`'s
-    ``learning_rate`` and ``weight_decay``, see `lm_optimizer_hparams`).
+    """One group's learning rate, weight decay and momentum: what `lm_optimizer` trains the
+    group with, and what ``groups={group: GroupOptions(...)}`` overrides (None: derived, see
+    `group_options`).
+
+    ``learning_rate``: float or schedule ``count -> rate``; ``weight_decay``: decoupled, per
+    step times the rate; ``momentum``: Muon's ``optax.trace`` decay, RowNorm's EMA decay or
+    AdamW's ``b1``.
 
     Examples:
       >>> import rowgeom
-      >>> hp = rowgeom.lm_optimizer_hparams(
+      >>> groups = rowgeom.group_options(
       ...     1e-3, groups={"vector": rowgeom.GroupOptions(learning_rate=3e-4)})
-      >>> hp["vector"].learning_rate, hp["hidden"].learning_rate
+      >>> groups["vector"].learning_rate, groups["hidden"].learning_rate
       (0.0003, 0.001)
     """
 
     learning_rate: Rate = None
     weight_decay: Rate = None
+    momentum: float | None = None
+
+    def __post_init__(self):
+        check_momentum(self.momentum, "GroupOptions.momentum")
+
+
+def as_options(value, kind: type, names: tuple[str, ...], argname: str):
+    """An options object from its keyword: None -> the defaults, a name -> its optimizer."""
+    if value is None:
+        return kind()
+    if names and isinstance(value, str):
+        return kind(optimizer=one_of(value, names, argname))
+    if not isinstance(value, kind):
+        allowed = f"one of {names} or " if names else ""
+        raise TypeError(f"{argname} must be {allowed}a rowgeom.{kind.__name__}, got {value!r}")
+    return value
+
+
+def _scaled(rate: Rate, factor: float) -> Rate:
+    """`factor` times a learning rate; a schedule stays a schedule, None stays None."""
+    if rate is None or factor == 1:
+        return rate
+    if callable(rate):
+        return lambda count: factor * rate(count)
+    return factor * rate
+
+
+def group_options(
+    learning_rate: Rate,
+    *,
+    head: str | HeadOptions = "rownorm",
+    muon: MuonOptions | None = None,
+    adam: AdamOptions | None = None,
+    router: str | RouterOptions = "muon",
+    weight_decay: Rate = 0.1,
+    groups: Mapping[str, GroupOptions] | None = None,
+) -> Mapping[str, GroupOptions]:
+    """Every group's `GroupOptions`, resolved: the rates, decays and momenta `lm_optimizer`
+    (with the same keywords) trains with, and `describe` prints.
+
+    Defaults (the guide "Learning rates and radii"): hidden, embedding and vector use
+    `learning_rate` as is, the head ``HEAD_LR_MULTIPLIERS[optimizer]`` times it (a schedule
+    stays a schedule), the router the hidden group's rate and decay; `weight_decay` for the
+    matrix groups, 0 for vectors; momentum `MuonOptions.momentum` (Muon), `HeadOptions.momentum`
+    or `RouterOptions.momentum` (RowNorm, None: 0.95) or `AdamOptions.b1` (AdamW). A field of
+    ``groups[group]`` that is not None replaces the derived one.
+
+    Examples:
+      >>> import rowgeom
+      >>> no_decay = {"head": rowgeom.GroupOptions(weight_decay=0.0)}
+      >>> rowgeom.group_options(1e-3, groups=no_decay)["head"]
+      GroupOptions(learning_rate=0.005, weight_decay=0.0, momentum=0.95)
+      >>> warm = lambda count: 1e-3 * count / 100
+      >>> round(float(rowgeom.group_options(warm, head="adamw")["head"].learning_rate(50)), 6)
+      0.0015
+    """
+    head_: HeadOptions = as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head")
+    router_: RouterOptions = as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router")
+    muon_: MuonOptions = as_options(muon, MuonOptions, (), "muon")
+    adam_: AdamOptions = as_options(adam, AdamOptions, (), "adam")
+    overrides = dict(groups or {})
+    unknown = sorted(set(overrides) - set(LABELS))
+    if unknown:
+        raise ValueError(f"groups: unknown group(s) {unknown}; groups are {LABELS}")
+    for name, value in overrides.items():
+        if not isinstance(value, GroupOptions):
+            raise TypeError(f"groups[{name!r}] must be a rowgeom.GroupOptions, got {value!r}")
+
+    def group(name: str, rate: Rate, decay: Rate, mom: float) -> GroupOptions:
+        given = overrides.get(name, GroupOptions())
+        pick = lambda field, derived: derived if getattr(given, field) is None else getattr(
+            given, field)
+        return GroupOptions(pick("learning_rate", rate), pick("weight_decay", decay),
+                            pick("momentum", mom))
+
+    hidden = group("hidden", learning_rate, weight_decay, muon_.momentum)
+    head_momentum = (adam_.b1 if head_.optimizer == "adamw" else
+                     EMA_MOMENTUM if head_.momentum is None else head_.momentum)
+    router_momentum = {"muon": muon_.momentum, "adamw": adam_.b1,
+                       "rownorm": EMA_MOMENTUM if router_.momentum is None else router_.momentum}
+    return types.MappingProxyType({
+        "hidden": hidden,
+        "head": group("head", _scaled(learning_rate, HEAD_LR_MULTIPLIERS[head_.optimizer]),
+                      weight_decay, head_momentum),
+        "embedding": group("embedding", learning_rate, weight_decay, adam_.b1),
+        "vector": group("vector", learning_rate, 0.0, adam_.b1),
+        "router": group("router", hidden.learning_rate, hidden.weight_decay,
+                        router_momentum[router_.optimizer]),
+    })

@@ -7,12 +7,10 @@ Variables and ``tx.update``'s arrays) and abstract trees.
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import optax
 
 from rowgeom._tree import Path, lookup_prefix, map_with_paths, path_str, prefix_entries, tree_paths
@@ -68,30 +66,8 @@ def partition_by_label(
             raise TypeError(f"transforms[{name!r}] must be an optax GradientTransformation, "
                             f"got {type(tx).__name__}")
 
-    label_fn = functools.partial(_checked_labels, labels, transforms)
-    # Fixed labels: the labels tree of a params structure is checked and built once.
-    return optax.partition(dict(transforms), label_fn if callable(labels) else
-                           _PerStructure(label_fn))
-
-
-class _PerStructure:
-    """`fn(tree)` kept per tree structure (the `size` most recent): `fn` reads paths only."""
-
-    def __init__(self, fn, size: int = 8):
-        self.fn, self.size = fn, size
-        self._out: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-
-    def __call__(self, tree):
-        treedef = jax.tree_util.tree_structure(tree)
-        try:
-            found = treedef in self._out
-        except TypeError:  # node data that does not hash
-            return self.fn(tree)
-        if not found:
-            self._out[treedef] = self.fn(tree)
-            if len(self._out) > self.size:
-                self._out.popitem(last=False)
-        return self._out[treedef]
+    return optax.partition(dict(transforms),
+                           functools.partial(_checked_labels, labels, transforms))
 
 
 def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:

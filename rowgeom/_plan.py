@@ -1,28 +1,34 @@
-"""The optimizer plan: every choice `lm_optimizer` makes for each leaf, read from the whole tree.
+"""The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree.
 
-Contract: `make_plan(tree, hparams)` is a pure function of the tree's paths, shapes and dtypes
-and the resolved `LMHyperparams`: it labels every leaf, reads the model structure
-(`rowgeom._structure`, where every axis is inferred) and gives each leaf a `LeafPlan` of every
-resolved choice. `rowgeom._recipe` only turns a plan into chains; `describe` returns it. Rules
-decided here, and only here: a label's optimizer (`_optimizer`), a tied head is not centred and
-a RowNorm router is (`_centred`), a Muon head is one matrix, a model has a head unless tied.
-`PlanCache` keeps one transform's plans keyed on the structure, shapes and dtypes of its trees:
-an eager ``update`` on a tree seen before plans nothing. Nothing is shared between transforms.
+Contract: `make_plan(tree, ...)` is a pure function of the tree's paths, shapes and dtypes and
+the options that decide a leaf's treatment (``head``, ``muon``, ``router``, ``labels``,
+``tied``), memoised on them: it labels every leaf, reads the model structure
+(`rowgeom._structure`, where every axis is inferred) and gives each leaf a `PlanRow`. Under
+``nnx.Optimizer`` (``init`` sees Variables, ``update`` arrays: the same paths, shapes and dtypes)
+both get the same `Plan`. `rowgeom._recipe` writes chains from a plan and decides nothing;
+`describe` prints it with every group's `GroupOptions`. Rules decided here, and only here: a
+label's optimizer (`_optimizer`), a tied head is not centred and a RowNorm router is
+(`_centred`), a Muon head is one matrix, a model has a head unless tied.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable, Mapping
+import dataclasses
+import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
-from rowgeom._hparams import LMHyperparams, hparams_of
 from rowgeom._labels import Labeler
-from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers, is_dimension_numbers
-from rowgeom._names import DEFAULT_ROUTER_NAMES
+from rowgeom._muon import (
+    MuonDimensionNumbers,
+    MuonOptions,
+    as_dimension_numbers,
+    is_dimension_numbers,
+)
+from rowgeom._names import DEFAULT_ROUTER_NAMES, HEAD_OPTIMIZERS, ROUTER_OPTIMIZERS, TIED_POLICIES
+from rowgeom._options import HeadOptions, RouterOptions, as_options, group_options
 from rowgeom._structure import (
     ModelStructure,
     StructureError,
@@ -34,62 +40,56 @@ from rowgeom._structure import (
     router_axes,
     router_matrix_axes,
 )
-from rowgeom._tree import Path, is_masked, leaf_shape, path_str, resolve_per_leaf, tree_paths
+from rowgeom._tree import (
+    Path,
+    is_masked,
+    leaf_shape,
+    path_str,
+    resolve_per_leaf,
+    tree_paths,
+    unbox,
+)
+from rowgeom._validation import one_of
 
 
-class LeafPlan(NamedTuple):
-    """One parameter as `lm_optimizer` trains it (a row of `describe`): every choice made for it.
+class PlanRow(NamedTuple):
+    """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
 
-    ``path``: ``"/"``-joined key path; ``label``: its group; ``geometry``: the update rule with
-    its axes, as text; ``learning_rate``, ``weight_decay``, ``momentum``: the group's resolved
-    values (a schedule kept as the callable; None without a learning rate); ``muon_dims``: Muon's
-    matrix axes (hidden leaves, a Muon head or router); ``vocab_axis``: the head's vocabulary
-    axis (a RowNorm router's expert axis); ``note``: what a reader should check (an expert
-    stack's axes, a head that is probably unused); ``batch_axes``: the axes Muon or a router's
-    RowNorm takes as a batch of matrices; ``optimizer``: ``"muon"``, ``"rownorm"`` or
-    ``"adamw"`` (``""``: a custom label); ``centred``: whether RowNorm centres the rows (None: no
-    RowNorm leaf); ``reason``: why the leaf has its label (``"name"``, ``"rule"``, ``"shape"``,
-    ``"block"``, ``"tied"``, ...; ``"given"`` for labels given as a tree or callable).
+    ``path``: ``"/"``-joined key path; ``label``: its group (its rate, decay and momentum are
+    the group's `GroupOptions`); ``geometry``: the update rule with its axes, as text;
+    ``optimizer``: ``"muon"``, ``"rownorm"`` or ``"adamw"`` (``""``: a custom label);
+    ``centred``: whether RowNorm centres the rows (None: no RowNorm leaf); ``muon_dims``:
+    Muon's matrix axes (hidden leaves, a Muon head or router); ``vocab_axis``: the head's
+    vocabulary axis (a RowNorm router's expert axis); ``batch_axes``: the axes Muon or a
+    router's RowNorm takes as a batch of matrices; ``note``: what a reader should check (an
+    expert stack's axes, a head that is probably unused); ``reason``: why the leaf has its
+    label (``"name"``, ``"rule"``, ``"shape"``, ``"block"``, ``"tied"``, ...; ``"given"`` for
+    labels given as a tree or callable).
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
       >>> row = rowgeom.describe({"embed": {"embedding": jnp.zeros((8, 4))},
       ...                         "lm_head": {"kernel": jnp.zeros((4, 8))}}, 1e-3)[1]
-      >>> row.path, row.label, row.geometry, row.learning_rate, row.centred, row.reason
-      ('lm_head/kernel', 'head', 'RowNorm, vocab axis 1', 0.005, True, 'name')
+      >>> row.path, row.label, row.geometry, row.centred, row.reason
+      ('lm_head/kernel', 'head', 'RowNorm, vocab axis 1', True, 'name')
     """
 
     path: str
     shape: tuple[int, ...]
     label: str
     geometry: str
-    learning_rate: Any
-    weight_decay: Any
-    muon_dims: MuonDimensionNumbers | None = None
-    vocab_axis: int | None = None
-    note: str = ""
-    batch_axes: tuple[int, ...] = ()
     optimizer: str = ""
     centred: bool | None = None
-    momentum: Any = None
+    muon_dims: MuonDimensionNumbers | None = None
+    vocab_axis: int | None = None
+    batch_axes: tuple[int, ...] = ()
+    note: str = ""
     reason: str = ""
 
 
-class GroupPlan(NamedTuple):
-    """One group's shared choices and its leaves, what `rowgeom._recipe` builds a chain from
-    (an empty group keeps its resolved settings: nothing is trained with them)."""
-
-    optimizer: str
-    learning_rate: Any
-    weight_decay: Any
-    momentum: Any
-    centred: bool | None
-    leaves: Mapping[str, LeafPlan]
-
-
-class OptimizerPlan(tuple):
-    """Every leaf's `LeafPlan`, in tree order, with the `LMHyperparams` and model structure it
-    was made from; ``str()`` is an aligned table.
+class Plan(tuple):
+    """Every leaf's `PlanRow`, in tree order, with the model structure it was read from and
+    (from `describe`) every group's `GroupOptions`; ``str()`` is an aligned table.
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
@@ -102,32 +102,32 @@ class OptimizerPlan(tuple):
       (8, 4)
     """
 
-    hparams: LMHyperparams
     structure: ModelStructure
+    groups: Mapping[str, Any]
 
-    def __new__(cls, leaves, hparams: LMHyperparams, structure: ModelStructure):
-        plan = super().__new__(cls, leaves)
-        plan.hparams, plan.structure = hparams, structure
+    def __new__(cls, rows, structure: ModelStructure, groups: Mapping[str, Any] | None = None):
+        plan = super().__new__(cls, rows)
+        plan.structure, plan.groups = structure, dict(groups or {})
         return plan
 
-    def by_label(self, label: str) -> dict[str, LeafPlan]:
-        """``{path: LeafPlan}`` of the leaves with this label."""
-        return {leaf.path: leaf for leaf in self if leaf.label == label}
+    def with_groups(self, groups: Mapping[str, Any]) -> Plan:
+        """The same rows, printed with these groups' rates and decays."""
+        return Plan(self, self.structure, groups)
 
-    def group(self, label: str) -> GroupPlan:
-        """The choices the leaves of one group share, and the leaves."""
-        leaves = self.by_label(label)
-        group = self.hparams[label]
-        centred = {leaf.centred for leaf in leaves.values()}
-        if len(centred) > 1:  # one chain per group: make_plan never mixes them
-            raise AssertionError(f"group {label!r} mixes centred and uncentred RowNorm leaves")
-        return GroupPlan(group.optimizer, group.learning_rate, group.weight_decay,
-                         group.momentum, centred.pop() if centred else None, leaves)
+    def by_label(self, label: str) -> dict[str, PlanRow]:
+        """``{path: PlanRow}`` of the leaves with this label."""
+        return {row.path: row for row in self if row.label == label}
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """``{path: label}`` of every leaf (`rowgeom.partition_by_label`'s labels)."""
+        return {row.path: row.label for row in self}
 
     def __str__(self) -> str:
+        rate = lambda r, field: _cell(getattr(self.groups.get(r.label), field, None))
         header: tuple[str, ...] = ("path", "shape", "label", "geometry", "lr", "wd")
-        cells = [header] + [(r.path, str(r.shape), r.label, r.geometry, _cell(r.learning_rate),
-                             _cell(r.weight_decay)) for r in self]
+        cells = [header] + [(r.path, str(r.shape), r.label, r.geometry, rate(r, "learning_rate"),
+                             rate(r, "weight_decay")) for r in self]
         if any(r.note for r in self):  # the column only where a leaf has something to check
             header += ("note",)
             cells = [header] + [row + (r.note,) for row, r in zip(cells[1:], self, strict=True)]
@@ -136,6 +136,17 @@ class OptimizerPlan(tuple):
                  for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+class PlanOptions(NamedTuple):
+    """The options a plan depends on (the others, rates and AdamW's, do not change a leaf's
+    treatment)."""
+
+    head: HeadOptions
+    muon: MuonOptions
+    router: RouterOptions
+    labels: Any
+    tied: str | None
 
 
 def _cell(x) -> str:
@@ -165,13 +176,13 @@ def _unwrap(axes: tuple[int, ...]):
 # --- The rules --------------------------------------------------------------------------------
 
 
-def _optimizer(label: str, hp: LMHyperparams) -> str:
+def _optimizer(label: str, hp: PlanOptions) -> str:
     """The optimizer of a label's leaves."""
     return {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer,
             "embedding": "adamw", "vector": "adamw"}.get(label, "")
 
 
-def _centred(label: str, optimizer: str, hp: LMHyperparams) -> bool | None:
+def _centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
     """Whether RowNorm centres a leaf's rows: a head unless it is the tied input table (an
     input embedding has no shift symmetry), a router always; None for other geometries."""
     if optimizer != "rownorm":
@@ -197,7 +208,7 @@ def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
     return "custom label"
 
 
-def _check_head_group(leaves, hp: LMHyperparams) -> None:
+def _check_head_group(leaves, hp: PlanOptions) -> None:
     if any(label == "head" for _, _, label in leaves):
         return
     matrices = [(p, s, lab) for p, s, lab in leaves if len(s) == 2]
@@ -219,7 +230,7 @@ def _check_head_group(leaves, hp: LMHyperparams) -> None:
 # --- Labels and axes ----------------------------------------------------------------------------
 
 
-def _labelled(tree: Any, hp: LMHyperparams):
+def _labelled(tree: Any, hp: PlanOptions):
     """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
     entries = tree_paths(tree)
     if isinstance(hp.labels, Labeler):
@@ -253,7 +264,7 @@ def _given_dims(option: Any, tree: Any, hidden: list[Path]) -> dict[Path, Any]:
     return {p: as_dimension_numbers(per_leaf[p][1]) for p in hidden}
 
 
-def _hidden_dims(labelled, structure: ModelStructure, hp: LMHyperparams, tree: Any):
+def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any):
     """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: overrides
     and inferred axes (`muon_axes`), or the dimension numbers given outright."""
     option = hp.muon.dimension_numbers
@@ -316,7 +327,7 @@ def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
     return None, (expert if optimizer == "rownorm" else None), batch
 
 
-def _head_axes(path, shape, structure: ModelStructure, hp: LMHyperparams):
+def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
     """``(muon dims or None, vocabulary axis)`` of a head leaf."""
     if hp.head.optimizer == "muon" and len(shape) != 2:
         raise ValueError(f"head='muon': the head {path_str(path)} {shape} must be a single "
@@ -344,8 +355,8 @@ def _note(path, shape, label, structure, reason) -> str:
     return ""
 
 
-def _leaf_plan(path, shape, label, reason, hp, structure, hidden_dims) -> LeafPlan:
-    """Every choice for one leaf (module docstring)."""
+def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) -> PlanRow:
+    """Every fact of one leaf (module docstring)."""
     optimizer, dims, axis = _optimizer(label, hp), None, None
     batch: tuple[int, ...] = ()
     if label == "hidden":
@@ -356,79 +367,126 @@ def _leaf_plan(path, shape, label, reason, hp, structure, hidden_dims) -> LeafPl
     elif label == "head":
         dims, axis = _head_axes(path, shape, structure, hp)
     centred = _centred(label, optimizer, hp)
-    group = hp.groups.get(label)
-    return LeafPlan(path_str(path), tuple(shape), label,
-                    _geometry(label, optimizer, centred, dims, axis, batch),
-                    None if group is None else group.learning_rate,
-                    None if group is None else group.weight_decay, dims, axis,
-                    _note(path, shape, label, structure, reason), batch, optimizer, centred,
-                    None if group is None else group.momentum, reason or "")
+    return PlanRow(path_str(path), tuple(shape), label,
+                   _geometry(label, optimizer, centred, dims, axis, batch), optimizer, centred,
+                   dims, axis, batch, _note(path, shape, label, structure, reason), reason or "")
 
 
-def make_plan(tree: Any, hparams: LMHyperparams) -> OptimizerPlan:
-    """The plan of `hparams` on `tree` (module docstring); raises naming every undecided leaf."""
-    labelled, reasons, router_names = _labelled(tree, hparams)
-    _check_head_group(labelled, hparams)
+def _plan(tree: Any, hp: PlanOptions) -> Plan:
+    """The plan of `tree` (module docstring); raises naming every undecided leaf."""
+    labelled, reasons, router_names = _labelled(tree, hp)
+    _check_head_group(labelled, hp)
     structure = model_structure(labelled, router_names=router_names)
-    hidden_dims, undecided = _hidden_dims(labelled, structure, hparams, tree)
+    hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
     if undecided:
         raise _undecided_error(undecided)
-    return OptimizerPlan([_leaf_plan(p, s, label, reasons.get(p), hparams, structure,
-                                     hidden_dims) for p, s, label in labelled],
-                         hparams, structure)
+    return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
+                 for p, s, label in labelled], structure)
 
 
-def tree_key(tree: Any) -> tuple:
-    """What a plan depends on in a tree: its structure and each leaf's shape and dtype (values
-    unread). The structure is the treedef where it hashes, else every leaf's path."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    shapes = tuple((np.shape(x), getattr(x, "dtype", None)) for x in leaves)
+class _Keyed:
+    """A tree, hashed and compared on its paths, shapes and dtypes only (`make_plan`'s memo)."""
+
+    __slots__ = ("key", "tree")
+
+    def __init__(self, tree: Any):
+        self.tree = tree
+        self.key = tuple((path, leaf_shape(x), getattr(unbox(x), "dtype", None))
+                         for path, x in tree_paths(tree))
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Keyed) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=64)
+def _memoised(keyed: _Keyed, hp: PlanOptions) -> Plan:
+    plan = _plan(keyed.tree, hp)
+    keyed.tree = None  # the memo keeps the key, never the arrays
+    return plan
+
+
+def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
+                 router: Any = "muon", labels: Any = None, tied: str | None = None
+                 ) -> PlanOptions:
+    """The options objects a plan depends on, from `lm_optimizer`'s keywords; the tied policy
+    said once (here or in the `Labeler` given as `labels`)."""
+    one_of(tied, TIED_POLICIES, "tied")
+    if isinstance(labels, (str, jax.Array)):
+        # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
+        raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
+                        "under optax.inject_hyperparams list it in static_args "
+                        "(rowgeom.STATIC_ARGS)")
+    if labels is None:
+        labels = Labeler(tied=tied)
+    elif isinstance(labels, Labeler):
+        if labels.tied is not None and tied is not None:
+            raise ValueError(f"lm_optimizer: tied={tied!r} and labels=Labeler(tied="
+                             f"{labels.tied!r}) both set the tied policy; give it once")
+        tied = labels.tied if tied is None else tied
+        labels = dataclasses.replace(labels, tied=tied)
+    return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
+                       as_options(muon, MuonOptions, (), "muon"),
+                       as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router"),
+                       labels, tied)
+
+
+def plan_of(tree: Any, options: PlanOptions) -> Plan:
+    """Every leaf's `PlanRow` on `tree` (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes): a pure
+    function of its paths, shapes and dtypes and `options` (`plan_options`), memoised on them
+    (a labels tree, which does not hash, is planned each call)."""
     try:
-        hash(treedef)
-    except TypeError:  # node data that does not hash: the (slower) paths say the same
-        return tuple(path for path, _ in tree_paths(tree)), shapes
-    return treedef, shapes
+        hash(options)
+    except TypeError:  # a labels tree: no memo
+        return _plan(tree, options)
+    return _memoised(_Keyed(tree), options)
+def make_plan(params: Any, *, head: str | HeadOptions = "rownorm",
+              muon: MuonOptions | None = None, router: str | RouterOptions = "muon",
+              labels: Any = None, tied: str | None = None) -> Plan:
+    """The `Plan` `lm_optimizer` with these options builds its chains from on `params`: a pure
+    function of the tree's paths, shapes and dtypes and the options, memoised on them.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rowgeom
+      >>> S = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+      >>> params = {"embed": {"embedding": S(100, 16)}, "lm_head": {"kernel": S(16, 100)}}
+      >>> rowgeom.make_plan(params).by_label("head")["lm_head/kernel"].vocab_axis
+      1
+      >>> rowgeom.make_plan(params) is rowgeom.make_plan(params)     # memoised
+      True
+    """
+    return plan_of(params, plan_options(head=head, muon=muon, router=router, labels=labels,
+                                        tied=tied))
 
 
-class PlanCache:
-    """The plans of one transform, and what `build` made of each, keyed on `tree_key`: a tree
-    whose paths, shapes and dtypes were seen before is not planned again. The `size` most
-    recently used entries are kept."""
+def describe(params: Any, learning_rate: Any = None, *, head: str | HeadOptions = "rownorm",
+             muon: MuonOptions | None = None, adam: Any = None,
+             router: str | RouterOptions = "muon",
+             labels: Any = None, tied: str | None = None, weight_decay: Any = 0.1,
+             groups: Mapping[str, Any] | None = None) -> Plan:
+    """What `lm_optimizer` with the same arguments does to each leaf of `params`.
 
-    def __init__(self, hparams: LMHyperparams, build: Callable[[OptimizerPlan], Any],
-                 size: int = 8):
-        self.hparams, self.build, self.size = hparams, build, size
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-
-    def built(self, tree: Any) -> Any:
-        """``build(make_plan(tree, hparams))``, planned once per `tree_key`."""
-        key = tree_key(tree)
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return self._entries[key]
-        self._entries[key] = self.build(make_plan(tree, self.hparams))
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
-        return self._entries[key]
-
-
-def describe(params: Any, learning_rate: Any = None, **options: Any) -> OptimizerPlan:
-    """What `lm_optimizer(learning_rate, **options)` does to each leaf of `params`.
-
-    The same plan `lm_optimizer` builds from at ``init`` and ``update`` (labels with their
-    shape cross-checks, Muon's matrix axes, the head's vocabulary axis, each group's resolved
-    rate and decay), so what is printed is what will run. Errors are those `lm_optimizer`
-    would raise, naming the leaf.
+    The same `make_plan` result `lm_optimizer` builds its chains from at ``init`` and
+    ``update`` (labels with their shape cross-checks, Muon's matrix axes, the head's vocabulary
+    axis), with every group's `GroupOptions` (`group_options`), so what is printed is what
+    will run. Errors are those `lm_optimizer` would raise, naming the leaf.
 
     Args:
       params: the parameter tree (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes).
-      learning_rate: `lm_optimizer`'s base rate, or an `LMHyperparams`; None leaves the rate
-        columns empty.
-      **options: `lm_optimizer_hparams`' keywords (``head``, ``labels``, ``tied``, ``groups``,
-        ``muon``, ...).
+      learning_rate: `lm_optimizer`'s base rate; None leaves the rate columns empty.
+      head: as in `lm_optimizer`.
+      muon: as in `lm_optimizer`.
+      adam: as in `lm_optimizer`.
+      router: as in `lm_optimizer`.
+      labels: as in `lm_optimizer`.
+      tied: as in `lm_optimizer`.
+      weight_decay: as in `lm_optimizer`.
+      groups: as in `lm_optimizer`.
 
     Returns:
-      An `OptimizerPlan`: a tuple of `LeafPlan` whose ``str()`` is an aligned table.
+      A `Plan`: a tuple of `PlanRow` whose ``str()`` is an aligned table.
 
     Examples:
       >>> import jax, jax.numpy as jnp, rowgeom
@@ -445,4 +503,7 @@ def describe(params: Any, learning_rate: Any = None, **options: Any) -> Optimize
       layers/norm/scale         (16, 2)        vector     AdamW                       0.001  0
       lm_head/kernel            (16, 100)      head       RowNorm, vocab axis 1       0.005  0.1
     """
-    return make_plan(params, hparams_of(learning_rate, options, caller="describe", stacklevel=2))
+    options = plan_options(head=head, muon=muon, router=router, labels=labels, tied=tied)
+    return plan_of(params, options).with_groups(group_options(
+        learning_rate, head=options.head, muon=options.muon, adam=adam, router=options.router,
+        weight_decay=weight_decay, groups=groups))

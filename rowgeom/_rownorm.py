@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +52,8 @@ from rowgeom._validation import (
 )
 
 _RESCALE_MODES = (None, "exact", "bound")
+EPS = 1e-8
+"""RowNorm's default ``eps`` (every RowNorm function and option reads it here)."""
 # A diameter below this is treated as zero by `rescale` (2/D would overflow float32).
 _MIN_DIAMETER = 1e-30
 _DIAMETER_BLOCK = 1024  # rows per block of the exact diameter's triangular scan
@@ -137,7 +138,8 @@ def _masked(x, axis, *, eps, center_input, center_output, num_valid):
     return mask(centred(*shift) * w - total / num_valid)
 
 
-def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, argname):
+def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, argname,
+                 impl="xla"):
     check_min_rank(u, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
     check_floating(u, argname=argname)
     axis = canonical_axis(vocab_axis, jnp.ndim(u))
@@ -150,16 +152,14 @@ def _project_f32(u, *, vocab_axis, eps, center_input, center_output, num_valid, 
     x = u.astype(jnp.float32)
     opts = dict(eps=eps, center_input=bool(center_input), center_output=bool(center_output),
                 num_valid=vocab if num_valid is None else num_valid)
-    masked = lambda x: _masked(x, axis, **opts)
-    if _cpu.one_cpu_device():  # lowered for another platform (jax.export), still the masked one
-        return lax.platform_dependent(x, cpu=lambda x: _cpu.rownorm(x, axis, **opts),
-                                      default=masked)
-    return masked(x)
+    if _cpu.resolve_impl(impl, u) == "cpu":
+        return _cpu.rownorm(x, axis, **opts)
+    return _masked(x, axis, **opts)
 
 
-def rownorm_direction(u: ArrayLike, *, vocab_axis: int, eps: float = 1e-8,
+def rownorm_direction(u: ArrayLike, *, vocab_axis: int, eps: float = EPS,
                       center_input: bool = True, center_output: bool = True,
-                      num_valid: int | None = None) -> jax.Array:
+                      num_valid: int | None = None, impl: str = "xla") -> jax.Array:
     """Returns ``P · rownorm(P · u)`` over token rows, computed in float32, in ``u``'s dtype.
 
     With ``x_i`` the token rows of ``u`` after the inner centring (``center_input``), each row
@@ -179,6 +179,10 @@ def rownorm_direction(u: ArrayLike, *, vocab_axis: int, eps: float = 1e-8,
         center_output: subtract the mean normalised row afterwards (outer ``P``; ``1ᵀS = 0``).
         num_valid: rows ``>= num_valid`` along ``vocab_axis`` are padding: excluded from both
             means, zero in the result. ``None``: every row is valid.
+        impl: the formulation: ``"xla"`` (masks along the vocabulary axis: any backend, any
+            mesh), ``"cpu"`` (`rowgeom._cpu.rownorm`, the same function in cache-sized blocks,
+            faster on XLA:CPU; an array on one device only) or ``"auto"`` (decided for ``u``
+            when traced: `rowgeom._cpu.resolve_impl`).
 
     Returns:
         An array of ``u``'s shape and dtype. Every normalised row has ``||·|| <= 1`` (up to
@@ -203,30 +207,12 @@ def rownorm_direction(u: ArrayLike, *, vocab_axis: int, eps: float = 1e-8,
         [[0.375, 0.5], [0.0, 0.0], [0.6000000238418579, 0.800000011920929]]
     """
     y = _project_f32(u, vocab_axis=vocab_axis, eps=eps, center_input=center_input,
-                     center_output=center_output, num_valid=num_valid, argname="u")
+                     center_output=center_output, num_valid=num_valid, argname="u",
+                     impl=_cpu.check_impl(impl))
     return y.astype(jnp.result_type(u))
 
 
-def project_rownorm(u: ArrayLike, *, vocab_axis: int, eps: float = 1e-8,
-                    center_input: bool = True, center_output: bool = True,
-                    num_valid: int | None = None) -> jax.Array:
-    """Deprecated name of `rownorm_direction` (same arguments, same result).
-
-    Examples:
-        >>> import warnings, jax.numpy as jnp, rowgeom
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     s = rowgeom.project_rownorm(jnp.array([[1.0], [-1.0]]), vocab_axis=0)
-        >>> str(caught[0].message)
-        'rowgeom.project_rownorm is deprecated: use rowgeom.rownorm_direction'
-    """
-    warnings.warn("rowgeom.project_rownorm is deprecated: use rowgeom.rownorm_direction",
-                  DeprecationWarning, stacklevel=2)
-    return rownorm_direction(u, vocab_axis=vocab_axis, eps=eps, center_input=center_input,
-                             center_output=center_output, num_valid=num_valid)
-
-
-def _rescale(s, *, axis, mode, num_valid):
+def _rescale(s, *, axis, mode, num_valid, impl):
     """Multiplies ``s`` by ``2 / D(s)`` (radius-1 budget), treating tiny ``D`` as zero.
 
     ``D`` is measured over the valid rows only: padding rows are moved to the valid rows' mean,
@@ -242,14 +228,15 @@ def _rescale(s, *, axis, mode, num_valid):
     if mode == "exact":
         diameter = _row_diameter(measured, axis=axis, block_size=_DIAMETER_BLOCK)
     else:
-        diameter = _upper_bound(measured, axis)
+        diameter = _upper_bound(measured, axis, impl)
     ok = diameter > _MIN_DIAMETER
     return s * jnp.where(ok, 2.0 / jnp.where(ok, diameter, 1.0), 1.0)
 
 
-def projected_rownorm(*, vocab_axis: Any, eps: float = 1e-8, center_input: bool = True,
+def projected_rownorm(*, vocab_axis: Any, eps: float = EPS, center_input: bool = True,
                       center_output: bool = True, num_valid: int | None = None,
-                      rescale: str | None = None) -> optax.GradientTransformation:
+                      rescale: str | None = None, impl: str = "xla"
+                      ) -> optax.GradientTransformation:
     """Projected RowNorm as a stateless optax transform (the math: `rownorm_direction`).
 
     Put it after momentum (``optax.chain(optax.trace(0.95), projected_rownorm(...),
@@ -269,6 +256,7 @@ def projected_rownorm(*, vocab_axis: Any, eps: float = 1e-8, center_input: bool 
             ``O(V² d)`` per leaf). ``"bound"``: divide by the ``O(V d)`` upper bound
             ``2 max_i ||s_i - s̄||`` of ``D`` instead, which stays feasible but may use less than
             the budget (up to ~2x less). A zero diameter leaves the update unchanged.
+        impl: as in ``rownorm_direction``.
 
     ``None`` and ``optax.MaskedNode`` leaves pass through, so it works inside
     ``optax.partition`` / ``optax.masked``.
@@ -288,13 +276,15 @@ def projected_rownorm(*, vocab_axis: Any, eps: float = 1e-8, center_input: bool 
     num_valid = _check_num_valid(num_valid)
     if rescale not in _RESCALE_MODES:
         raise ValueError(f"rescale must be one of {_RESCALE_MODES}, got {rescale!r}")
+    impl = _cpu.check_impl(impl)
 
     def transform_leaf(u, axis):
         s = _project_f32(u, vocab_axis=axis, eps=eps, center_input=center_input,
-                         center_output=center_output, num_valid=num_valid, argname="updates")
+                         center_output=center_output, num_valid=num_valid, argname="updates",
+                         impl=impl)
         if rescale is not None:
             s = _rescale(s, axis=canonical_axis(axis, s.ndim), mode=rescale,
-                         num_valid=num_valid)
+                         num_valid=num_valid, impl=impl)
         return s.astype(jnp.result_type(u))
 
     def update_fn(updates, state, params=None):
@@ -367,7 +357,7 @@ def _updates(updates, axes: Mapping[str, AxesSpec], options: dict):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def rownorm_per_matrix(*, axes: Mapping[str, Any], eps: float = 1e-8, center_input: bool = True,
+def rownorm_per_matrix(*, axes: Mapping[str, Any], eps: float = EPS, center_input: bool = True,
                        center_output: bool = True) -> optax.GradientTransformation:
     """Projected RowNorm of each leaf named in `axes`, one matrix per index of its batch axes.
 

@@ -14,6 +14,8 @@ NaN or a silently wrong axis.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import Any
 
@@ -76,3 +78,54 @@ def static_args_hint(*names: str) -> str:
     """The advice for an option that arrived as a traced array (injected under jit): list the
     transform's non-float options under `optax.inject_hyperparams`."""
     return f"under optax.inject_hyperparams list it in static_args, e.g. static_args={names!r}"
+
+
+# --- options objects: each field checked on creation, its error naming ``Owner.field`` ---------
+
+
+def one_of(value, allowed, argname: str):
+    """`value` if it is in `allowed`; a ValueError naming `argname` otherwise."""
+    if value not in allowed:
+        raise ValueError(f"{argname} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def not_array(value, argname: str):
+    """`value` unless it is a jax array (options objects are static Python values)."""
+    import jax
+
+    if isinstance(value, jax.Array):
+        raise TypeError(f"{argname} must be a Python value, not a jax array: options objects are "
+                        "static (only lm_optimizer's float rates are injectable)")
+    return value
+
+
+def check_real(value, argname: str, *, low: float, high: float = math.inf,
+               low_open: bool = False, high_open: bool = False) -> None:
+    """Raises unless `value` is a real number in the interval (bounds open where said)."""
+    not_array(value, argname)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{argname} must be a finite real number, got {value!r}")
+    value = float(value)
+    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{argname} must be in {bounds}, got {value!r}")
+
+
+def check_momentum(value, argname: str) -> None:
+    """None or a decay in [0, 1)."""
+    if value is not None:
+        check_real(value, argname, low=0.0, high=1.0, high_open=True)
+
+
+def check_bool(value, argname: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argname} must be a bool, got {value!r}")
+
+
+def prefixed(owner: str, check, *args, **kwargs):
+    """Runs a transform's own argument check, its error naming the options field."""
+    try:
+        return check(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{owner}.{err}") from None

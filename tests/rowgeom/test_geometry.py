@@ -1,9 +1,9 @@
 """Row diameter, bracket and Hilbert geometry against float64 numpy brute force; both layouts.
 
 The bracket's distance pass over a leading feature axis has two formulations, each checked
-directly against float64 numpy: the XLA:CPU one (`rowgeom._cpu.sq_dists`, what this
-one-CPU-device process dispatches to) and the masked one (`_masked_sq_dists`, every other backend
-and any mesh); the whole bracket is also run traced with each (`rowgeom._cpu.traced_as`).
+directly against float64 numpy: the XLA:CPU one (`rowgeom._cpu.sq_dists`, ``impl="cpu"``) and
+the masked one (`_masked_sq_dists`, ``impl="xla"``, any backend and any mesh); the whole bracket
+is also run with each, chosen by its ``impl`` argument.
 """
 
 import functools
@@ -27,7 +27,6 @@ from rowgeom import (
     row_diameter,
     row_diameter_bounds,
 )
-from rowgeom._cpu import FORMULATIONS, traced_as
 from rowgeom._geometry import (
     _block_rows,
     _masked_sq_dists,
@@ -36,6 +35,8 @@ from rowgeom._geometry import (
     _token_view,
 )
 from rowgeom._numerics import _take_rows
+
+FORMULATIONS = ("cpu", "xla")
 
 
 def np_rows(s, axis):
@@ -211,7 +212,7 @@ def test_distance_pass_matches_float64(rng):
         rows = np.moveaxis(np.asarray(x, np.float64), t, 0).reshape(x.shape[t], -1)
         point = np.expand_dims(rng.normal(size=x.shape[:t] + x.shape[t + 1:]), t)
         want = ((rows - np.moveaxis(point, t, 0).reshape(1, -1)) ** 2).sum(axis=1)
-        fns = {"masked": lambda x, p, t=t: _masked_sq_dists(x, t, p)}
+        fns = {"xla": lambda x, p, t=t: _masked_sq_dists(x, t, p)}
         if t == 1 and x.shape[0] > 1:
             fns["cpu"] = _cpu.sq_dists
         for name, fn in fns.items():
@@ -235,9 +236,8 @@ def test_bracket_in_each_formulation_holds_and_matches_float64(rng, formulation,
     for shape, axis in BRACKET_SHAPES:
         s = rng.normal(size=shape) * 2.0 + 1.5
         x = jnp.asarray(s, jnp.float32)
-        with traced_as(formulation):
-            lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(
-                    x, vocab_axis=a, sweeps=sweeps))(x)
+        lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(
+                x, vocab_axis=a, sweeps=sweeps, impl=formulation))(x)
         rows = np_rows(np.asarray(x, np.float64), axis % len(shape))
         n = np.linalg.norm(rows - rows.mean(axis=0), axis=1)
         np.testing.assert_allclose(float(upper), 2 * n.max(), rtol=1e-5, err_msg=str(shape))
@@ -256,27 +256,42 @@ def test_bracket_non_finite_and_huge_rows(rng, formulation):
         x = x if axis == 0 else x.T
         bad = x.copy()
         bad[(3, 4) if axis == 0 else (4, 3)] = np.nan
-        with traced_as(formulation):
-            bounds = jax.jit(lambda x, a=axis: rowgeom.row_diameter_bounds(x, vocab_axis=a))
-            lower, upper = bounds(jnp.asarray(bad, jnp.float32))
-            assert np.isnan(float(lower)) and np.isnan(float(upper))
-            small = bounds(jnp.asarray(x, jnp.float32))
-            big = bounds(jnp.asarray(x * 1e30, jnp.float32))
+        bounds = jax.jit(lambda x, a=axis: rowgeom.row_diameter_bounds(
+            x, vocab_axis=a, impl=formulation))
+        lower, upper = bounds(jnp.asarray(bad, jnp.float32))
+        assert np.isnan(float(lower)) and np.isnan(float(upper))
+        small = bounds(jnp.asarray(x, jnp.float32))
+        big = bounds(jnp.asarray(x * 1e30, jnp.float32))
         np.testing.assert_allclose(np.asarray(big, np.float64) / 1e30, small, rtol=1e-5)
 
 
-def test_bracket_formulation_follows_the_device_count():
-    """One CPU device: the (d, V) centred norms are the CPU formulation's loop over the leading
-    feature axis; traced as under a mesh, plain reductions with no slice of the token or feature
-    axis, and no loop but the sweeps' own (two iterations; a gather of one row each)."""
+def test_bracket_formulation_follows_impl():
+    """``impl="cpu"``: the (d, V) centred norms are the CPU formulation's loop over the leading
+    feature axis; ``impl="xla"`` (the default): plain reductions with no slice of the token or
+    feature axis, and no loop but the sweeps' own (two iterations; a gather of one row each).
+    Only the formulation asked for is traced."""
     spec = jax.ShapeDtypeStruct((64, 512), jnp.float32)
-    jaxpr = lambda: str(jax.make_jaxpr(lambda s: row_diameter_bounds(s, vocab_axis=1))(spec))
-    cpu = jaxpr()
-    assert "length=64" in cpu and "platform_index" in cpu  # the feature loop, on CPU only
-    with traced_as("masked"):
-        masked = jaxpr()
+    jaxpr = lambda **kw: str(jax.make_jaxpr(
+        lambda s: row_diameter_bounds(s, vocab_axis=1, **kw))(spec))
+    cpu = jaxpr(impl="cpu")
+    assert "length=64" in cpu and "platform_index" not in cpu  # the feature loop
+    assert jaxpr(impl="auto") == cpu  # this process: one CPU device
+    masked = jaxpr()
+    assert jaxpr(impl="xla") == masked
     assert not [op for op in ("dynamic_slice", "platform_index") if op in masked]
     assert set(re.findall(r"length=(\d+)", masked)) == {"2"}  # the sweeps (and their rescaling)
+
+
+def test_bracket_formulation_follows_the_device_count(monkeypatch):
+    """``impl="auto"`` (the lm_optimizer head's default): the XLA:CPU loop for a traced array in
+    a process with one CPU device, where no array can be sharded; the plain reductions as soon
+    as the process has more devices (an input may then be sharded, even invisibly to tracing)."""
+    spec = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+    jaxpr = lambda: str(jax.make_jaxpr(
+        lambda s: row_diameter_bounds(s, vocab_axis=1, impl="auto"))(spec))
+    assert "length=64" in jaxpr()
+    monkeypatch.setattr(jax, "device_count", lambda *a: 8)
+    assert "length=64" not in jaxpr() and "dynamic_slice" not in jaxpr()
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -288,9 +303,9 @@ def test_bracket_reads_the_rows_once_per_step_of_the_algorithm(formulation, swee
     result is out of float32's safe range (a branch)."""
     for shape, axis in (((1024, 96), 0), ((96, 1024), 1)):
         spec = jax.ShapeDtypeStruct(shape, jnp.float32)
-        with traced_as(formulation):
-            fn = jax.jit(lambda s, a=axis: row_diameter_bounds(s, vocab_axis=a, sweeps=sweeps))
-            traffic = head_traffic(fn.lower(spec).compile().as_text(), 1024 * 96)
+        fn = jax.jit(lambda s, a=axis: row_diameter_bounds(s, vocab_axis=a, sweeps=sweeps,
+                                                           impl=formulation))
+        traffic = head_traffic(fn.lower(spec).compile().as_text(), 1024 * 96)
         assert (round(traffic.reads), round(traffic.writes)) == (2 + sweeps, 0), traffic.ops
 
 
@@ -325,8 +340,8 @@ def test_bracket_lower_end_is_the_double_sweep(rng, formulation):
     assert first < 0.8 * second  # the point set does what it is here for
     np.testing.assert_allclose(second, np_diameter(s, 0), rtol=1e-6)
     for x, axis in ((s, 0), (s.T, 1)):
-        with traced_as(formulation):
-            lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(x, vocab_axis=a))(x)
+        lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(
+            x, vocab_axis=a, impl=formulation))(x)
         np.testing.assert_allclose(float(lower), second, rtol=1e-6, err_msg=f"axis={axis}")
         assert float(upper) >= second
 

@@ -406,18 +406,18 @@ def test_rownorm_router_matches_rownorm_direction_per_layer():
 
 
 def test_router_group_options_resolve_and_adamw_mode_runs():
-    hp = rowgeom.lm_optimizer_hparams(2e-3, router="adamw",
-                                      groups={"router": rowgeom.GroupOptions(learning_rate=1e-3)})
-    assert hp["router"].optimizer == "adamw" and hp["router"].learning_rate == 1e-3
-    assert hp["router"].weight_decay == 0.1
-    assert rowgeom.lm_optimizer_hparams(1e-3)["router"].optimizer == "muon"
+    hp = rowgeom.group_options(2e-3, router="adamw",
+                               groups={"router": rowgeom.GroupOptions(learning_rate=1e-3)})
+    assert hp["router"] == rowgeom.GroupOptions(1e-3, 0.1, 0.9)  # AdamW's b1
+    assert rowgeom.group_options(1e-3)["router"].momentum == 0.95  # the hidden group's Muon
     with pytest.raises(ValueError, match="RouterOptions.optimizer must be one of"):
         rowgeom.RouterOptions(optimizer="sgd")
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only(scanned=False))
-    rows = {r.path: r for r in rowgeom.describe(params, hp)}
+    options = dict(router="adamw", groups={"router": rowgeom.GroupOptions(learning_rate=1e-3)})
+    rows = {r.path: r for r in rowgeom.describe(params, 2e-3, **options)}
     gate = "params/decoder/layers_0/MoeBlock_0/gate/kernel"
     assert rows[gate].geometry == "AdamW"
-    tx = rowgeom.lm_optimizer(hp)
+    tx = rowgeom.lm_optimizer(2e-3, **options)
     grads = jax.tree.map(jnp.ones_like, params)
     step, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_allclose(step["params"]["decoder"]["layers_0"]["MoeBlock_0"]["gate"]["kernel"],
@@ -572,9 +572,9 @@ def test_describe_on_an_moe_model_shows_expert_and_layer_axes():
 
 def test_labels_has_five_entries_and_every_group_is_built():
     assert rowgeom.LABELS == ("hidden", "head", "embedding", "vector", "router")
-    assert set(rowgeom.lm_optimizer_hparams(1e-3)) == set(rowgeom.LABELS)
+    assert set(rowgeom.group_options(1e-3)) == set(rowgeom.LABELS)
     for group in rowgeom.LABELS:
-        rowgeom.lm_optimizer_hparams(1e-3, groups={group: rowgeom.GroupOptions(
+        rowgeom.group_options(1e-3, groups={group: rowgeom.GroupOptions(
             learning_rate=1e-4)})
     dense = {"embed": {"embedding": jnp.zeros((V, D))}, "lm_head": {"kernel": jnp.zeros((D, V))},
              "layers": {"0": {"mlp": {"kernel": jnp.zeros((D, F))}}}}

@@ -1,9 +1,9 @@
 """The recipe's options and its explicit plan: one spelling per field, every field reachable,
-every choice in the plan, the plan cached per tree structure and nowhere else."""
+every per-leaf fact in the plan, the plan a pure function memoised on paths, shapes and dtypes,
+no optimizer kept anywhere."""
 
 import dataclasses
 import inspect
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,108 +40,14 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-# --- The deprecated flat keywords: each an alias of one field --------------------------------
-
-# A valid value other than the default for every flat keyword.
-FLAT_VALUES = {
-    **{f"{g}_learning_rate": 2e-3 for g in ("hidden", "head", "embedding", "vector", "router")},
-    **{f"{g}_weight_decay": 0.05 for g in ("hidden", "head", "embedding", "vector", "router")},
-    "momentum": 0.9, "nesterov": False, "ns_steps": 6, "ns_coeffs": "polar_express",
-    "muon_scale": "spectral", "shard_matrices": False,
-    "muon_dimension_numbers": {"layers": rowgeom.MuonDimensionNumbers(1, 0)},
-    "head_momentum": 0.9, "head_vocab_axis": 1, "head_rescale": "exact", "head_num_valid": 40,
-    "track_head": False, "track_every_k_steps": 1, "adam_b1": 0.8, "adam_b2": 0.99,
-    "adam_eps": 1e-6,
-}
-OBJECTS = {"head": rowgeom.HeadOptions, "muon": rowgeom.MuonOptions, "adam": rowgeom.AdamOptions}
-
-
-def canonical(name, value):
-    """The options-object spelling of one flat keyword."""
-    where = rowgeom.FLAT_KEYWORDS[name]
-    if where[0] == "groups":
-        return {"groups": {where[1]: rowgeom.GroupOptions(**{where[2]: value})}}
-    return {where[0]: OBJECTS[where[0]](**{where[1]: value})}
-
-
-def test_every_flat_keyword_has_a_test_value_and_names_a_field():
-    assert set(FLAT_VALUES) == set(rowgeom.FLAT_KEYWORDS)
-    for name, where in rowgeom.FLAT_KEYWORDS.items():
-        owner = rowgeom.GroupOptions if where[0] == "groups" else OBJECTS[where[0]]
-        assert where[-1] in owner.__dataclass_fields__, name
-
-
-def beside(name):
-    """Another field of the same object, given by its canonical spelling: the flat keyword
-    merges with it (a group's other field; a head optimizer named by string)."""
-    where = rowgeom.FLAT_KEYWORDS[name]
-    if where[0] == "groups":
-        other = "weight_decay" if where[2] == "learning_rate" else "learning_rate"
-        return {"groups": {where[1]: rowgeom.GroupOptions(**{other: 1e-4})}}
-    if where[0] == "head" and name != "head_rescale":
-        return {"head": "muon"}
-    return {}
-
-
-@pytest.mark.parametrize("name", sorted(FLAT_VALUES))
-def test_deprecated_flat_keyword_still_works_and_warns_once(name):
-    value, params = FLAT_VALUES[name], tree()
-    want = canonical(name, value)
-    for call in (lambda **kw: rowgeom.lm_optimizer_hparams(LR, **kw),
-                 lambda **kw: str(rowgeom.describe(params, LR, **kw)),
-                 lambda **kw: rowgeom.lm_optimizer(LR, **kw)):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = call(**{name: value})
-        assert [w.category for w in caught] == [DeprecationWarning], name
-        assert f"{name}= -> " in str(caught[0].message)
-        assert caught[0].filename == __file__  # points at the caller's line
-        if not isinstance(got, optax.GradientTransformation):
-            assert got == call(**want), name
-    field = rowgeom.FLAT_KEYWORDS[name]  # the value is no default: the check can fail
-    default = (rowgeom.GroupOptions() if field[0] == "groups" else OBJECTS[field[0]]())
-    assert getattr(default, field[-1]) != value
-    # Beside another field of its object it merges into that object.
-    other = beside(name)
-    with pytest.warns(DeprecationWarning):
-        merged = rowgeom.lm_optimizer_hparams(LR, **{name: value}, **other)
-    if field[0] == "groups":
-        both = dataclasses.replace(other["groups"][field[1]], **{field[2]: value})
-        assert merged == rowgeom.lm_optimizer_hparams(LR, groups={field[1]: both})
-    elif other:
-        assert merged == rowgeom.lm_optimizer_hparams(
-            LR, head=rowgeom.HeadOptions(optimizer="muon", **{field[1]: value}))
-
-
-@pytest.mark.parametrize("name", sorted(FLAT_VALUES))
-def test_a_flat_keyword_beside_its_object_is_an_error_naming_both(name):
-    where = rowgeom.FLAT_KEYWORDS[name]
-    if where[0] == "groups":
-        other = {"groups": {where[1]: rowgeom.GroupOptions(**{where[2]: 1e-4})}}
-        spelled = f"groups={{'{where[1]}': GroupOptions({where[2]}=...)}}"
-    else:
-        other = {where[0]: OBJECTS[where[0]]()}
-        spelled = f"{where[0]}={OBJECTS[where[0]].__name__}(...)"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # raised before any warning
-        with pytest.raises(ValueError) as err:
-            rowgeom.lm_optimizer(LR, **{name: FLAT_VALUES[name]}, **other)
-    assert f"{name}= and {spelled} both set" in str(err.value)
-
-
 # --- One spelling per field -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("keyword, value", [
-    ("head", "adamw"), ("labels", None), ("tied", None), ("weight_decay", 0.1), ("groups", {}),
-    ("muon", rowgeom.MuonOptions()), ("adam", rowgeom.AdamOptions()), ("router", "muon")])
-def test_any_option_beside_an_lm_hyperparams_is_an_error_naming_it(keyword, value):
-    """Whether it was given decides, not its value: the default value conflicts too."""
-    hp = rowgeom.lm_optimizer_hparams(LR)
-    for call in (lambda: rowgeom.lm_optimizer(hp, **{keyword: value}),
-                 lambda: rowgeom.describe(tree(), hp, **{keyword: value})):
-        with pytest.raises(ValueError, match=rf"LMHyperparams holds every option, and "
-                                             rf"{keyword}= set some again"):
+def test_a_misspelt_keyword_is_a_type_error_from_python():
+    for call in (lambda: rowgeom.lm_optimizer(LR, head_learning_rate=1e-3),
+                 lambda: rowgeom.describe(tree(), LR, ns_steps=6),
+                 lambda: rowgeom.group_options(LR, momentum=0.9)):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
             call()
 
 
@@ -159,13 +65,24 @@ def test_the_tied_policy_is_said_once_and_reaches_labels_and_centring():
         rowgeom.lm_optimizer(LR, tied="embedding", labels=rowgeom.Labeler(tied="head"))
 
 
-def test_signature_is_written_once():
-    assert inspect.signature(rowgeom.lm_optimizer).parameters.keys() == inspect.signature(
-        rowgeom.lm_optimizer_hparams).parameters.keys()
-    keywords = [p for p in inspect.signature(rowgeom.lm_optimizer).parameters.values()
-                if p.kind == p.KEYWORD_ONLY]
-    assert [p.name for p in keywords] == ["head", "labels", "tied", "weight_decay", "groups",
-                                          "muon", "adam", "router"]
+def test_the_signatures_are_explicit_and_agree():
+    params = inspect.signature(rowgeom.lm_optimizer).parameters
+    assert not [p for p in params.values() if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    keywords = [p.name for p in params.values() if p.kind == p.KEYWORD_ONLY]
+    assert keywords == ["head", "muon", "adam", "router", "labels", "tied", "weight_decay",
+                        "groups"]
+    described = inspect.signature(rowgeom.describe).parameters
+    assert [p for p in described if described[p].kind == described[p].KEYWORD_ONLY] == keywords
+    assert all(described[k].default == params[k].default for k in keywords)
+    grouped = inspect.signature(rowgeom.group_options).parameters
+    assert all(grouped[k].default == params[k].default for k in grouped if k in params)
+
+
+def test_muon_orthogonalize_reads_its_defaults_from_muon_options():
+    defaults = rowgeom.MuonOptions()
+    for name, p in inspect.signature(rowgeom.muon_orthogonalize).parameters.items():
+        if name != "dimension_numbers":
+            assert p.default == getattr(defaults, name), name
 
 
 def test_options_that_another_optimizer_would_ignore_are_errors():
@@ -223,20 +140,19 @@ def test_every_transform_field_reaches_its_chain():
 # --- The plan holds every choice --------------------------------------------------------------
 
 
-def test_plan_rows_carry_every_choice_the_chains_use():
+def test_plan_rows_carry_every_fact_the_chains_use():
     plan = rowgeom.describe(tree(), LR, groups={"head": rowgeom.GroupOptions(weight_decay=0.0)})
     rows = {row.path: row for row in plan}
     head, up, norm = rows["lm_head/kernel"], rows["layers/0/mlp/up/kernel"], rows["norm/scale"]
-    assert (head.optimizer, head.centred, head.vocab_axis, head.momentum, head.reason) == (
-        "rownorm", True, 1, 0.95, "name")
-    assert head.learning_rate == pytest.approx(5 * LR) and head.weight_decay == 0.0
-    assert (up.optimizer, up.muon_dims, up.batch_axes, up.momentum) == (
-        "muon", rowgeom.MuonDimensionNumbers(0, 1), (), 0.95)
-    assert (norm.optimizer, norm.centred, norm.weight_decay, norm.momentum, norm.reason) == (
-        "adamw", None, 0.0, 0.9, "rank")
+    assert (head.optimizer, head.centred, head.vocab_axis, head.reason) == (
+        "rownorm", True, 1, "name")
+    assert plan.groups["head"] == rowgeom.GroupOptions(5 * LR, 0.0, 0.95)
+    assert (up.optimizer, up.muon_dims, up.batch_axes) == (
+        "muon", rowgeom.MuonDimensionNumbers(0, 1), ())
+    assert plan.groups["hidden"].momentum == 0.95
+    assert (norm.optimizer, norm.centred, norm.reason) == ("adamw", None, "rank")
+    assert plan.groups["vector"] == rowgeom.GroupOptions(LR, 0.0, 0.9)
     assert plan.by_label("head").keys() == {"lm_head/kernel"}
-    assert plan.group("head").centred is True
-    assert plan.group("head").learning_rate == head.learning_rate
     assert rows["embed/embedding"].reason == "name"
     given = rowgeom.describe(tree(), LR, labels={"lm_head": "head", "layers": "hidden",
                                                  "embed": "embedding", "norm": "vector"})
@@ -244,68 +160,64 @@ def test_plan_rows_carry_every_choice_the_chains_use():
 
 
 def test_the_router_group_follows_the_hidden_groups_override():
-    hp = rowgeom.lm_optimizer_hparams(LR, groups={"hidden": rowgeom.GroupOptions(
+    groups = rowgeom.group_options(LR, groups={"hidden": rowgeom.GroupOptions(
         learning_rate=2e-3, weight_decay=0.0)})
-    assert (hp["router"].learning_rate, hp["router"].weight_decay) == (2e-3, 0.0)
+    assert (groups["router"].learning_rate, groups["router"].weight_decay) == (2e-3, 0.0)
 
 
-def test_resolved_hparams_build_the_same_optimizer():
+def test_a_group_momentum_override_reaches_its_chain():
     params = tree()
     grads = grads_of(params)
-    options = dict(head="adamw", groups={"head": rowgeom.GroupOptions(learning_rate=2e-3)},
-                   muon=rowgeom.MuonOptions(ns_steps=4))
-    hp = rowgeom.lm_optimizer_hparams(LR, **options)
-    assert_trees_equal(step(rowgeom.lm_optimizer(hp), params, grads),
-                       step(rowgeom.lm_optimizer(LR, **options), params, grads))
-    assert str(rowgeom.describe(params, hp)) == str(rowgeom.describe(params, LR, **options))
+    tx = rowgeom.lm_optimizer(LR, groups={"embedding": rowgeom.GroupOptions(momentum=0.5)})
+    ref = optax.adamw(LR, b1=0.5, b2=0.95, weight_decay=0.1)
+    got = step(tx, params, grads)["embed"]
+    want = ref.update(grads["embed"], ref.init(params["embed"]), params["embed"])[0]
+    np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-6)
 
 
-def test_with_rates_maps_every_group_and_keeps_the_options():
+# --- The plan: pure, memoised, and nothing else kept -------------------------------------------
+
+
+def test_the_plan_is_memoised_on_paths_shapes_and_dtypes():
+    """The same paths, shapes and dtypes (arrays or abstract) give the same plan object; another
+    shape or dtype another plan."""
     params = tree()
-    grads = grads_of(params)
-    hp = rowgeom.lm_optimizer_hparams(LR, head="adamw", muon=rowgeom.MuonOptions(ns_steps=4))
-    halved = hp.with_rates(lambda group, lr: 0.5 * lr)
-    assert halved.muon == hp.muon and halved.head == hp.head
-    assert {g: halved[g].learning_rate for g in halved} == {
-        g: 0.5 * hp[g].learning_rate for g in hp}
-    # Weight decay is scaled by the rate too (optax's decoupled decay), so every step halves.
-    full = step(rowgeom.lm_optimizer(hp), params, grads)
-    half = step(rowgeom.lm_optimizer(halved), params, grads)
-    for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(half), strict=True):
-        np.testing.assert_allclose(np.asarray(y), 0.5 * np.asarray(x), rtol=1e-5, atol=1e-10)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    assert rowgeom.make_plan(params) is rowgeom.make_plan(abstract)
+    assert rowgeom.make_plan(tree(vocab=2 * V)) is not rowgeom.make_plan(params)
+    assert rowgeom.make_plan(tree(dtype=jnp.bfloat16)) is not rowgeom.make_plan(params)
+    assert rowgeom.make_plan(params, head="adamw") is not rowgeom.make_plan(params)
+    assert rowgeom.make_plan(tree(vocab=2 * V)).structure.vocab_size == 2 * V
 
 
-# --- The plan cache ---------------------------------------------------------------------------
+def test_init_and_update_use_one_plan(monkeypatch):
+    """init and eager updates on one tree read the plan of its paths, shapes and dtypes: the
+    same object every time."""
+    seen = []
+    real = _plan.plan_of
 
+    def recording(tree, options):
+        seen.append(real(tree, options))
+        return seen[-1]
 
-@pytest.fixture
-def plans_made(monkeypatch):
-    """The trees `make_plan` is called on, counted."""
-    made = []
-    real = _plan.make_plan
-
-    def counting(tree, hparams):
-        made.append(_plan.tree_key(tree))
-        return real(tree, hparams)
-
-    monkeypatch.setattr(_plan, "make_plan", counting)
-    return made
-
-
-def test_a_tree_seen_before_is_not_planned_again(plans_made):
-    """One plan per paths, shapes and dtypes, per transform: eager updates on the same tree
-    plan once; another shape, dtype or transform plans again."""
+    from rowgeom import _recipe
+    monkeypatch.setattr(_recipe, "plan_of", recording)
     params = tree()
     grads = grads_of(params)
     tx = rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(track=False))
     state = tx.init(params)
-    for _ in range(3):
+    for _ in range(2):
         tx.update(grads, state, params)
-    assert len(plans_made) == 1  # init and the updates share the plan of these shapes
-    tx.init(tree(vocab=2 * V))
-    tx.init(tree(dtype=jnp.bfloat16))
-    rowgeom.lm_optimizer(LR).init(params)
-    assert len(plans_made) == 4 and len(set(plans_made)) == 3
+    assert len(seen) == 3 and all(plan is seen[0] for plan in seen)
+
+
+def test_nothing_in_rowgeom_holds_an_optimizer():
+    """No cache of optimizers or label trees: only the plan's memo (a pure function's)."""
+    import pathlib
+    source = "\n".join(p.read_text() for p in pathlib.Path(rowgeom.__file__).parent.glob("*.py"))
+    for name in ("PlanCache", "_PerStructure", "OrderedDict", "_traced_as",
+                 "platform_dependent", "__signature__"):
+        assert name not in source, name
 
 
 def test_no_state_between_calls_each_tree_gets_its_own_plan():
@@ -320,17 +232,6 @@ def test_no_state_between_calls_each_tree_gets_its_own_plan():
         assert_trees_equal(update(grads, tx.init(params), params)[0], alone[id(params)])
     assert rowgeom.describe(large, LR)[2].vocab_axis == 1
     assert rowgeom.describe(large, LR).structure.vocab_size == 2 * V
-
-
-def test_the_cache_keeps_only_recent_trees():
-    cache = _plan.PlanCache(rowgeom.lm_optimizer_hparams(LR), lambda plan: plan, size=2)
-    trees = [tree(vocab=V + k) for k in range(3)]
-    first = cache.built(trees[0])
-    assert cache.built(trees[0]) is first
-    cache.built(trees[1])
-    cache.built(trees[2])
-    assert cache.built(trees[0]) is not first  # dropped, planned again (equal, not the same)
-    assert cache.built(trees[0]) == first
 
 
 # --- Labelers and per-leaf options ------------------------------------------------------------
@@ -368,20 +269,38 @@ def test_per_leaf_options_nested_and_flat_mean_the_same():
         r.label for r in rowgeom.describe(params, LR)]
 
 
-# --- Deprecated names -------------------------------------------------------------------------
+def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
+    """nnx.Optimizer hands ``init`` Variables and ``update`` plain arrays: the same paths,
+    shapes and dtypes, so the same plan object, and the update is the one a plain tree gets."""
+    from flax import nnx
+
+    from rowgeom import _recipe
+    from tests.rowgeom._nnx_models import TinyLM
+
+    seen = []
+    real = _plan.plan_of
+    monkeypatch.setattr(_recipe, "plan_of", lambda t, o: seen.append(real(t, o)) or seen[-1])
+    model = TinyLM(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    arrays = jax.tree.map(lambda x: x, nnx.to_pure_dict(params))
+    grads = jax.tree.map(jnp.ones_like, params)
+    optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(LR), wrt=nnx.Param)
+    optimizer.update(model, grads)
+    assert len(seen) == 2 and seen[0] is seen[1]
+    assert rowgeom.make_plan(arrays) is seen[0]
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tx = rowgeom.lm_optimizer(LR)
+    updates = tx.update(jax.tree.map(jnp.ones_like, arrays), tx.init(arrays), arrays)[0]
+    assert_trees_equal(after, optax.apply_updates(arrays, updates))
 
 
-@pytest.mark.parametrize("old, new", [("Description", "OptimizerPlan"), ("ParamRow", "LeafPlan")])
-def test_deprecated_name_still_works_and_warns_once(old, new):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert getattr(rowgeom, old) is getattr(rowgeom, new)
-    assert [w.category for w in caught] == [DeprecationWarning] and new in str(caught[0].message)
+def test_the_plan_memo_keeps_no_arrays():
+    import gc
+    import weakref
 
-
-def test_make_labeler_still_works_and_warns_once():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        labeler = rowgeom.make_labeler(extra_hidden_names={"router"})
-    assert [w.category for w in caught] == [DeprecationWarning]
-    assert labeler == rowgeom.Labeler(extra_hidden_names={"router"})
+    params = tree(vocab=V + 3)
+    ref = weakref.ref(params["lm_head"]["kernel"])
+    rowgeom.make_plan(params)
+    del params
+    gc.collect()
+    assert ref() is None

@@ -350,7 +350,8 @@ def test_describe_prints_the_scanned_maxtext_plan():
     assert "Muon, in 0 out 2,3 batch 1" in text
     assert "params/decoder/logits_dense/kernel" in text and "RowNorm, vocab axis 1" in text
     by_path = {r.path: r for r in rows}
-    assert by_path["params/decoder/logits_dense/kernel"].learning_rate == pytest.approx(5e-3)
+    assert by_path["params/decoder/logits_dense/kernel"].label == "head"
+    assert rows.groups["head"].learning_rate == pytest.approx(5e-3)
     assert by_path["params/decoder/layers/pre_self_attention_layer_norm/scale"].label == "vector"
 
 

@@ -138,7 +138,7 @@ def far(a, b, tol):
     return bool(np.abs(np.asarray(a) - np.asarray(b)).max() > tol)
 
 
-# --- the values lm_optimizer_hparams reports ---------------------------------------------------
+# --- the values group_options reports ---------------------------------------------------
 
 
 def test_head_lr_multipliers_are_the_head_studys_and_read_only():
@@ -151,7 +151,7 @@ def test_head_lr_multipliers_are_the_head_studys_and_read_only():
                          [("rownorm", 5.0, 0.95), ("adamw", 3.0, 0.9), ("muon", 3.0, 0.95)])
 def test_group_hyperparameters_default_to_the_documented_values(head, multiplier,
                                                                 head_momentum):
-    hp = rowgeom.lm_optimizer_hparams(LR, head=head)
+    hp = rowgeom.group_options(LR, head=head)
     assert set(hp) == {"hidden", "head", "embedding", "vector", "router"}
     expected = {  # group: (learning rate, weight decay, momentum or AdamW b1)
         "hidden": (LR, 0.1, 0.95),
@@ -165,14 +165,14 @@ def test_group_hyperparameters_default_to_the_documented_values(head, multiplier
         assert (got.learning_rate, got.weight_decay, got.momentum) == pytest.approx(
             (lr, wd, mom), rel=1e-12), group
     # A schedule stays a schedule, scaled alike.
-    sched = rowgeom.lm_optimizer_hparams(lambda count: LR * (1 + count), head=head)
+    sched = rowgeom.group_options(lambda count: LR * (1 + count), head=head)
     for group, (lr, _, _) in expected.items():
         rate = sched[group].learning_rate
         assert callable(rate) and float(rate(3)) == pytest.approx(4 * lr, rel=1e-6), group
 
 
 def test_overrides_replace_only_their_group():
-    hp = rowgeom.lm_optimizer_hparams(LR, weight_decay=0.2, groups={
+    hp = rowgeom.group_options(LR, weight_decay=0.2, groups={
         "head": rowgeom.GroupOptions(learning_rate=0.5, weight_decay=0.05),
         "vector": rowgeom.GroupOptions(weight_decay=0.01)})
     assert hp["hidden"].weight_decay == hp["embedding"].weight_decay == 0.2
@@ -187,14 +187,14 @@ def test_default_labels_and_describe():
     assert labels == LABELS
     rows = {row.path: row for row in rowgeom.describe(params, LR)}
     assert set(rows) == set(PATHS)
-    hp = rowgeom.lm_optimizer_hparams(LR)
+    hp = rowgeom.group_options(LR)
     for path, label in LABELS.items():
         row = rows[path]
         assert row.label == label, path
-        assert (row.learning_rate, row.weight_decay) == pytest.approx(
-            (hp[label].learning_rate, hp[label].weight_decay)), path
+    plan = rowgeom.describe(params, LR)
+    assert plan.groups == dict(hp)
     assert "RowNorm" in rows[HEAD].geometry and "1" in rows[HEAD].geometry  # vocab axis 1
-    assert rows[HEAD].learning_rate == pytest.approx(5 * LR)
+    assert plan.groups["head"].learning_rate == pytest.approx(5 * LR)
     assert "Muon" in rows["layers/0/mlp/up_proj/kernel"].geometry
 
 

@@ -1,13 +1,12 @@
 """Projected RowNorm against a numpy fp64 reference and the exact oracles; invariances, edges.
 
 Both formulations are checked directly against the float64 reference: the XLA:CPU one
-(`rowgeom._cpu.rownorm`, what this one-CPU-device process dispatches to) and the masked one
-(`rowgeom._rownorm._masked`, every other backend and any mesh; sharded in test_sharding.py).
+(`rowgeom._cpu.rownorm`, ``impl="cpu"``) and the masked one (`rowgeom._rownorm._masked`,
+``impl="xla"``, the default; sharded in test_sharding.py). Each test picks it by parameter.
 """
 
 import functools
 import re
-import warnings
 
 import chex
 import jax
@@ -18,14 +17,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import rowgeom
 from benchmarks.hlo_passes import head_traffic
 from rowgeom import _cpu, projected_rownorm, rownorm_direction
 from rowgeom._numerics import MIN_EPS
 from rowgeom._rownorm import _masked
 
-FORMULATIONS = _cpu.FORMULATIONS
-_FNS = {"cpu": _cpu.rownorm, "masked": _masked}
+FORMULATIONS = ("cpu", "xla")
+_FNS = {"cpu": _cpu.rownorm, "xla": _masked}
 
 
 # --- independent float64 references ---------------------------------------------------------------
@@ -59,7 +57,7 @@ def centred(g):
 @functools.cache
 def jitted(vocab_axis=0, eps=1e-8, center_input=True, center_output=True, num_valid=None,
            formulation=None):
-    """The public function (formulation None: as dispatched here) or one formulation, jitted."""
+    """The public function (formulation None: its default impl) or one formulation, jitted."""
     opts = dict(eps=eps, center_input=center_input, center_output=center_output)
     if formulation is None:
         return jax.jit(lambda u: rownorm_direction(u, vocab_axis=vocab_axis, num_valid=num_valid,
@@ -231,15 +229,16 @@ def test_non_finite_input_is_never_a_finite_wrong_answer(rng, formulation):
 
 
 def test_writes_in_place_over_a_donated_input(rng):
-    """One CPU device: the XLA:CPU formulation makes no full-size temporary and overwrites a
+    """``impl="cpu"``: the XLA:CPU formulation makes no full-size temporary and overwrites a
     donated input (one read-write pass of memory traffic per step)."""
-    assert _cpu.one_cpu_device()
     for shape, axis in [((16384, 256), 0), ((256, 16384), 1)]:
-        fn = jax.jit(lambda u, a=axis: rownorm_direction(u, vocab_axis=a), donate_argnums=0)
+        fn = jax.jit(lambda u, a=axis: rownorm_direction(u, vocab_axis=a, impl="cpu"),
+                     donate_argnums=0)
         stats = fn.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().memory_analysis()
         assert stats.temp_size_in_bytes < np.prod(shape) * 4 // 2, stats
     for shape, axis in [((4096, 64), 0), ((64, 4096), 1)]:
-        fn = jax.jit(lambda u, a=axis: rownorm_direction(u, vocab_axis=a), donate_argnums=0)
+        fn = jax.jit(lambda u, a=axis: rownorm_direction(u, vocab_axis=a, impl="cpu"),
+                     donate_argnums=0)
         x = jnp.asarray(rng.normal(size=shape), jnp.float32)
         want = np_project(np.asarray(x), axis)
         pointer = x.unsafe_buffer_pointer()
@@ -259,24 +258,27 @@ def test_vmap_and_grad_agree_between_formulations(rng):
         return lambda x: jnp.sum(jnp.sin(fn(x, 0, eps=1e-8, center_input=True,
                                             center_output=True, num_valid=30)))
 
-    np.testing.assert_allclose(jax.grad(loss("cpu"))(u[0]), jax.grad(loss("masked"))(u[0]),
+    np.testing.assert_allclose(jax.grad(loss("cpu"))(u[0]), jax.grad(loss("xla"))(u[0]),
                                atol=1e-5)
 
 
-def test_the_cpu_formulation_only_with_one_cpu_device(monkeypatch):
-    """The XLA:CPU formulation slices the vocabulary axis; with more than one device in the
-    process (an input may be sharded, even invisibly to tracing) the masked one is traced."""
+def test_impl_chooses_the_formulation_and_auto_follows_the_array(monkeypatch):
+    """``impl`` names the formulation traced (only that one: no ``platform_index``); "auto"
+    takes the XLA:CPU one for an array that cannot be sharded (one CPU device) and the masked
+    one where the process has more devices than one."""
     spec = jax.ShapeDtypeStruct((200_000, 16), jnp.float32)
-    jaxpr = lambda: str(jax.make_jaxpr(lambda u: rownorm_direction(u, vocab_axis=0))(spec))
-    assert _cpu.one_cpu_device()
-    assert "dynamic_slice" in jaxpr()  # several blocks: a loop
+    jaxpr = lambda impl: str(jax.make_jaxpr(
+        lambda u: rownorm_direction(u, vocab_axis=0, impl=impl))(spec))
+    assert "dynamic_slice" in jaxpr("cpu")  # several blocks: a loop
+    for impl in ("xla", "cpu", "auto"):
+        assert "platform_index" not in jaxpr(impl)
+    assert "dynamic_slice" not in jaxpr("xla")
+    assert "dynamic_slice" in jaxpr("auto")  # this process: one CPU device
+    assert _cpu.resolve_impl("auto", jnp.zeros((2, 2))) == "cpu"
     monkeypatch.setattr(jax, "device_count", lambda *a: 8)
-    assert not _cpu.one_cpu_device()
-    jaxpr = jaxpr()
-    assert "dynamic_slice" not in jaxpr and "platform_index" not in jaxpr
-    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not _cpu.one_cpu_device()
+    assert "dynamic_slice" not in jaxpr("auto")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        rownorm_direction(jnp.zeros((2, 2)), vocab_axis=0, impl="masked")
 
 
 def _entry_ops(compiled_text):
@@ -299,7 +301,7 @@ def test_accelerator_path_reads_the_head_four_times_and_writes_it_once(num_valid
         for axis, shape in ((0, (vocab, dim)), (1, (dim, vocab))):
             spec = jax.ShapeDtypeStruct(shape, jnp.float32)
             public = jitted(vocab_axis=axis, num_valid=num_valid)
-            masked = jitted(vocab_axis=axis, num_valid=num_valid, formulation="masked")
+            masked = jitted(vocab_axis=axis, num_valid=num_valid, formulation="xla")
             # What an accelerator is handed, even when lowered from this CPU process.
             for platform in ("cuda", "tpu"):
                 text = public.trace(spec).lower(lowering_platforms=(platform,)).as_text()
@@ -314,17 +316,6 @@ def test_accelerator_path_reads_the_head_four_times_and_writes_it_once(num_valid
     assert len(set(counts.values())) == 1, counts  # same passes: both layouts, both sizes
     if num_valid is None:
         assert next(iter(counts.values())) == (4, 1), counts
-
-
-def test_project_rownorm_is_a_deprecated_alias(rng):
-    u = jnp.asarray(rng.normal(size=(9, 4)), jnp.float32)
-    with pytest.warns(DeprecationWarning, match="use rowgeom.rownorm_direction"):
-        old = rowgeom.project_rownorm(u, vocab_axis=0, num_valid=7, eps=1e-3)
-    chex.assert_trees_all_equal(old, rownorm_direction(u, vocab_axis=0, num_valid=7, eps=1e-3))
-    assert "rownorm_direction" in rowgeom.__all__ and "project_rownorm" in rowgeom.__all__
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new name never warns
-        rownorm_direction(u, vocab_axis=0)
 
 
 # --- Optimality against the exact oracles ---------------------------------------------------------
