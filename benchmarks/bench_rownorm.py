@@ -3,17 +3,17 @@
 Times, at a GPT-2 head shape in both layouts (a ``(V, d)`` table and a Flax ``(d, V)`` kernel),
 the jitted ``projected_rownorm`` update, ``clip_row_diameter`` (bound mode), the bracket
 ``row_diameter_bounds`` and the ``track_row_diameter`` statistics, each in both of rowgeom's
-formulations: ``[masked]``, the one that runs on every backend and under any mesh, and
-``[cpu]``, the XLA:CPU formulation (``rowgeom/_cpu.py``) that a process with one CPU device
-uses instead. Each is next to the memory floor, a jitted ``x * 0.5`` with its input donated
-(one read and one write), and next to the number of times its compiled program reads and writes
-an array of the head's size (``hlo_passes.py``). Then ``projected_rownorm`` across head sizes
-(with the fitted exponent of its time in ``V·d``), and the tracker's cost per step in a chain as
-a one-CPU process runs it: ``projected_rownorm`` alone, chained with the tracker on every step,
-and with ``every_k_steps=100`` (its off-steps), as stateful donated steps.
+formulations (their ``impl=``): ``[xla]``, the one that runs on every backend and under any
+mesh, and ``[cpu]``, the XLA:CPU formulation (``rowgeom/_cpu.py``) that ``impl="auto"`` picks
+for an array on a process's only CPU device. Each is next to the memory floor, a jitted
+``x * 0.5`` with its input donated (one read and one write), and next to the number of times
+its compiled program reads and writes an array of the head's size (``hlo_passes.py``). Then
+``projected_rownorm`` across head sizes (with the fitted exponent of its time in ``V·d``), and
+the tracker's cost per step in a chain as a one-CPU process runs it: ``projected_rownorm``
+alone, chained with the tracker on every step, and with ``every_k_steps=100`` (its off-steps),
+as stateful donated steps.
 
-A formulation is chosen when a function is traced; here each candidate is traced with that
-choice fixed (``rowgeom._cpu.traced_as``), so both run side by side in one process.
+Each candidate names its formulation with ``impl=``, so both run side by side in one process.
 
 Steady state, as in training: each donated function is applied to its own previous output
 (``y = f(y)``), so its buffer is reused and never page-faults; functions that return only
@@ -33,7 +33,6 @@ A shared machine's timings move between runs: compare ratios, not milliseconds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 
 import hlo_passes
@@ -45,9 +44,9 @@ import provenance
 from provenance import load_average
 
 import rowgeom
-from rowgeom import _cpu
 from rowgeom._rownorm import rownorm_direction
 
+FORMULATIONS = ("xla", "cpu")  # the head ops' impl= choices, "auto" aside
 BLOCK = "rownorm"  # the generated block of docs/benchmarks.md
 COMMAND = "python benchmarks/bench_rownorm.py --docs"
 
@@ -59,7 +58,7 @@ def steady_state(candidates: dict, x0, calls: int) -> dict:
     """Best-of-``calls`` seconds per candidate, interleaved with the donated floor.
 
     ``candidates`` maps a name to ``(jitted fn, donated)``, optionally followed by ``init`` and
-    the formulation to trace it with; a donated function is applied to its own previous output,
+    the formulation's name (a label here); a donated function is applied to its own previous output,
     any other one to the same input every call; ``init`` (or None) makes the first argument from
     the input (e.g. ``(updates, state)`` for a stateful step). The floor is added under the name
     ``"floor"``.
@@ -67,10 +66,9 @@ def steady_state(candidates: dict, x0, calls: int) -> dict:
     candidates = {"floor": (floor, True), **candidates}
     carry = {}
     for name, (fn, donated, *rest) in candidates.items():  # compile, reach the steady state
-        init, traced_as = (list(rest) + [None, None])[:2]
+        init = (list(rest) + [None])[0]
         x = init(jnp.array(x0)) if init else jnp.array(x0)
-        with _cpu.traced_as(traced_as) if traced_as else contextlib.nullcontext():
-            out = jax.block_until_ready(fn(x))
+        out = jax.block_until_ready(fn(x))
         carry[name] = out if donated else x
     best = dict.fromkeys(candidates, float("inf"))
     for _ in range(calls):
@@ -89,19 +87,21 @@ def head_operations(axis: int) -> dict:
     def update(tx):
         return jax.jit(lambda u: tx.update(u, optax.EmptyState())[0], donate_argnums=0)
 
-    tracker = rowgeom.track_row_diameter(vocab_axis=axis)
     ops = {}
-    for name in _cpu.FORMULATIONS:
+    for name in FORMULATIONS:
+        tracker = rowgeom.track_row_diameter(vocab_axis=axis, impl=name)
         ops |= {
             f"projected_rownorm[{name}]": (
-                update(rowgeom.projected_rownorm(vocab_axis=axis)), True, None, name),
+                update(rowgeom.projected_rownorm(vocab_axis=axis, impl=name)), True, None, name),
             f"clip_row_diameter[{name}]": (
-                update(rowgeom.clip_row_diameter(1.0, vocab_axis=axis)), True, None, name),
-            f"row_diameter_bounds[{name}]": (
-                jax.jit(lambda u: rowgeom.row_diameter_bounds(u, vocab_axis=axis)), False, None,
+                update(rowgeom.clip_row_diameter(1.0, vocab_axis=axis, impl=name)), True, None,
                 name),
+            f"row_diameter_bounds[{name}]": (
+                jax.jit(lambda u, name=name: rowgeom.row_diameter_bounds(
+                    u, vocab_axis=axis, impl=name)), False, None, name),
             f"track_row_diameter[{name}]": (
-                jax.jit(lambda u: tracker.update(u, tracker.init(u))[1]), False, None, name),
+                jax.jit(lambda u, tracker=tracker: tracker.update(u, tracker.init(u))[1]), False,
+                None, name),
         }
     return ops
 
@@ -113,19 +113,19 @@ def tracker_steps(axis: int, k: int) -> dict:
     training. In a run of fewer than ``k`` timed calls every
     timed call of the ``k`` chain is an off-step (only the warm-up call measures)."""
     def chained(tracker):
-        tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=axis), tracker)
+        tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=axis, impl="cpu"), tracker)
         return (jax.jit(lambda c: tx.update(*c), donate_argnums=0), True,
                 lambda u: (u, tx.init(u)), "cpu")
 
-    rownorm = rowgeom.projected_rownorm(vocab_axis=axis)
+    rownorm = rowgeom.projected_rownorm(vocab_axis=axis, impl="cpu")
     return {
         "projected_rownorm": (
             jax.jit(lambda u: rownorm.update(u, optax.EmptyState())[0], donate_argnums=0), True,
             None, "cpu"),
         "chain(projected_rownorm, track(k=1))": chained(
-            rowgeom.track_row_diameter(vocab_axis=axis)),
+            rowgeom.track_row_diameter(vocab_axis=axis, impl="cpu")),
         f"chain(projected_rownorm, track(k={k}))": chained(
-            rowgeom.track_row_diameter(vocab_axis=axis, every_k_steps=k)),
+            rowgeom.track_row_diameter(vocab_axis=axis, every_k_steps=k, impl="cpu")),
     }
 
 
@@ -162,12 +162,11 @@ def measure_tracker(vocab: int, dim: int, *, calls: int, k: int = 100, seed: int
     return rows
 
 
-def passes(fn, shape, traced_as: str) -> dict:
+def passes(fn, shape) -> dict:
     """Reads and writes of head-sized arrays in ``fn``'s compiled program (``hlo_passes``), and
     the same for the branches that run only when taken (the rescaling of huge input)."""
     spec = jax.ShapeDtypeStruct(shape, jnp.float32)
-    with _cpu.traced_as(traced_as):
-        text = fn.lower(spec).compile().as_text()
+    text = fn.lower(spec).compile().as_text()
     traffic = hlo_passes.head_traffic(text, int(np.prod(shape)))
     return dict(reads=traffic.reads, writes=traffic.writes,
                 branch_reads=max((b.reads for b in traffic.branches), default=0.0))
@@ -184,12 +183,12 @@ def measure(vocab: int, dim: int, *, calls: int, names=None, seed: int = 0,
         ops = head_operations(axis)
         ops = {name: ops[name] for name in (names or ops)}
         best = steady_state(ops, x0, calls)
-        for name, (fn, _, _, traced_as) in ops.items():
-            row = dict(name=name, formulation=traced_as, vocab_axis=axis, shape=list(shape),
+        for name, (fn, _, _, formulation) in ops.items():
+            row = dict(name=name, formulation=formulation, vocab_axis=axis, shape=list(shape),
                        seconds=best[name], floor_seconds=best["floor"],
                        ratio=best[name] / best["floor"])
             if count_passes:
-                row.update(passes(fn, shape, traced_as))
+                row.update(passes(fn, shape))
             rows.append(row)
     return rows
 
@@ -268,8 +267,9 @@ def markdown(results: dict, command: str = COMMAND) -> str:
     lines += [f"### Every O(Vd) head operation vs the donated floor, {shape} and its transpose",
               "", "One interleaved run (steady state, best of "
               f"{results['calls']} calls each). `[cpu]`: the XLA:CPU formulation, which a "
-              "process with one CPU device runs; `[masked]`: the formulation of every other "
-              "backend and of any mesh, here on one CPU device. Each cell: time over the "
+              "process with one CPU device runs by default (`impl='auto'`); `[xla]`: the "
+              "formulation of every other backend and of any mesh, here on one CPU device. "
+              "Each cell: time over the "
               "donated floor's; then the full-size reads and writes of the compiled program "
               "(`benchmarks/hlo_passes.py`).", "",
               "| operation | (V, d), vocab_axis=0 | (d, V), vocab_axis=1 |", "|---|---|---|"]
@@ -282,7 +282,7 @@ def markdown(results: dict, command: str = COMMAND) -> str:
                          f"{_ms(r['floor_seconds'])}{counts})")
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     ratios = tracker_over_rownorm(head)
-    for formulation in _cpu.FORMULATIONS:
+    for formulation in FORMULATIONS:
         if (formulation, 0) in ratios:
             lines.append(f"| `track_row_diameter` / `projected_rownorm` [{formulation}] | "
                          + " | ".join(f"{ratios[formulation, a]:.2f}" for a in (0, 1)) + " |")

@@ -58,7 +58,7 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """rowgeom.lm_optimizer's rates and decays (peak values of the schedule), the schedule,
-    clipping and accumulation. None rates and decays: `rowgeom.lm_optimizer_hparams`' defaults."""
+    clipping and accumulation. None rates and decays: `rowgeom.group_options`' defaults."""
 
     # Muon's step is RMS-matched to AdamW (rowgeom: scale="rms"), so one base rate serves the
     # hidden (Muon), embedding and vector (AdamW) groups.

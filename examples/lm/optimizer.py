@@ -1,13 +1,15 @@
 """The example's optimizer: the learning-rate schedule and `rowgeom.lm_optimizer` for a `Config`.
 
-Every group's peak rate and decay come from `rowgeom.lm_optimizer_hparams` (the library's own
-defaults, e.g. the head rate), each group follows `lr_schedule` of its peak, and the chain is
+Every group's peak rate and decay come from `rowgeom.group_options` (the library's own defaults,
+e.g. the head rate), each group follows `lr_schedule` of its peak, and the chain is
 global-norm clipping -> `rowgeom.lm_optimizer`, wrapped in `optax.MultiSteps` to accumulate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import optax
@@ -64,12 +66,14 @@ def optimizer_options(cfg: configs.Config) -> dict:
                 weight_decay=o.weight_decay, groups=groups, muon=muon, adam=adam)
 
 
-def group_hparams(cfg: configs.Config) -> rowgeom.LMHyperparams:
+def group_hparams(cfg: configs.Config) -> Mapping[str, rowgeom.GroupOptions]:
     """Each optimizer group's peak rate and decay, resolved by rowgeom's own defaults."""
-    return rowgeom.lm_optimizer_hparams(cfg.optim.learning_rate, **optimizer_options(cfg))
+    options = optimizer_options(cfg)
+    del options["tied"]  # which group a tied table joins changes no group's settings
+    return rowgeom.group_options(cfg.optim.learning_rate, **options)
 
 
-def head_group(cfg: configs.Config) -> rowgeom.GroupHyperparams:
+def head_group(cfg: configs.Config) -> rowgeom.GroupOptions:
     """The group that trains the head: "head", or "embedding" for a tied table."""
     return group_hparams(cfg)["embedding" if cfg.model.tied_embeddings else "head"]
 
@@ -90,8 +94,10 @@ def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
 
     Every group gets `lr_schedule` of its resolved peak rate (`group_hparams`).
     """
-    tx = rowgeom.lm_optimizer(group_hparams(cfg).with_rates(
-        lambda group, peak: lr_schedule(peak, cfg)))
+    groups = {group: dataclasses.replace(o, learning_rate=lr_schedule(o.learning_rate, cfg))
+              for group, o in group_hparams(cfg).items()}
+    tx = rowgeom.lm_optimizer(cfg.optim.learning_rate, **{**optimizer_options(cfg),
+                                                          "groups": groups})
     if cfg.optim.grad_clip is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.optim.grad_clip), tx)
     if cfg.optim.grad_accum_steps > 1:

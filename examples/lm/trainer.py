@@ -24,7 +24,7 @@ from flax import nnx
 from examples.lm import configs, evaluate, sharding
 from examples.lm import mesh as mesh_lib
 from examples.lm import model as model_lib
-from examples.lm.optimizer import build_optimizer, head_group, lr_schedule
+from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
 
 
 class Trainer:
@@ -111,7 +111,8 @@ class Trainer:
         hp = head_group(self.cfg)
         full_head = self.abstract_state["params"]["lm_head"]["kernel"].shape if (
             "lm_head" in self.abstract_state["params"]) else None
-        if (self.cfg.eval.centring and hp.optimizer == "rownorm" and full_head is not None
+        rownorm = optimizer_options(self.cfg)["head"].optimizer == "rownorm"
+        if (self.cfg.eval.centring and rownorm and full_head is not None
                 and evaluate.head_ema(self.abstract_state["opt_state"], full_head) is not None):
             o = self.cfg.optim
             self.centring_probe = evaluate.make_centring_probe(

@@ -103,8 +103,10 @@ def test_recipe_is_table_2(size, head):
     assert float(lr(mid)) == pytest.approx(cosine, rel=1e-5)
     assert float(lr(updates - 1)) == pytest.approx(0.1, rel=1e-6)
 
-    hp = optimizer.group_hparams(cfg)
-    rows = {r.path: r for r in rowgeom.describe(_params(cfg), hp)}
+    opts = optimizer.optimizer_options(cfg)
+    plan = rowgeom.describe(_params(cfg), cfg.optim.learning_rate, **opts)
+    rows, groups = {r.path: r for r in plan}, plan.groups
+    assert groups == dict(optimizer.group_hparams(cfg))  # what the trainer schedules
     hidden = [p for p in rows if p.startswith("layers/")]
     assert sorted(rows) == sorted(["embed/embedding", "lm_head/kernel", *hidden])
     assert {rows[p].label for p in hidden} == {"hidden"} and len(hidden) == 7
@@ -112,28 +114,31 @@ def test_recipe_is_table_2(size, head):
     # Backbone: Nesterov Muon 8e-3, momentum 0.95, wd 0.1, 5 Newton-Schulz steps with
     # (3.4445, -4.7750, 2.0315), eps 1e-5, sqrt(max(1, fan_out / fan_in)).
     for p in hidden:
-        row = rows[p]
-        assert (row.optimizer, row.learning_rate, row.weight_decay, row.momentum) == (
+        row, group = rows[p], groups[rows[p].label]
+        assert (row.optimizer, group.learning_rate, group.weight_decay, group.momentum) == (
             "muon", 8e-3, 0.1, 0.95)
         assert row.muon_dims == rowgeom.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
-    muon = hp.muon
+    muon = opts["muon"]
     assert (muon.nesterov, muon.ns_steps, muon.eps, muon.scale) == (True, 5, 1e-5, "keller")
     np.testing.assert_allclose(rowgeom.ns_coefficients(muon.ns_coeffs, 5),
                                [[3.4445, -4.7750, 2.0315]] * 5)
     # Embedding: AdamW 4e-3, (0.9, 0.999), eps 1e-10, wd 0.1.
     emb = rows["embed/embedding"]
-    assert (emb.optimizer, emb.learning_rate, emb.weight_decay) == ("adamw", 4e-3, 0.1)
-    assert (hp.adam.b1, hp.adam.b2, hp.adam.eps) == (0.9, 0.999, 1e-10)
+    emb_group = groups[emb.label]
+    assert (emb.optimizer, emb_group.learning_rate, emb_group.weight_decay) == (
+        "adamw", 4e-3, 0.1)
+    assert (opts["adam"].b1, opts["adam"].b2, opts["adam"].eps) == (0.9, 0.999, 1e-10)
     head_row = rows["lm_head/kernel"]
+    hg, head_opts = groups[head_row.label], opts["head"]
     if head == "adamw":
-        assert (head_row.optimizer, head_row.learning_rate, head_row.weight_decay,
-                head_row.momentum) == ("adamw", adamw_lr, 0.1, 0.9)
+        assert (head_row.optimizer, hg.learning_rate, hg.weight_decay, hg.momentum) == (
+            "adamw", adamw_lr, 0.1, 0.9)
     else:  # EMA 0.95 bias-corrected, eps 1e-8, no head weight decay
-        assert (head_row.optimizer, head_row.learning_rate, head_row.weight_decay,
-                head_row.momentum) == ("rownorm", rownorm_lr, 0.0, 0.95)
-        assert hp.head.bias_correction and hp.head.eps == 1e-8 and head_row.centred
+        assert (head_row.optimizer, hg.learning_rate, hg.weight_decay, hg.momentum) == (
+            "rownorm", rownorm_lr, 0.0, 0.95)
+        assert head_opts.bias_correction and head_opts.eps == 1e-8 and head_row.centred
     # Padding rows are left out of RowNorm (and give no AdamW step), from the config alone.
-    assert hp.head.num_valid == 50_257
+    assert head_opts.num_valid == 50_257
 
 
 def test_muon_scale_is_sqrt_max_1_fan_out_over_fan_in():
