@@ -179,18 +179,30 @@ def prepare(platform: str) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+def traced_for_target():
+    """A context in which rowgeom traces what an accelerator runs.
+
+    rowgeom picks its XLA:CPU formulation when the process has exactly one device and it is a
+    CPU (`rowgeom._cpu.one_cpu_device`), which is the case of a CPU host compiling for a
+    target; every accelerator and every mesh runs the masked formulation, so trace that one."""
+    from rowgeom import _cpu  # noqa: PLC0415
+
+    return _cpu.traced_as("masked")
+
+
 def compile_for(fn, args, target: Target, *, in_shardings=None, out_shardings=None,
-                donate_argnums=(), devices=None):
+                donate_argnums=()):
     """(compiled, seconds): `jax.jit(fn)` compiled for `target` on abstract `args`
     (`jax.ShapeDtypeStruct`s; their shardings, or `in_shardings`, must be on the target's
-    devices, e.g. a `Mesh` over `target.devices()`)."""
+    devices, e.g. a `Mesh` over `target.devices()`), rowgeom traced as on the target."""
     import jax  # noqa: PLC0415
 
-    del devices
+    del target  # the devices come with the shardings
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=donate_argnums)
     start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    with traced_for_target():
+        compiled = jitted.lower(*args).compile()
     return compiled, time.perf_counter() - start
 
 
@@ -211,7 +223,8 @@ def compile_train_step(cfg, target: Target, *, step: str = "train_step") -> dict
 
     cfg = _mesh_for(cfg, target)
     devices = target.devices()
-    result = plan.plan(cfg, devices, step=step)
+    with traced_for_target():
+        result = plan.plan(cfg, devices, step=step)
     return _with_target(result, target)
 
 
