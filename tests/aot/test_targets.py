@@ -145,3 +145,53 @@ def test_lm_optimizer_update_collectives_on_v5e_8():
     assert any(re.fullmatch(r"f32\[512\]", s) or "f32[512]," in s for s in reduced), reduced
     assert not [s for kind, s in ops if kind == "all-gather" and "512" in s], ops
     assert any(kind == "all-to-all" for kind, _ in ops), ops
+
+
+# ----------------------------------------------------------------------------- reading TPU HLO
+
+_WINDOWED = """HloModule m
+
+%body (p: (f32[8,64], u32[])) -> (f32[8,64], u32[]) {
+  %p = (f32[8,64], u32[]) parameter(0)
+  %x = f32[8,64]{1,0:T(8,128)} get-tuple-element(%p), index=0
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=1
+  %one = u32[]{:T(128)} constant(1)
+  %two = u32[]{:T(128)} constant(2)
+  %other = u32[]{:T(128)} add(%i, %one)
+  %k = f32[64,32]{1,0:T(8,128)} constant({...})
+  %y = f32[8,32]{1,0:T(8,128)} convolution(%x, %k), dim_labels=bf_io->bf
+  %g = f32[16,64]{1,0:T(8,128)} collective-permute(%x), source_target_pairs={{0,1},{1,0}}
+  %next = u32[]{:T(128)} add(%i, %two)
+  ROOT %t = (f32[8,64], u32[]) tuple(%x, %next)
+}
+
+%cond (p: (f32[8,64], u32[])) -> pred[] {
+  %p = (f32[8,64], u32[]) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=1
+  %n = u32[]{:T(128)} constant(4)
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,64], q: bf16[4,16,64], kk: bf16[4,16,64]) -> f32[8,64] {
+  %a = f32[8,64]{1,0:T(8,128)} parameter(0)
+  %q = bf16[4,16,64]{2,1,0} parameter(1)
+  %kk = bf16[4,16,64]{2,1,0} parameter(2)
+  %att = f32[4,16,16]{2,1,0} convolution(%q, %kk), BATCHED
+  %w = (f32[8,64], u32[]) while(%init), condition=%cond, body=%body
+  ROOT %o = f32[8,64]{1,0} get-tuple-element(%w), index=0
+}
+""".replace("BATCHED", "window={size=4 stride=3 lhs_dilate=4}, dim_labels=0bf_0oi->0bf")
+
+
+def test_tpu_hlo_convolutions_and_windowed_loops_are_counted():
+    """The TPU compiler writes matmuls as convolutions (a batched one with its batch axis as a
+    window over a dilated input: one real tap per output), and its bidirectional windowed-einsum
+    loops step their counter by 2: `counter < 4` runs twice."""
+    from examples.lm import compiled
+
+    figures = compiled.analyse_hlo(_WINDOWED)
+    assert figures["loops_known"]
+    matmul = 2 * 8 * 32 * 64  # the loop's (8, 64) @ (64, 32)
+    attention = 2 * (4 * 16 * 16) * 64  # 4 batched (16, 64) @ (64, 16)
+    assert figures["matmul_flops"] == 2 * matmul + attention
+    assert figures["collectives"]["collective-permute"] == 2 * 16 * 64 * 4
