@@ -207,12 +207,13 @@ def compile_for(fn, args, target: Target, *, in_shardings=None, out_shardings=No
 
 
 def _mesh_for(cfg, target: Target):
-    """`cfg` with its default mesh (every device on `data`) replaced by FSDP over every device,
-    as the trainer's configs are planned; an explicit mesh stays."""
+    """`cfg` with its default mesh (every device on `data`) replaced by FSDP over every device
+    of a slice, and data parallelism across slices; an explicit mesh stays."""
     from examples.lm import configs  # noqa: PLC0415
 
     if dataclasses.astuple(cfg.mesh) == dataclasses.astuple(configs.MeshConfig()):
-        return configs.override(cfg, {"mesh.data": 1, "mesh.fsdp": -1})
+        slices = target.topology.get("num_slices", 1)
+        return configs.override(cfg, {"mesh.data": slices, "mesh.fsdp": -1})
     return cfg
 
 

@@ -111,6 +111,14 @@ def test_test_config_step_compiles_and_fits_on_v5e_8(tmp_path):
     _check_step(_step("v5e-8", tmp_path), "tpu")
 
 
+@needs_tpu
+def test_two_slices_split_data_parallelism_across_them(tmp_path):
+    """Multi-slice: `2xv5e-4` is a hybrid mesh, data over the two slices, FSDP within each."""
+    result = _step("2xv5e-4", tmp_path)
+    assert result["fits"] and result["devices"] == 8
+    assert result["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+
+
 @needs_gpu
 def test_test_config_step_compiles_and_fits_on_h200_8(tmp_path):
     _check_step(_step("h200-8", tmp_path), "gpu")
