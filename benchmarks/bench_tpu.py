@@ -219,8 +219,8 @@ def markdown(results: dict) -> str:
              "head-sized array in the compiled program (`hlo_passes.py`); the minimum for "
              "`projected_rownorm` is 4 reads and 1 write, 2.5x the floor's bytes. "
              "`cost_analysis()` adds up both branches of a conditional, so its bytes include "
-             "the branches that run only when taken (the overflow guard's rescaling, for "
-             "entries above 2**50, and the tracker's measuring step); the last column counts "
+             "the branches that run only when taken (such as the overflow guard's rescaling, "
+             "for entries above 2**50); the last column counts "
              "the passes of the path that runs on every call, over the floor's.", "",
              "| chip | op | layout | bytes accessed | ÷ floor | est. time | ÷ floor | passes | "
              "passes run ÷ floor's |",
