@@ -4,13 +4,14 @@
 what it costs from the program itself rather than from a timer:
 
 - memory by kind from `compiled.memory_analysis()`;
-- matmul FLOPs and the bytes of every cross-device collective from the HLO text, each counted as
-  often as it runs. XLA's own `cost_analysis()` counts the body of a `while` loop once, so the
-  FLOPs of a scanned model would come out about L times too small; here every computation is
-  weighted by the number of times it is entered (a while loop's body by its trip count: XLA's
+- matmul FLOPs (`dot`s, and the `convolution`s TPU programs write many matmuls as) and the
+  bytes of every cross-device collective from the HLO text, each counted as often as it runs.
+  XLA's own `cost_analysis()` counts the body of a `while` loop once, so the FLOPs of a
+  scanned model would come out about L times too small; here every computation is weighted by
+  the number of times it is entered (a while loop's body by its trip count: XLA's
   `known_trip_count`, or, before XLA annotates it, the bound of a `counter < N` condition, as
-  `lax.scan` writes it; every other call once; both branches of a conditional count, an upper
-  bound).
+  `lax.scan` writes it, over the body's step of the counter; every other call once; both
+  branches of a conditional count, an upper bound).
 
 A collective counts the larger of its result and its operands: an all-gather's whole result, a
 reduce-scatter's whole input, so an all-reduce and the reduce-scatter a backend may lower it to
@@ -72,8 +73,18 @@ def _parse(hlo_text: str):
     return computations, entry, shapes
 
 
-def _counter_bound(condition: list) -> int | None:
-    """N of a loop condition `counter < N` with a constant N (how `lax.scan` loops from 0)."""
+def _tuple_index(instructions: list, name: str) -> int | None:
+    """k of `name = get-tuple-element(...), index=k` in `instructions`, else None."""
+    for other, _, op, _, attributes in instructions:
+        if other == name and op == "get-tuple-element":
+            index = re.search(r"\bindex=(\d+)", attributes)
+            return int(index.group(1)) if index else None
+    return None
+
+
+def _counter_bound(condition: list) -> tuple[int, int | None] | None:
+    """(N, the counter's tuple index) of a loop condition `counter < N` with a constant N (how
+    `lax.scan` loops from 0)."""
     constants = {name: operands.strip() for name, _, op, operands, _ in condition
                  if op == "constant"}
     for _, _, op, operands, attributes in condition:
@@ -81,8 +92,26 @@ def _counter_bound(condition: list) -> int | None:
         if op == "compare" and "direction=LT" in attributes and len(names) == 2:
             bound = constants.get(names[1], "")
             if bound.isdigit():
-                return int(bound)
+                return int(bound), _tuple_index(condition, names[0])
     return None
+
+
+def _counter_step(body: list, index: int | None) -> int:
+    """The constant the loop body adds to the counter at tuple index `index` (1 if not found):
+    the TPU compiler's bidirectional windowed-einsum loops count in steps of 2."""
+    if index is None or not body or body[-1][2] != "tuple":
+        return 1
+    by_name = {name: (op, operands) for name, _, op, operands, _ in body}
+    results = [o.strip().lstrip("%") for o in body[-1][3].split(",")]
+    op, operands = by_name.get(results[index], ("", "")) if index < len(results) else ("", "")
+    names = [o.strip().lstrip("%") for o in operands.split(",")]
+    if op != "add" or len(names) != 2:
+        return 1
+    for counter, step in (names, names[::-1]):
+        kind, value = by_name.get(step, ("", ""))
+        if _tuple_index(body, counter) == index and kind == "constant" and value.isdigit():
+            return max(int(value), 1)
+    return 1
 
 
 def _trip_count(attributes: str, computations: dict) -> int | None:
@@ -90,7 +119,12 @@ def _trip_count(attributes: str, computations: dict) -> int | None:
     if count:
         return int(count.group(1))
     condition = re.search(r"condition=%([\w.-]+)", attributes)
-    return _counter_bound(computations.get(condition.group(1), [])) if condition else None
+    bound = _counter_bound(computations.get(condition.group(1), [])) if condition else None
+    if bound is None:
+        return None
+    body = re.search(r"body=%([\w.-]+)", attributes)
+    step = _counter_step(computations.get(body.group(1), []), bound[1]) if body else 1
+    return -(-bound[0] // step)
 
 
 def _multiplicities(computations: dict, entry: str) -> tuple[dict[str, int], bool]:
@@ -121,6 +155,32 @@ def _multiplicities(computations: dict, entry: str) -> tuple[dict[str, int], boo
     return {name: runs(name) for name in computations}, known
 
 
+def _convolution_flops(shape: str, lhs: str, kernel: str, attributes: str) -> float:
+    """2 x output elements x the input elements each one multiplies: the kernel's input features
+    (per group) times, along each window axis, the taps that land on input (at most the window,
+    the input's extent, and window / lhs_dilate: the TPU compiler writes a batched matmul as a
+    convolution whose batch axes are windows over a dilated input, one real tap each)."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->\w+", attributes)
+    lhs_dims, kernel_dims, out = _dims(lhs), _dims(kernel), _dims(shape)
+    if not labels or not lhs_dims or not kernel_dims or not out:
+        return 0.0
+    lhs_labels, kernel_labels = labels.groups()
+    if len(lhs_labels) != len(lhs_dims[0]) or len(kernel_labels) != len(kernel_dims[0]):
+        return 0.0
+    spatial = {label: n for label, n in zip(lhs_labels, lhs_dims[0], strict=True)
+               if label.isdigit()}
+    dilation = re.search(r"lhs_dilate=([\dx]+)", attributes)
+    dilate = [int(d) for d in dilation.group(1).split("x")] if dilation else []
+    reads = 1
+    for label, n in zip(kernel_labels, kernel_dims[0], strict=True):
+        if label == "i":
+            reads *= n
+        elif label.isdigit():
+            step = dilate[int(label)] if int(label) < len(dilate) else 1
+            reads *= max(1, min(n, -(-n // step), spatial.get(label, n)))
+    return 2.0 * math.prod(out[0]) * reads
+
+
 def analyse_hlo(hlo_text: str) -> dict:
     """Matmul FLOPs and collective bytes (by kind) per device of one execution of the program,
     every loop body counted by its trip count; `loops_known`: whether all trip counts were;
@@ -139,7 +199,7 @@ def analyse_hlo(hlo_text: str) -> dict:
                 inputs = sum(shape_bytes(shapes.get(n, "")) for n in names)
                 moved = max(shape_bytes(shape), inputs)
                 collectives[kind] += times * moved
-                entry = largest[kind, re.sub(r"\{[\d,]*\}", "", shape)]
+                entry = largest[kind, re.sub(r"\{[^{}]*\}", "", shape)]
                 entry[0] += times
                 entry[1] += times * moved
             elif op == "dot" and names:
@@ -148,6 +208,9 @@ def analyse_hlo(hlo_text: str) -> dict:
                 if lhs and contracting:
                     k = math.prod(lhs[0][int(i)] for i in contracting.group(1).split(",") if i)
                     flops += times * 2.0 * math.prod(_dims(shape)[0]) * k
+            elif op == "convolution" and len(names) == 2:
+                flops += times * _convolution_flops(shape, shapes.get(names[0], ""),
+                                                    shapes.get(names[1], ""), attributes)
     top = sorted(((b, kind, shape, n) for (kind, shape), (n, b) in largest.items()), reverse=True)
     return {"matmul_flops": flops, "collectives": collectives, "loops_known": known,
             "largest_collectives": [{"kind": kind, "shape": shape, "times": n, "bytes": b}
@@ -156,10 +219,11 @@ def analyse_hlo(hlo_text: str) -> dict:
 
 def read_compiled(compiled) -> dict:
     """Per-device memory by kind (bytes), its peak (arguments + outputs + temporaries - aliased),
-    XLA's FLOP count (`xla_flops`, loop bodies once) and `analyse_hlo`'s figures."""
+    XLA's FLOP count (`xla_flops`, loop bodies once; 0 where the backend has no cost analysis,
+    as XLA:GPU compiling without a device) and `analyse_hlo`'s figures."""
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # None: XLA:GPU compiled
     kinds = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
              "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes,
              "code": memory.generated_code_size_in_bytes}

@@ -83,9 +83,24 @@ def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh with Auto axes (jax.make_mesh would default to Explicit)."""
+    """A (data, fsdp, tensor) mesh with Auto axes (jax.make_mesh would default to Explicit).
+
+    Devices of several TPU slices (multi-slice, `slice_index`) get a hybrid mesh: `data` is
+    split across the slices first (the data-center network carries only the gradients' data-
+    parallel reductions), the rest within each slice."""
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(data, fsdp, tensor, len(devices))
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        if shape[0] % slices:
+            raise ValueError(f"{_FLAGS} = {shape}: with {slices} slices --mesh.data must be a "
+                             "multiple of the number of slices (only data parallelism crosses "
+                             "slices)")
+        from jax.experimental import mesh_utils  # noqa: PLC0415
+
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (shape[0] // slices, shape[1], shape[2]), (slices, 1, 1), devices)
+        return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
