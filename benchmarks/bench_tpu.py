@@ -90,8 +90,8 @@ def head_ops(chip: str) -> list[dict]:
     for axis in (0, 1):
         shape = HEAD if axis == 0 else HEAD[::-1]
         x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rep)
-        rownorm = rowgeom.projected_rownorm(vocab_axis=axis)
-        tracker = rowgeom.track_row_diameter(vocab_axis=axis)
+        rownorm = rowgeom.projected_rownorm(vocab_axis=axis, impl="xla")
+        tracker = rowgeom.track_row_diameter(vocab_axis=axis, impl="xla")
         ops = {
             "floor (donated x * 0.5)": (lambda u: u * 0.5, (0,)),
             "projected_rownorm": (lambda u, t=rownorm: t.update(u, optax.EmptyState())[0], (0,)),
@@ -150,18 +150,20 @@ def optimizers(config: str = "190m", target_name: str = "v5e-8") -> list[dict]:
     from examples.lm.trainer import Trainer  # noqa: PLC0415
 
     target = topology.get_target(target_name)
-    cfg = configs.override(configs.get_config(config), {"mesh.data": 1, "mesh.fsdp": -1})
+    cfg = topology.for_target(configs.override(configs.get_config(config),
+                                                {"mesh.data": 1, "mesh.fsdp": -1}))
     mesh = mesh_lib.make_mesh(1, -1, 1, devices=target.devices())
     trainer = Trainer(cfg, mesh)
     params = trainer.abstract_state["params"]
     param_shardings = trainer.shardings["params"]
-    txs = {"rowgeom.lm_optimizer": rowgeom.lm_optimizer(optimizer_lib.group_hparams(cfg)),
+    txs = {"rowgeom.lm_optimizer": rowgeom.lm_optimizer(
+               cfg.optim.learning_rate, **optimizer_lib.optimizer_options(cfg)),
            "optax.adamw": optax.adamw(cfg.optim.learning_rate,
                                       weight_decay=cfg.optim.weight_decay)}
     param_bytes = sum(p.size * p.dtype.itemsize for p in jax.tree.leaves(params))
     rows = []
     for name, tx in txs.items():
-        with jax.set_mesh(mesh), topology.traced_for_target():
+        with jax.set_mesh(mesh):
             state = jax.eval_shape(tx.init, params)
         shardings = mesh_lib.state_shardings({"params": params, "opt_state": state},
                                              param_shardings, mesh)

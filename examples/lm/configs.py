@@ -32,12 +32,13 @@ from examples.lm.model import REMAT_POLICIES, ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
 MUON_SCALES = ("rms", "keller", "spectral", "none")
+HEAD_IMPLS = ("auto", "xla", "cpu")  # rowgeom.HeadOptions.impl
 HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields whose values are checked against a fixed set (shown by --help).
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
            "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
-           "optim.muon_scale": MUON_SCALES}
+           "optim.muon_scale": MUON_SCALES, "optim.head_impl": HEAD_IMPLS}
 # The padded vocabulary of a --data.tokenizer run is a multiple of this (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
 
@@ -85,6 +86,10 @@ class OptimConfig:
     # and its eps (None: rowgeom's 1e-8).
     head_bias_correction: bool = False
     head_eps: float | None = None
+    # Which formulation the head's O(Vd) ops trace (rowgeom.HeadOptions.impl): "auto" decides by
+    # where the head lives; "xla" is what accelerators and meshes run (compiling for a TPU or GPU
+    # target from a one-CPU host needs it said: examples/lm/topology.py).
+    head_impl: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

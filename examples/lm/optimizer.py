@@ -55,7 +55,8 @@ def optimizer_options(cfg: configs.Config) -> dict:
                                eps=o.head_eps if rownorm else None,
                                bias_correction=o.head_bias_correction and rownorm,
                                num_valid=cfg.model.valid_vocab_size,
-                               track_every_k_steps=track_every_k_steps(cfg))
+                               track_every_k_steps=track_every_k_steps(cfg),
+                               impl=o.head_impl)
     groups = {"head": rowgeom.GroupOptions(learning_rate=o.head_learning_rate,
                                            weight_decay=o.head_weight_decay),
               "embedding": rowgeom.GroupOptions(learning_rate=o.embedding_learning_rate),

@@ -280,8 +280,20 @@ def main(argv=None) -> int:
     parser.add_argument("--paper", action="store_true",
                         help="plan the paper configs on 8 devices (--config: only that one; "
                              "--head: its head, default rownorm); see the module docstring")
+    parser.add_argument("--topology", default=None, metavar="NAME",
+                        help="compile with the target's own compiler instead of simulated CPU "
+                             "devices: v5e-8, v6e-8, h100-8, h200-8, ... (python -m "
+                             "examples.lm.topology; needs the `tpu` or `gpu-aot` extra)")
     flags.add_config_arguments(parser)
     args = parser.parse_args(argv)
+    if args.topology is not None:
+        if args.paper or args.devices is not None or args.device_memory is not None:
+            parser.error("--topology sets the devices and their memory: drop --paper, "
+                         "--devices and --device-memory")
+        from examples.lm import topology
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return topology.main(argv)
     if args.paper:
         return _main_paper(parser, args)
     dump_dir = tempfile.mkdtemp(prefix="rowgeom-plan-")

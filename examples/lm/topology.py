@@ -179,30 +179,29 @@ def prepare(platform: str) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def traced_for_target():
-    """A context in which rowgeom traces what an accelerator runs.
+def for_target(cfg):
+    """`cfg` with the head ops traced as an accelerator runs them (`optim.head_impl="xla"`).
 
-    rowgeom picks its XLA:CPU formulation when the process has exactly one device and it is a
-    CPU (`rowgeom._cpu.one_cpu_device`), which is the case of a CPU host compiling for a
-    target; every accelerator and every mesh runs the masked formulation, so trace that one."""
-    from rowgeom import _cpu  # noqa: PLC0415
+    rowgeom's `impl="auto"` sees a CPU host's one device when tracing for a target from it,
+    and would pick its XLA:CPU formulation; every accelerator and every mesh runs "xla"."""
+    from examples.lm import configs  # noqa: PLC0415
 
-    return _cpu.traced_as("masked")
+    return configs.override(cfg, {"optim.head_impl": "xla"})
 
 
 def compile_for(fn, args, target: Target, *, in_shardings=None, out_shardings=None,
                 donate_argnums=()):
     """(compiled, seconds): `jax.jit(fn)` compiled for `target` on abstract `args`
     (`jax.ShapeDtypeStruct`s; their shardings, or `in_shardings`, must be on the target's
-    devices, e.g. a `Mesh` over `target.devices()`), rowgeom traced as on the target."""
+    devices, e.g. a `Mesh` over `target.devices()`). rowgeom's head ops in `fn` should say
+    `impl="xla"` (see `for_target`)."""
     import jax  # noqa: PLC0415
 
     del target  # the devices come with the shardings
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=donate_argnums)
     start = time.perf_counter()
-    with traced_for_target():
-        compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*args).compile()
     return compiled, time.perf_counter() - start
 
 
@@ -222,10 +221,8 @@ def compile_train_step(cfg, target: Target, *, step: str = "train_step") -> dict
     the devices), with the target's name, memory and budget, and whether the step fits."""
     from examples.lm import plan  # noqa: PLC0415
 
-    cfg = _mesh_for(cfg, target)
-    devices = target.devices()
-    with traced_for_target():
-        result = plan.plan(cfg, devices, step=step)
+    cfg = for_target(_mesh_for(cfg, target))
+    result = plan.plan(cfg, target.devices(), step=step)
     return _with_target(result, target)
 
 
@@ -245,7 +242,7 @@ def compile_optimizer_update(cfg, target: Target) -> dict:
     from examples.lm import mesh as mesh_lib  # noqa: PLC0415
     from examples.lm.trainer import Trainer  # noqa: PLC0415
 
-    cfg = _mesh_for(cfg, target)
+    cfg = for_target(_mesh_for(cfg, target))
     mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
                               devices=target.devices())
     trainer = Trainer(cfg, mesh)

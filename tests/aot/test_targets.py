@@ -79,6 +79,17 @@ def test_without_the_compiler_the_cli_says_what_to_install(tmp_path):
     assert 'pip install -e ".[tpu]"' in proc.stderr
 
 
+def test_plan_hands_a_topology_to_the_target_compiler(capsys):
+    from examples.lm import plan
+
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--config", "test", "--topology", "v9z-3"])
+    assert e.value.code == 2 and "unknown target 'v9z-3'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--config", "test", "--topology", "v5e-8", "--devices", "8"])
+    assert e.value.code == 2 and "drop --paper, --devices" in capsys.readouterr().err
+
+
 def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1",
                PYTHONPATH=str(ROOT))
@@ -86,9 +97,9 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, check=False)
 
 
-def _step(target: str, tmp_path) -> dict:
+def _step(target: str, tmp_path, module: str = "examples.lm.topology") -> dict:
     out = tmp_path / "plan.json"
-    proc = _run(["-m", "examples.lm.topology", "--config", "test", "--topology", target,
+    proc = _run(["-m", module, "--config", "test", "--topology", target,
                  "--json", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "fits" in proc.stdout and target in proc.stdout, proc.stdout
@@ -121,7 +132,8 @@ def test_two_slices_split_data_parallelism_across_them(tmp_path):
 
 @needs_gpu
 def test_test_config_step_compiles_and_fits_on_h200_8(tmp_path):
-    _check_step(_step("h200-8", tmp_path), "gpu")
+    # through the plan's --topology, which hands the same flags to topology.py
+    _check_step(_step("h200-8", tmp_path, module="examples.lm.plan"), "gpu")
 
 
 _UPDATE = """
