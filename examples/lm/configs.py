@@ -175,12 +175,15 @@ class Config:
             if flat[name] < 1:
                 raise ValueError(f"--{name} must be >= 1, got {flat[name]}")
         for name, low, high in (("eval.probe_last_steps", 0, self.steps),
-                                ("eval.diameter_every", 0, self.steps),
                                 ("optim.decay_fraction", 0.0, 1.0),
                                 ("optim.min_lr_ratio", 0.0, 1.0),
                                 ("optim.adam_b2", 0.0, 1.0)):
             if not low <= flat[name] <= high:
                 raise ValueError(f"--{name} must be in [{low}, {high}], got {flat[name]}")
+        # More than `steps` is fine (like eval.every): the last update is measured anyway.
+        if self.eval.diameter_every < 0:
+            raise ValueError("--eval.diameter_every must be >= 0 (0: off), got "
+                             f"{self.eval.diameter_every}")
         if self.optim.warmup_steps < 0:
             raise ValueError(f"--optim.warmup_steps must be >= 0, got {self.optim.warmup_steps}")
         if self.optim.grad_clip is not None and self.optim.grad_clip <= 0:
