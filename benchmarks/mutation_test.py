@@ -68,6 +68,8 @@ MUON_TESTS = ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS
 RESUME_TESTS = ("tests/examples/test_lm_train.py", "tests/examples/test_resume_fast.py")
 SHARDED_TESTS = ("tests/rowgeom/test_muon_sharded_fast.py",)
 LOOP_TESTS = ("tests/examples/test_lm_loop.py",)
+KIND_TESTS = ("tests/examples/test_lm_mutation_kinds.py",)
+ROWGEOM_KIND_TESTS = ("tests/rowgeom/test_mutation_kinds.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the kinds the test-suite issue found missed ----------------------------------------
@@ -256,6 +258,46 @@ MUTANTS: tuple[Mutant, ...] = (
            "step = delta - (head_lr * head_wd) * head_old",
            "the head probe's step without decay subtracts lr wd W instead of adding it back",
            LOOP_TESTS),
+    # --- what the fast subset missed (issue 35): work done, dtypes, scaled losses, logging -----
+    Mutant("remat-policy-ignored", "examples/lm/model.py",
+           "return nnx.remat(_apply_block, policy=saved[policy], prevent_cse=not in_scan)",
+           "return nnx.remat(_apply_block, policy=None, prevent_cse=not in_scan)",
+           "--model.remat dots recomputes the whole block, like block", KIND_TESTS),
+    Mutant("params-not-cast-before-forward", "examples/lm/trainer.py",
+           "        compute = self.compute_params\n",
+           "        compute = lambda params: params\n",
+           "the forward pass gets the float32 parameters (FSDP gathers float32; the layers cast)",
+           KIND_TESTS),
+    Mutant("chunked-loss-cotangent-ignored", "examples/lm/loss.py",
+           "jnp.where(jnp.arange(num_chunks * chunk_size) < T, g / (B * T), 0.0)",
+           "jnp.where(jnp.arange(num_chunks * chunk_size) < T, 1.0 / (B * T), 0.0)",
+           "the chunked loss's backward pass ignores its incoming cotangent", KIND_TESTS),
+    Mutant("accum-train-loss-last", "examples/lm/train.py",
+           '"train_loss": _scalar(sum(losses) / self.accum)',
+           '"train_loss": _scalar(losses[-1])',
+           "with accumulation, train_loss is the last micro-batch's, not the mean", KIND_TESTS),
+    Mutant("plan-model-flops-whole", "examples/lm/plan.py",
+           "batch * cfg.seq_len / len(devices),", "batch * cfg.seq_len,",
+           "the plan's model FLOPs are the whole batch's, not per device", KIND_TESTS),
+    Mutant("muon-sharded-extra-block", "rowgeom/_muon_sharding.py",
+           "pad = -stack.shape[0] % where.size", "pad = where.size - stack.shape[0] % where.size",
+           "sharded Muon pads a whole block of zero matrices when the stack divides the devices",
+           ROWGEOM_KIND_TESTS),
+    Mutant("rownorm-guard-scale-padding-xla", "rowgeom/_rownorm.py",
+           "_guarded(stats, lambda: jnp.max(jnp.abs(mask(x))), eps)",
+           "_guarded(stats, lambda: jnp.max(jnp.abs(x)), eps)",
+           "masked RowNorm's overflow guard takes its scale from the padding rows too",
+           ROWGEOM_KIND_TESTS),
+    Mutant("rownorm-guard-scale-padding-cpu-rows", "rowgeom/_cpu.py",
+           "stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=axis))), eps)",
+           "stats, lambda: jnp.max(jnp.abs(x)), eps)",
+           "CPU RowNorm's overflow guard (token rows contiguous) scales by the padding rows too",
+           ROWGEOM_KIND_TESTS),
+    Mutant("rownorm-guard-scale-padding-cpu-slabs", "rowgeom/_cpu.py",
+           "stats, lambda: jnp.max(jnp.abs(lax.slice_in_dim(x, 0, num_valid, axis=1))), eps)",
+           "stats, lambda: jnp.max(jnp.abs(x)), eps)",
+           "CPU RowNorm's overflow guard (a (d, V) kernel) scales by the padding rows too",
+           ROWGEOM_KIND_TESTS),
 )
 
 
