@@ -135,8 +135,29 @@ def _pivot(x: jax.Array, axis: int, num_valid: int, scale=1.0) -> jax.Array:
     Two rows rather than one also because XLA makes a one-row slice a view of ``x``, which then
     blocks writing a result in place over a donated ``x``."""
     k = min(2, num_valid)
-    rows = _take_rows(x, axis, jnp.arange(k, dtype=jnp.int32))
+    if not _token_axis_may_be_sharded(x, axis):
+        # A static slice: the TPU compiler reads it in x's own layout. As a gather along the
+        # minor axis of a (d, V) kernel it first copies the whole head into a transposed
+        # layout (one read and one write more per step).
+        rows = lax.slice_in_dim(x, 0, k, axis=axis)
+    else:
+        rows = _take_rows(x, axis, jnp.arange(k, dtype=jnp.int32))
     return jnp.sum(rows * (scale * (1.0 / k)), axis=axis, keepdims=True)
+
+
+def _token_axis_may_be_sharded(x: jax.Array, axis: int) -> bool:
+    """False only when tracing can tell the token axis is whole on every device: one device in
+    the process, or an Explicit sharding that leaves the axis unsplit. (Auto axes under a mesh
+    are invisible at trace time: keep the gather, which the partitioner handles locally.)"""
+    if jax.device_count() == 1:
+        return False
+    sharding = jax.typeof(x).sharding
+    mesh = getattr(sharding, "mesh", None)
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    if mesh is None or mesh.empty or not mesh.axis_types:
+        return True
+    explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+    return not explicit or (axis < len(spec) and spec[axis] is not None)
 
 
 def _out_of_range(d):

@@ -41,7 +41,7 @@ from jax.typing import ArrayLike
 
 from rowgeom import _cpu
 from rowgeom._geometry import _row_diameter, _upper_bound
-from rowgeom._numerics import MIN_EPS, _guarded, _pivot, _row_vector
+from rowgeom._numerics import MIN_EPS, _guarded, _pivot, _row_vector, _rownorm_scale
 from rowgeom._tree import flatten_with_paths, is_masked, map_head_leaves, path_str, vocab_axes
 from rowgeom._validation import (
     canonical_axis,
@@ -89,6 +89,33 @@ def _check_num_valid(num_valid, vocab_size: int | None = None) -> int | None:
     return value
 
 
+def _centre_and_scale(x, axis, num_valid, mask, eps):
+    """``(pivot, mean, scale, eps)`` of the inner centring in one pass, branch-free.
+
+    The pass that sums ``x - p`` over the token axis also takes the valid rows' largest
+    ``|entry|`` along it (a sibling reduction the TPU compiler fuses into the same read of
+    ``x``), and the overflow guard's power-of-two scale (`_rownorm_scale`: 1 unless an entry exceeds
+    ``2**50``) is derived from it, with no ``lax.cond``: every compiler then sees the one path
+    that runs. The sum is of ``(x - p) * h``, ``h = 2**-(2 + ceil(log2 V))``, which cannot
+    overflow even for entries near the float32 maximum; ``h``, like ``scale``, is a power of
+    two, so the scaled mean equals the unscaled one times ``scale`` exactly (barring
+    subnormals, far below ``eps``). Padding rows (`mask`) are in neither reduction.
+    """
+    vocab = x.shape[axis]
+    log2_h = -(2 + max(vocab - 1, 1).bit_length())
+    h = 2.0**log2_h
+    pivot = _pivot(x, axis, num_valid)
+    # Two sibling reductions over the same axis: the TPU compiler fuses them into the mean's
+    # pass (4 reads in all: bench_tpu.py); XLA:CPU runs the max as a pass of its own, at no
+    # measurable cost (a variadic sum/max reduce would be one pass there, but 2-4x slower).
+    total = jnp.sum(mask(x * h - pivot * h), axis=axis, keepdims=True)
+    amax = jnp.max(mask(jnp.abs(x)), axis=axis)
+    scale, eps = _rownorm_scale(jnp.max(amax), eps)
+    # scale / h is an exact power of two (scale is one): the mean of x * scale - pivot * scale.
+    mean = total * (scale * 2.0**-log2_h) / num_valid
+    return pivot * scale, mean, scale, eps
+
+
 def _masked(x, axis, *, eps, center_input, center_output, num_valid):
     """The formulation that runs everywhere: whole-axis reductions, masks instead of slices.
 
@@ -101,7 +128,8 @@ def _masked(x, axis, *, eps, center_input, center_output, num_valid):
     once, and this is all it does: the column mean of ``x - p``, the squared norms of the
     centred rows (they need the mean), the weighted column sum ``s = Σ_i (x_i - m) / n_i`` of
     the outer centring (it needs the norms) and the write ``(x_i - m) / n_i - s / N`` (it needs
-    ``s``). The overflow guard costs no pass (`_guarded`); the pivot reads two rows.
+    ``s``). The overflow guard costs no pass and no branch (`_centre_and_scale`); the pivot
+    reads two rows.
     """
     vocab = x.shape[axis]
     feat = tuple(i for i in range(x.ndim) if i != axis)
@@ -115,17 +143,18 @@ def _masked(x, axis, *, eps, center_input, center_output, num_valid):
     def centred(scale, pivot, mean):
         return mask((x * scale - pivot) - mean)
 
-    def stats(scale, eps):
-        del eps
-        if center_input:
-            pivot = _pivot(x, axis, num_valid, scale)
-            mean = jnp.sum(mask(x * scale - pivot), axis=axis, keepdims=True) / num_valid
-        else:
-            pivot = mean = jnp.zeros((), jnp.float32)
+    if center_input:
+        pivot, mean, scale, eps = _centre_and_scale(x, axis, num_valid, mask, eps)
         xc = centred(*lax.optimization_barrier((scale, pivot, mean)))  # see below
-        return jnp.sum(xc * xc, axis=feat, keepdims=True), pivot, mean
+        sq = jnp.sum(xc * xc, axis=feat, keepdims=True)
+    else:
+        def stats(scale, eps):
+            del eps
+            pivot = mean = jnp.zeros((), jnp.float32)
+            xc = centred(*lax.optimization_barrier((scale, pivot, mean)))
+            return jnp.sum(xc * xc, axis=feat, keepdims=True), pivot, mean
 
-    sq, pivot, mean, scale, eps = _guarded(stats, lambda: jnp.max(jnp.abs(mask(x))), eps)
+        sq, pivot, mean, scale, eps = _guarded(stats, lambda: jnp.max(jnp.abs(mask(x))), eps)
     weights = 1.0 / jnp.maximum(jnp.sqrt(sq), eps)
     if not center_output:
         return centred(scale, pivot, mean) * weights

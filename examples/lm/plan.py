@@ -110,7 +110,8 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
         compile_s=time.perf_counter() - start, devices=len(devices),
         mesh={a: int(mesh.shape[a]) for a in mesh_lib.AXES},
         platform=devices[0].platform, batch=batch, seq_len=cfg.seq_len,
-        remat=cfg.model.remat, scan_layers=cfg.model.scan_layers,
+        grad_accum_steps=cfg.optim.grad_accum_steps, remat=cfg.model.remat,
+        scan_layers=cfg.model.scan_layers,
         param_count=sum(p.size for p in params),
         param_bytes=sum(p.size * p.dtype.itemsize for p in params),
         model_flops=model_lib.flops_per_token(cfg.model) * batch * cfg.seq_len / len(devices),
@@ -121,10 +122,48 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
 # Per-device memory of the GPUs the paper's configs are planned for, and of a TPU v5e chip.
 GPU_MEMORY = {"H100": 80 * GIB, "H200": 141 * GIB}
 V5E_MEMORY = 16 * GIB
-# (recomputation, sequences per device) tried for the v5e, cheapest recomputation and largest
-# micro-batch first: the first that fits is reported.
-V5E_CANDIDATES = (("dots", 8), ("dots", 4), ("block", 8), ("block", 4), ("block", 2),
-                  ("block", 1))
+# (recomputation, sequences per data-parallel rank) tried when a step does not fit, cheapest
+# recomputation and largest micro-batch first: the first that fits is taken (`fit_split`).
+SPLIT_CANDIDATES = (("dots", 8), ("dots", 4), ("block", 8), ("block", 4), ("block", 2),
+                    ("block", 1))
+V5E_CANDIDATES = SPLIT_CANDIDATES  # the name `--paper` used
+
+
+def split_configs(cfg: configs.Config, ranks: int, *, skip_own: bool = False):
+    """`cfg` at each of `SPLIT_CANDIDATES` on `ranks` data-parallel ranks, in order, keeping its
+    sequences per update (micro-batch x accumulation); candidates that do not divide them (and
+    with `skip_own`, `cfg`'s own split, already tried) are left out."""
+    sequences = cfg.data.batch_size * cfg.optim.grad_accum_steps
+    own = (cfg.model.remat, cfg.data.batch_size)
+    for remat, per_rank in SPLIT_CANDIDATES:
+        micro = per_rank * ranks
+        if sequences % micro or (skip_own and (remat, micro) == own):
+            continue
+        yield configs.override(cfg, {"model.remat": remat, "data.batch_size": micro,
+                                     "optim.grad_accum_steps": sequences // micro})
+
+
+def fit_split(cfg: configs.Config, ranks: int, compile_fn, budget: int, *, print_fn=None,
+              skip_own: bool = False):
+    """(config, result) of the first of `split_configs(cfg, ranks)` whose `compile_fn(config)`
+    (a dict with `peak_bytes`) fits `budget` bytes, or (None, None) when none does. Every
+    candidate tried is printed with `print_fn`. The one owner of the search: `--paper` (v5e on
+    simulated CPU devices) and `examples.lm.topology` (the target's compiler) both use it."""
+    for candidate in split_configs(cfg, ranks, skip_own=skip_own):
+        result = compile_fn(candidate)
+        fits = result["peak_bytes"] <= budget
+        if print_fn:
+            print_fn(f"  tried {split_text(candidate, ranks)}: peak {_gib(result['peak_bytes'])}"
+                     f" {'fits' if fits else 'does NOT fit'} {_gib(budget)}")
+        if fits:
+            return candidate, result
+    return None, None
+
+
+def split_text(cfg: configs.Config, ranks: int) -> str:
+    """`cfg`'s micro-batch, accumulation and recomputation in words."""
+    return (f"{cfg.data.batch_size // ranks} sequences per rank x {cfg.optim.grad_accum_steps} "
+            f"accumulation (micro-batch {cfg.data.batch_size}), remat {cfg.model.remat}")
 
 
 def diameter_flops(cfg: configs.Config, devices) -> float:
@@ -174,21 +213,14 @@ def paper_plan(size: str, head: str, devices, *, print_fn=print) -> dict:
              f"{100 * out['diameter_share']:.3f}% of the training FLOPs (in float32 at "
              "Precision.HIGHEST, slower per FLOP than the bf16 step)")
     out["v5e"] = None
-    for remat, sequences in V5E_CANDIDATES:
-        micro = sequences * len(devices)
-        if configs.PAPER_SEQUENCES % micro:
-            continue
-        v5e = configs.override(cfg, {
-            "mesh.data": 1, "mesh.fsdp": len(devices), "model.remat": remat,
-            "data.batch_size": micro,
-            "optim.grad_accum_steps": configs.PAPER_SEQUENCES // micro})
-        result = plan(v5e, devices)
-        if result["peak_bytes"] <= V5E_MEMORY:
-            out["v5e"] = {"remat": remat, "sequences_per_device": sequences,
-                          "grad_accum_steps": v5e.optim.grad_accum_steps,
-                          "peak_bytes": result["peak_bytes"],
-                          "recompute": result["matmul_flops"] / result["model_flops"]}
-            break
+    v5e_cfg = configs.override(cfg, {"mesh.data": 1, "mesh.fsdp": len(devices)})
+    chosen, result = fit_split(v5e_cfg, len(devices), lambda c: plan(c, devices), V5E_MEMORY)
+    if chosen is not None:
+        out["v5e"] = {"remat": chosen.model.remat,
+                      "sequences_per_device": chosen.data.batch_size // len(devices),
+                      "grad_accum_steps": chosen.optim.grad_accum_steps,
+                      "peak_bytes": result["peak_bytes"],
+                      "recompute": result["matmul_flops"] / result["model_flops"]}
     if out["v5e"] is None:
         print_fn(f"  no micro-batch of {V5E_CANDIDATES} fits {_gib(V5E_MEMORY)} (TPU v5e)")
     else:
@@ -284,8 +316,14 @@ def main(argv=None) -> int:
                         help="compile with the target's own compiler instead of simulated CPU "
                              "devices: v5e-8, v6e-8, h100-8, h200-8, ... (python -m "
                              "examples.lm.topology; needs the `tpu` or `gpu-aot` extra)")
+    parser.add_argument("--fit", choices=("auto", "off"), default=None,
+                        help="with --topology: auto (default) compiles the first micro-batch / "
+                             "accumulation / remat that fits when the config's does not; off "
+                             "compiles the config's own")
     flags.add_config_arguments(parser)
     args = parser.parse_args(argv)
+    if args.fit is not None and args.topology is None:
+        parser.error("--fit applies with --topology")
     if args.topology is not None:
         if args.paper or args.devices is not None or args.device_memory is not None:
             parser.error("--topology sets the devices and their memory: drop --paper, "

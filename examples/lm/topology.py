@@ -218,12 +218,75 @@ def _mesh_for(cfg, target: Target):
 
 def compile_train_step(cfg, target: Target, *, step: str = "train_step") -> dict:
     """`plan.plan` of `cfg`'s train step compiled for `target` (its default mesh: FSDP over all
-    the devices), with the target's name, memory and budget, and whether the step fits."""
+    the devices), with the target's name, memory and budget, and whether the step fits.
+
+    When the TPU compiler itself refuses the program for want of HBM, the result says so
+    (`refused`: the compiler's message; `peak_bytes`: the memory it said it needs, at least)."""
+    import jax  # noqa: PLC0415
+
     from examples.lm import plan  # noqa: PLC0415
 
     cfg = for_target(_mesh_for(cfg, target))
-    result = plan.plan(cfg, target.devices(), step=step)
+    start = time.perf_counter()
+    try:
+        result = plan.plan(cfg, target.devices(), step=step)
+    except jax.errors.JaxRuntimeError as e:
+        needed = re.search(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\)", str(e))
+        if not needed:
+            raise
+        scale = {"K": 2**10, "M": 2**20, "G": GIB, "T": 2**40}[needed.group(2)]
+        result = dict(refused=str(e).splitlines()[0], peak_bytes=float(needed.group(1)) * scale,
+                      compile_s=time.perf_counter() - start, batch=cfg.data.batch_size,
+                      grad_accum_steps=cfg.optim.grad_accum_steps, remat=cfg.model.remat,
+                      platform=target.platform, devices=target.num_devices)
     return _with_target(result, target)
+
+
+def _ranks(cfg, target: Target) -> int:
+    """Data-parallel ranks of `cfg`'s mesh on `target` (data x fsdp)."""
+    mesh = _mesh_for(cfg, target).mesh
+    sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s > 0)
+        sizes[sizes.index(-1)] = target.num_devices // known
+    return sizes[0] * sizes[1]
+
+
+def fit_train_step(cfg, target: Target, *, fit: bool = True, step: str = "train_step",
+                   print_fn=None) -> dict:
+    """`compile_train_step` of `cfg`; when that does not fit and `fit`, the first of
+    `plan.SPLIT_CANDIDATES` (micro-batch, accumulation, recomputation: the same sequences per
+    update) that does (`plan.fit_split`). The result's `split` says which was compiled
+    (`chosen`: found by the search; `tried`: how many compiles), `as_configured` holds the
+    config's own result when the search replaced it."""
+    from examples.lm import plan  # noqa: PLC0415
+
+    result = compile_train_step(cfg, target, step=step)
+    ranks = _ranks(cfg, target)
+    tried = [1]
+
+    def compile_fn(candidate):
+        tried[0] += 1
+        return compile_train_step(candidate, target, step=step)
+
+    chosen = None
+    if fit and not result["fits"]:
+        if print_fn:
+            print_fn(f"  as configured ({plan.split_text(cfg, ranks)}): peak "
+                     f"{_gib(result['peak_bytes'])} does NOT fit {_gib(target.budget_bytes)}; "
+                     "searching")
+        chosen, found = plan.fit_split(cfg, ranks, compile_fn, target.budget_bytes,
+                                       print_fn=print_fn, skip_own=True)
+        if chosen is not None:
+            found["as_configured"] = {k: result[k] for k in ("peak_bytes", "fits", "batch",
+                                                             "grad_accum_steps", "remat")}
+            result, cfg = found, chosen
+    result["split"] = dict(chosen=chosen is not None, tried=tried[0], ranks=ranks,
+                           sequences_per_rank=cfg.data.batch_size // ranks,
+                           grad_accum_steps=cfg.optim.grad_accum_steps, remat=cfg.model.remat,
+                           sequences_per_update=cfg.data.batch_size
+                           * cfg.optim.grad_accum_steps)
+    return result
 
 
 def _with_target(result: dict, target: Target) -> dict:
@@ -275,6 +338,13 @@ def format_report(result: dict, *, name: str) -> str:
     """The compiled step's figures for its target as a few lines of text."""
     from examples.lm import plan  # noqa: PLC0415
 
+    split = result.get("split")
+    if "refused" in result:
+        head = (f"{name} on {result['target']} ({result['devices']} x {result['device_kind']}): "
+                f"micro-batch {result['batch']} x {result['grad_accum_steps']} accumulation, "
+                f"remat {result['remat']}: the {result['platform']} compiler refused it "
+                f"({result['refused']})")
+        return head + f"\n  does NOT fit {_gib(result['budget'])} per device"
     lines = plan.report(result, name=name, device_memory=None).splitlines()
     lines[0] = lines[0].replace(f"{result['devices']} {result['platform']} devices",
                                 f"{result['target']} ({result['devices']} x "
@@ -286,6 +356,17 @@ def format_report(result: dict, *, name: str) -> str:
     if not result.get("loops_known", True):
         lines.append("  (some loops' trip counts are unknown: those loops' FLOPs and "
                      "collectives are counted once)")
+    if split:
+        recompute = result["matmul_flops"] / result["model_flops"]
+        per_update = result["matmul_flops"] * split["grad_accum_steps"]
+        compiles = f"{split['tried']} compile{'s' if split['tried'] > 1 else ''}"
+        lines.append(
+            f"  split{' (chosen to fit)' if split['chosen'] else ''}: "
+            f"{split['sequences_per_rank']} sequences per data-parallel rank x "
+            f"{split['grad_accum_steps']} accumulation = {split['sequences_per_update']} "
+            f"sequences per update, remat {split['remat']}; recomputation cost: matmul FLOPs "
+            f"{recompute:.2f}x the model's count, {per_update:.3g} per device per update "
+            f"({compiles})")
     lines.append(f"  {'fits' if result['fits'] else 'does NOT fit'} {of}: peak "
                  f"{_gib(result['peak_bytes'])} per device, "
                  f"{result['peak_bytes'] / budget:.0%} of the budget")
@@ -300,6 +381,11 @@ def main(argv=None) -> int:
                         help="v5e-8, v6e-8, v5p-8, v4-8, 2xv5e-256, h100-8, h200-8, ...")
     parser.add_argument("--step", choices=("train_step", "grad_step"), default="train_step",
                         help="grad_step: the forward and backward pass without the optimizer")
+    parser.add_argument("--fit", choices=("auto", "off"), default="auto",
+                        help="auto: when the step does not fit, take the first micro-batch / "
+                             "accumulation / remat (same sequences per update) that does "
+                             "(plan.SPLIT_CANDIDATES); off: compile the config's own, e.g. as "
+                             "--data.batch_size/--optim.grad_accum_steps/--model.remat set it")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
     flags.add_config_arguments(parser)
     args = parser.parse_args(argv)
@@ -307,7 +393,8 @@ def main(argv=None) -> int:
         target = get_target(args.topology)
         cfg = flags.config_from_args(args)
         prepare(target.platform)
-        result = compile_train_step(cfg, target, step=args.step)
+        result = fit_train_step(cfg, target, fit=args.fit == "auto", step=args.step,
+                                print_fn=lambda line: print(line, flush=True))
     except CompilerMissing as e:
         print(f"topology.py: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,29 @@ def test_gpu_names_and_the_preallocated_budget():
         assert "collective_memory_granularity" not in text.replace("# collective_memory", "")
 
 
+def test_split_candidates_keep_the_paper_update():
+    """The search `--topology` and `--paper` share: every candidate keeps 256 sequences per
+    update, cheapest recomputation and largest micro-batch first; the config's own split is
+    skipped when it was already compiled. (The paper's `190m` fitting v5e-8 is not asserted
+    here: its TPU compile takes about four minutes on a 2-core host; see bench_targets.py.)"""
+    from examples.lm import configs, plan
+
+    cfg = configs.paper_config("640m")  # 8 per GPU x 4 accumulation, dots
+    splits = [(c.model.remat, c.data.batch_size // 8, c.optim.grad_accum_steps)
+              for c in plan.split_configs(cfg, 8)]
+    assert splits == [("dots", 8, 4), ("dots", 4, 8), ("block", 8, 4), ("block", 4, 8),
+                      ("block", 2, 16), ("block", 1, 32)]
+    assert [s[:2] for s in (
+        (c.model.remat, c.data.batch_size // 8) for c in plan.split_configs(
+            cfg, 8, skip_own=True))][0] == ("dots", 4)
+    tried = []
+    chosen, result = plan.fit_split(
+        cfg, 8, lambda c: tried.append(c) or {"peak_bytes": 20 if c.model.remat == "dots"
+                                              else 10}, budget=16)
+    assert (chosen.model.remat, chosen.data.batch_size, len(tried)) == ("block", 64, 3)
+    assert result == {"peak_bytes": 10}
+
+
 @pytest.mark.parametrize("name", ["v5e-3", "v5p-6", "tpu-8", "h200-12", "2xh200-8"])
 def test_unknown_targets_raise(name):
     with pytest.raises(ValueError):

@@ -293,9 +293,11 @@ def test_accelerator_path_reads_the_head_four_times_and_writes_it_once(num_valid
     """GPU/TPU run the masked formulation: the same program for a (V, d) table and a (d, V)
     kernel at any size, with no loop or slice that depends on the layout. Compiled, it reads the
     head four times (the column mean, the norms, the weighted column sum of the outer centring,
-    the write) and writes it once; the overflow guard's rescaling is a branch taken only for
-    huge input. With padding rows XLA:CPU stores each masked operand (it does not fuse the
-    mask's select into its reductions), so there only the layouts' equality is checked."""
+    the write) and writes it once on TPU (benchmarks/bench_tpu.py); the overflow guard's scale
+    comes from a max beside the column mean, with no branch, which the TPU compiler fuses into
+    the mean's pass and XLA:CPU runs as a fifth read (at no measurable cost). With padding rows
+    XLA:CPU stores each masked operand (it does not fuse the mask's select into its
+    reductions), so there only the layouts' equality is checked."""
     counts = {}
     for vocab, dim in ((256, 32), (1024, 96)):
         for axis, shape in ((0, (vocab, dim)), (1, (dim, vocab))):
@@ -315,7 +317,7 @@ def test_accelerator_path_reads_the_head_four_times_and_writes_it_once(num_valid
             counts[shape] = (round(traffic.reads), round(traffic.writes))
     assert len(set(counts.values())) == 1, counts  # same passes: both layouts, both sizes
     if num_valid is None:
-        assert next(iter(counts.values())) == (4, 1), counts
+        assert next(iter(counts.values())) == (5, 1), counts
 
 
 # --- Optimality against the exact oracles ---------------------------------------------------------
