@@ -1,13 +1,14 @@
-"""The documentation stays true: docstring examples, reference coverage, page code, benchmarks.
+"""Docstring examples and the benchmarks that write the generated docs blocks.
 
 - Every ``>>>`` example in a rowgeom docstring runs as a doctest (module, function, class and
   module-constant docstrings), and every public symbol has at least one example.
-- Every name in ``rowgeom.__all__`` has a docstring and a ``::: rowgeom.<name>`` entry in
-  ``docs/api/*.md`` (``docs/hooks/api_coverage.py`` fails the strict docs build on the same).
-- The fenced ``python`` blocks of the guide pages run, in order, one namespace per page
-  (illustrative fragments that cannot run alone are fenced ``py``).
 - ``benchmarks/run_all.py --quick`` runs end to end and writes its table and JSON (a smoke test:
   no timing thresholds).
+
+Elsewhere: the strict docs build (`.ci/run`; ``docs/hooks/api_coverage.py``) fails on a public
+symbol without a docstring or an API-reference entry, a broken link and a page outside the nav;
+test_docs_output.py runs the pages' code, test_generated.py checks the generated pages and
+blocks, test_readme_commands.py runs README's commands.
 """
 
 import ast
@@ -17,7 +18,6 @@ import inspect
 import json
 import pathlib
 import pkgutil
-import re
 import subprocess
 import sys
 
@@ -26,7 +26,6 @@ import pytest
 import rowgeom
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCS = ROOT / "docs"
 OPTIONS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -95,70 +94,6 @@ def test_every_public_symbol_has_a_docstring_with_an_example():
             without_example.append(name)
     assert not undocumented, f"public symbols without a docstring: {undocumented}"
     assert not without_example, f"public symbols without a >>> example: {without_example}"
-
-
-def test_api_reference_renders_exactly_the_public_symbols():
-    rendered = set()
-    for page in (DOCS / "api").glob("*.md"):
-        rendered.update(re.findall(r"^:::\s+rowgeom\.(\w+)\s*$", page.read_text(), re.M))
-    assert set(rowgeom.__all__) - rendered == set(), "missing from docs/api/*.md"
-    assert rendered - set(rowgeom.__all__) == set(), "docs/api renders non-public names"
-
-
-def test_nav_pages_and_figures_exist():
-    config = (ROOT / "mkdocs.yml").read_text()
-    nav = re.findall(r"^\s+- (?:[^:\n]+: )?([\w/.-]+\.md)\s*$", config, re.M)
-    assert "geometry.md" in nav and "benchmarks.md" in nav
-    missing = [page for page in nav if not (DOCS / page).exists()]
-    assert not missing, f"nav lists missing pages: {missing}"
-    for page in DOCS.rglob("*.md"):
-        for image in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page.read_text()):
-            assert (page.parent / image).exists(), f"{page.name}: missing figure {image}"
-
-
-def test_every_page_is_in_the_nav():
-    """A page outside the nav is found by nobody (docs/results/README.md describes the folder
-    for readers of the repository, not of the site)."""
-    config = (ROOT / "mkdocs.yml").read_text()
-    nav = set(re.findall(r"^\s+- (?:[^:\n]+: )?([\w/.-]+\.md)\s*$", config, re.M))
-    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")} - {"results/README.md"}
-    assert pages <= nav, sorted(pages - nav)
-
-
-def test_api_index_lists_every_public_name():
-    text = (DOCS / "api" / "index.md").read_text()
-    listed = set(re.findall(r"^\| \[`(\w+)`\]\[rowgeom\.\1\]", text, re.M))
-    assert listed == set(rowgeom.__all__), (sorted(set(rowgeom.__all__) - listed),
-                                            sorted(listed - set(rowgeom.__all__)))
-
-
-def _rowgeom_imports(path: pathlib.Path) -> set[str]:
-    """The private rowgeom modules `path` imports (``from rowgeom._x import``, ``from rowgeom
-    import _x``)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "rowgeom":
-            found |= {a.name for a in node.names if a.name.startswith("_")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rowgeom._"):
-            found.add(node.module.split(".")[1])
-    return found - {path.stem}
-
-
-def test_architecture_page_lists_each_modules_imports_and_layers():
-    text = (DOCS / "architecture.md").read_text()
-    table = {}
-    for names, imports in re.findall(r"^\| ((?:`_\w+`(?:, )?)+) \| (—|(?:`_\w+`(?:, )?)+) \|$",
-                                     text, re.M):
-        for name in re.findall(r"`(_\w+)`", names):
-            table[name] = set(re.findall(r"`(_\w+)`", imports))
-    layers = {name: int(n) for n, names in re.findall(r"^layer (\d+)\s+(.*)$", text, re.M)
-              for name in re.findall(r"_\w+", names)}
-    modules = {p.stem: _rowgeom_imports(p) for p in (ROOT / "rowgeom").glob("_*.py")
-               if p.stem != "__init__"}
-    assert table == modules
-    assert set(layers) == set(modules)
-    for name, imported in modules.items():
-        assert all(layers[i] < layers[name] for i in imported), (name, imported)
 
 
 @pytest.mark.slow
