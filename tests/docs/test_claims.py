@@ -425,3 +425,34 @@ def test_an_injected_rate_changed_in_nnx_optimizer_scales_the_next_step(rng):
         moved.append(float(rowgeom.row_diameter(model.lm_head.kernel[...] - old, vocab_axis=1)))
     assert 2.5 * moved[0] < moved[1] <= 2 * 5 * 3e-3 * (1 + 1e-5), moved  # the head: 5 * lr
     assert len(traces) == 1
+
+
+# ----------------------------------------------------------------------------- momentum spellings
+
+
+def test_trace_and_ema_momenta_give_the_same_rownorm_step(rng):
+    """getting-started.md: before projected RowNorm, `optax.trace(m)`, `optax.ema(m)` (debiased,
+    optax's default) and `optax.ema(m, debias=False)` (what lm_optimizer uses unless
+    HeadOptions(bias_correction=True)) differ by a positive factor per step, which the row
+    normalisation removes: the steps agree, except for rows shorter than eps."""
+    grads = [jnp.asarray(rng.standard_normal((8, 30)), jnp.float32) for _ in range(3)]
+
+    def steps(momentum):
+        tx = optax.chain(momentum, rowgeom.projected_rownorm(vocab_axis=1))
+        state, out = tx.init(grads[0]), []
+        for g in grads:
+            update, state = tx.update(g, state)
+            out.append(np.asarray(update, np.float64))
+        return out
+
+    trace = steps(optax.trace(decay=0.95))
+    for other in (optax.ema(decay=0.95), optax.ema(decay=0.95, debias=False)):
+        for a, b in zip(trace, steps(other), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The momenta themselves differ: trace = ema / (1 - m) = debiased ema * (1 - m^t) / (1 - m).
+    m = 0.95
+    t_state = optax.trace(decay=m).init(grads[0])
+    e_state = optax.ema(decay=m, debias=False).init(grads[0])
+    t_mom, _ = optax.trace(decay=m).update(grads[0], t_state)
+    e_mom, _ = optax.ema(decay=m, debias=False).update(grads[0], e_state)
+    np.testing.assert_allclose(np.asarray(e_mom), (1 - m) * np.asarray(t_mom), rtol=1e-6)
