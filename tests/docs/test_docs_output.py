@@ -15,6 +15,8 @@ import doctest
 import io
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 
@@ -51,7 +53,17 @@ def test_pages_found():
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_page_prints_what_it_shows(page):
-    namespace = {"__name__": f"docs_{page.replace('/', '_')}"}
+    # A module of its own, as a script would have: dataclasses (Flax Linen modules) look their
+    # module up in sys.modules.
+    module = types.ModuleType("page_" + re.sub(r"\W", "_", page))
+    sys.modules[module.__name__] = module
+    try:
+        _run_page(page, module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+
+
+def _run_page(page, namespace):
     for line, code, expected in blocks_with_output((ROOT / page).read_text()):
         buffer = io.StringIO()
         with contextlib.redirect_stdout(buffer):
