@@ -29,10 +29,8 @@ from rowgeom._options import (
     RouterOptions,
     group_options,
 )
-from rowgeom._oracle import common_ball_oracle, diameter_oracle
-from rowgeom._partition import partition_by_label
 from rowgeom._plan import Plan, PlanRow, describe, make_plan
-from rowgeom._recipe import STATIC_ARGS, lm_optimizer
+from rowgeom._recipe import STATIC_ARGS, lm_optimizer, partition_by_label
 from rowgeom._rownorm import projected_rownorm, rownorm_direction
 
 __version__ = "0.1.0"
@@ -42,8 +40,6 @@ __all__ = (
     "MuonDimensionNumbers",
     "RowDiameterStats",
     "clip_row_diameter",
-    "common_ball_oracle",
-    "diameter_oracle",
     "hilbert_distance",
     "hilbert_perturbation",
     "label_params",

@@ -7,18 +7,18 @@ the options that decide a leaf's treatment (``head``, ``muon``, ``router``, ``la
 ``nnx.Optimizer`` (``init`` sees Variables, ``update`` arrays: the same paths, shapes and dtypes)
 both get the same `Plan`. `rowgeom._recipe` writes chains from a plan and decides nothing;
 `describe` prints it with every group's `GroupOptions`. Rules decided here, and only here: a
-label's optimizer (`_optimizer`), a tied head is not centred and a RowNorm router is
-(`_centred`), a Muon head is one matrix, a model has a head unless tied.
+label's optimizer (`optimizer_of`), a tied head is not centred and a RowNorm router is
+(`centred`), a Muon head is one matrix, a model has a head unless tied.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import optax
 
 from rowgeom._labels import Labeler
 from rowgeom._muon import (
@@ -42,9 +42,11 @@ from rowgeom._structure import (
 )
 from rowgeom._tree import (
     Path,
+    flatten_with_paths,
     is_masked,
     leaf_shape,
     path_str,
+    prefix_entries,
     resolve_per_leaf,
     tree_paths,
     unbox,
@@ -176,13 +178,13 @@ def _unwrap(axes: tuple[int, ...]):
 # --- The rules --------------------------------------------------------------------------------
 
 
-def _optimizer(label: str, hp: PlanOptions) -> str:
+def optimizer_of(label: str, hp: PlanOptions) -> str:
     """The optimizer of a label's leaves."""
     return {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer,
             "embedding": "adamw", "vector": "adamw"}.get(label, "")
 
 
-def _centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
+def centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
     """Whether RowNorm centres a leaf's rows: a head unless it is the tied input table (an
     input embedding has no shift symmetry), a router always; None for other geometries."""
     if optimizer != "rownorm":
@@ -238,6 +240,7 @@ def _labelled(tree: Any, hp: PlanOptions):
         return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
                 {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
     given = hp.labels(tree) if callable(hp.labels) else hp.labels
+    given = given.table() if isinstance(given, _GivenLabels) else given
     per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
                                 is_value=lambda v: isinstance(v, str), argname="labels")
     missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
@@ -357,7 +360,7 @@ def _note(path, shape, label, structure, reason) -> str:
 
 def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) -> PlanRow:
     """Every fact of one leaf (module docstring)."""
-    optimizer, dims, axis = _optimizer(label, hp), None, None
+    optimizer, dims, axis = optimizer_of(label, hp), None, None
     batch: tuple[int, ...] = ()
     if label == "hidden":
         dims = hidden_dims[path]
@@ -366,9 +369,9 @@ def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) ->
         dims, axis, batch = _router_axes(path, shape, structure, optimizer)
     elif label == "head":
         dims, axis = _head_axes(path, shape, structure, hp)
-    centred = _centred(label, optimizer, hp)
+    centre = centred(label, optimizer, hp)
     return PlanRow(path_str(path), tuple(shape), label,
-                   _geometry(label, optimizer, centred, dims, axis, batch), optimizer, centred,
+                   _geometry(label, optimizer, centre, dims, axis, batch), optimizer, centre,
                    dims, axis, batch, _note(path, shape, label, structure, reason), reason or "")
 
 
@@ -384,28 +387,32 @@ def _plan(tree: Any, hp: PlanOptions) -> Plan:
                  for p, s, label in labelled], structure)
 
 
-class _Keyed:
-    """A tree, hashed and compared on its paths, shapes and dtypes only (`make_plan`'s memo)."""
-
-    __slots__ = ("key", "tree")
-
-    def __init__(self, tree: Any):
-        self.tree = tree
-        self.key = tuple((path, leaf_shape(x), getattr(unbox(x), "dtype", None))
-                         for path, x in tree_paths(tree))
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Keyed) and self.key == other.key
+_MASKED = ("masked",)  # a partition's MaskedNode in a key: a leaf of another group
+# key -> [(options, plan)], the least recently used key first. Options are compared, not
+# hashed: a MuonOptions may hold a dict of dimension numbers.
+_MEMO: dict[tuple, list[tuple[Any, Plan]]] = {}
+_MEMO_SIZE = 64
 
 
-@functools.lru_cache(maxsize=64)
-def _memoised(keyed: _Keyed, hp: PlanOptions) -> Plan:
-    plan = _plan(keyed.tree, hp)
-    keyed.tree = None  # the memo keeps the key, never the arrays
-    return plan
+def _key(tree: Any) -> tuple:
+    """The tree's paths, shapes and dtypes (Flax boxes opened): all a plan depends on."""
+    leaves, _ = flatten_with_paths(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    return tuple((path, *_MASKED) if isinstance(x, optax.MaskedNode)
+                 else (path, leaf_shape(x), getattr(unbox(x), "dtype", None))
+                 for path, x in leaves)
+
+
+def _covers(key: tuple, view: tuple) -> bool:
+    """Whether `view` (a partition's masked view) is `key` with some leaves masked."""
+    return len(key) == len(view) and all(
+        a[0] == b[0] and (b[1:] == _MASKED or a == b) for a, b in zip(key, view, strict=True))
+
+
+class _GivenLabels(tuple):
+    """A labels tree as ``(("/"-joined path, label), ...)``: hashable, so its plans memoise."""
+
+    def table(self) -> dict[str, Any]:
+        return dict(self)
 
 
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
@@ -427,6 +434,9 @@ def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
                              f"{labels.tied!r}) both set the tied policy; give it once")
         tied = labels.tied if tied is None else tied
         labels = dataclasses.replace(labels, tied=tied)
+    elif not callable(labels) and not isinstance(labels, str):
+        labels = _GivenLabels(sorted((path_str(p), label)
+                                     for p, label in prefix_entries(labels).items()))
     return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
                        as_options(muon, MuonOptions, (), "muon"),
                        as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router"),
@@ -435,13 +445,44 @@ def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
 
 def plan_of(tree: Any, options: PlanOptions) -> Plan:
     """Every leaf's `PlanRow` on `tree` (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes): a pure
-    function of its paths, shapes and dtypes and `options` (`plan_options`), memoised on them
-    (a labels tree, which does not hash, is planned each call)."""
-    try:
-        hash(options)
-    except TypeError:  # a labels tree: no memo
-        return _plan(tree, options)
-    return _memoised(_Keyed(tree), options)
+    function of its paths, shapes and dtypes and `options` (`plan_options`), memoised on them.
+
+    A tree with ``optax.MaskedNode`` leaves is the view ``optax.partition`` gives one group of
+    a tree: its plan is the one of the whole tree, which the partition's labels (`labels_of`)
+    planned just before, the most recently used plan whose key the view matches.
+    """
+    key = _key(tree)
+    if any(entry[1:] == _MASKED for entry in key):
+        for whole, plans in reversed(_MEMO.items()):
+            plan = next((p for o, p in plans if o == options), None)
+            if plan is not None and _covers(whole, key):
+                return plan
+        raise ValueError("rowgeom: a group's view of a tree no plan was made for; the group "
+                         "transforms of lm_optimizer run inside its partition only")
+    plans = _MEMO.pop(key, [])
+    plan = next((p for o, p in plans if o == options), None)
+    if plan is None:
+        plan = _plan(tree, options)
+        plans = [(options, plan), *plans][:8]
+    _MEMO[key] = plans  # most recently used last
+    if len(_MEMO) > _MEMO_SIZE:
+        del _MEMO[next(iter(_MEMO))]
+    return plan
+
+
+def labels_of(options: PlanOptions) -> Callable[[Any], dict[str, str]]:
+    """The partition's labels: ``tree -> {path: label}`` of its plan."""
+    return lambda tree: plan_of(tree, options).labels
+
+
+def per_leaf(options: PlanOptions, label: str, fact: Callable[[PlanRow], Any]
+             ) -> Callable[[Any], dict[str, Any]]:
+    """A per-leaf option of a group's transform (the callables they accept): ``tree ->
+    {path: fact(row)}`` of the `label` leaves of the tree's plan."""
+    return lambda tree: {path: fact(row)
+                         for path, row in plan_of(tree, options).by_label(label).items()}
+
+
 def make_plan(params: Any, *, head: str | HeadOptions = "rownorm",
               muon: MuonOptions | None = None, router: str | RouterOptions = "muon",
               labels: Any = None, tied: str | None = None) -> Plan:

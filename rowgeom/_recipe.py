@@ -16,14 +16,14 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
-Contract: data flows one way. `lm_optimizer` checks and resolves its options when called:
-every group's `GroupOptions` (`rowgeom._options.group_options`) and the options a plan depends
-on (`rowgeom._plan.plan_options`). At ``init`` and ``update`` the tree's per-leaf facts come from
-`rowgeom._plan.plan_of` (pure, memoised on paths, shapes and dtypes), and `_partition` writes
-the ``optax.partition`` of the group chains from them. It decides nothing: each group's
-optimizer, centring and axes are the plan's, its rate, decay and momentum its `GroupOptions`,
-every other option the options objects'. No optimizer is kept between calls: the chains are
-closures, written again for each call (once per trace under ``jax.jit``) from the same plan.
+Contract: data flows one way, and the optimizer is built when `lm_optimizer` is called, as
+optax's aliases are: the options are checked and resolved (every group's `GroupOptions`,
+`rowgeom._options.group_options`), and the ``optax.partition`` of the group chains is written.
+Every per-leaf fact the chains need (labels, vocabulary and expert axes, Muon's dimension
+numbers) they receive as the per-leaf callables the transforms accept, each reading the one
+plan of the tree (`rowgeom._plan.plan_of`: pure, memoised on paths, shapes and dtypes); a
+group's rate, decay and momentum are its `GroupOptions`. Nothing is kept between calls but the
+plan's memo.
 
 `track_row_diameter` ends the head chain so it measures the step the softmax sees
 (docs/guides/diagnostics.md).
@@ -31,6 +31,7 @@ closures, written again for each call (once per trace under ``jax.jit``) from th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ import optax
 
 from rowgeom._diagnostics import track_row_diameter
 from rowgeom._muon import MuonOptions
+from rowgeom._names import LABELS
 from rowgeom._options import (
     AdamOptions,
     GroupOptions,
@@ -47,9 +49,18 @@ from rowgeom._options import (
     RouterOptions,
     group_options,
 )
-from rowgeom._partition import partition_by_label
-from rowgeom._plan import Plan, PlanOptions, plan_of, plan_options
-from rowgeom._rownorm import projected_rownorm, rownorm_per_matrix
+from rowgeom._plan import (
+    PlanOptions,
+    centred,
+    labels_of,
+    optimizer_of,
+    per_leaf,
+    plan_of,
+    plan_options,
+)
+from rowgeom._router import rownorm_per_matrix
+from rowgeom._rownorm import projected_rownorm
+from rowgeom._tree import Path, lookup_prefix, map_with_paths, path_str, prefix_entries, tree_paths
 
 STATIC_ARGS = ("labels",)
 """For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.
@@ -69,7 +80,7 @@ def _given(**options: Any) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def _muon_chain(group: GroupOptions, muon: MuonOptions, dims: Mapping[str, Any]
+def _muon_chain(group: GroupOptions, muon: MuonOptions, dims: Any
                 ) -> optax.GradientTransformation:
     return optax.chain(
         optax.trace(decay=group.momentum, nesterov=muon.nesterov, accumulator_dtype=muon.mu_dtype),
@@ -97,54 +108,39 @@ def _rownorm_chain(group: GroupOptions, direction, *, debias: bool = False
     )
 
 
-def _group_chain(plan: Plan, label: str, group: GroupOptions, hp: PlanOptions,
-                 adam: AdamOptions) -> optax.GradientTransformation:
-    """One group's chain, by the optimizer the plan gives its leaves."""
-    rows = plan.by_label(label)
-    optimizer = {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer}.get(
-        label, "adamw")
+def _group_chain(label: str, group: GroupOptions, hp: PlanOptions, adam: AdamOptions
+                 ) -> optax.GradientTransformation:
+    """One group's chain, by the optimizer the plan gives its leaves; every per-leaf fact a
+    callable of the tree (`rowgeom._plan.per_leaf`)."""
+    optimizer = optimizer_of(label, hp)
     if optimizer == "muon":
-        return _muon_chain(group, hp.muon, {p: r.muon_dims for p, r in rows.items()})
-    if optimizer == "adamw":
+        return _muon_chain(group, hp.muon, per_leaf(hp, label, lambda row: row.muon_dims))
+    if optimizer != "rownorm":
         return _adamw(group, adam)
-    centred = {r.centred for r in rows.values()}
-    if len(centred) > 1:  # one chain per group: make_plan never mixes them
-        raise AssertionError(f"group {label!r} mixes centred and uncentred RowNorm leaves")
-    center = centred.pop() is not False if centred else True  # an empty group never runs
+    center = centred(label, optimizer, hp)
     if label == "router":
         direction = rownorm_per_matrix(
-            axes={p: (r.vocab_axis, r.batch_axes) for p, r in rows.items()},
+            axes=per_leaf(hp, label, lambda row: (row.vocab_axis, row.batch_axes)),
             center_input=center, center_output=center, **_given(eps=hp.router.eps))
         return _rownorm_chain(group, direction)
     head = hp.head
     direction = projected_rownorm(
-        vocab_axis={p: r.vocab_axis for p, r in rows.items()}, center_input=center,
+        vocab_axis=per_leaf(hp, label, lambda row: row.vocab_axis), center_input=center,
         center_output=center, rescale=head.rescale, num_valid=head.num_valid, impl=head.impl,
         **_given(eps=head.eps))
     return _rownorm_chain(group, direction, debias=head.bias_correction)
 
 
-def _head_chain(plan: Plan, group: GroupOptions, hp: PlanOptions,
-                adam: AdamOptions) -> optax.GradientTransformation:
+def _head_chain(group: GroupOptions, hp: PlanOptions, adam: AdamOptions
+                ) -> optax.GradientTransformation:
     """The head group's chain, the tracker last: it sees ``-lr·(U + wd·W)``, the step the
     softmax sees."""
-    chain = _group_chain(plan, "head", group, hp, adam)
+    chain = _group_chain("head", group, hp, adam)
     if not hp.head.track:
         return chain
-    axes = {path: row.vocab_axis for path, row in plan.by_label("head").items()}
     return optax.chain(chain, track_row_diameter(
-        vocab_axis=axes, every_k_steps=hp.head.track_every_k_steps, impl=hp.head.impl))
-
-
-def optimizer_from_plan(plan: Plan, groups: Mapping[str, GroupOptions], hp: PlanOptions,
-                        adam: AdamOptions) -> optax.GradientTransformationExtraArgs:
-    """The ``optax.partition`` over the plan's labels, each group's chain written from it."""
-    # The router group only where the tree has routers: a dense model's state stays as it was.
-    labels = ("hidden", "head", "embedding", "vector") + (
-        ("router",) if plan.by_label("router") else ())
-    transforms = {label: _head_chain(plan, groups[label], hp, adam) if label == "head" else
-                  _group_chain(plan, label, groups[label], hp, adam) for label in labels}
-    return partition_by_label(transforms, plan.labels)
+        vocab_axis=per_leaf(hp, "head", lambda row: row.vocab_axis),
+        every_k_steps=hp.head.track_every_k_steps, impl=hp.head.impl))
 
 
 def lm_optimizer(
@@ -184,9 +180,9 @@ def lm_optimizer(
 
     Returns:
       An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"``, ``"vector"`` and,
-      where the tree has routers, ``"router"``, written at ``init`` and ``update`` from the
-      tree's plan (`describe` prints it; a callable ``labels`` is called when a tree's paths,
-      shapes or dtypes are first planned).
+      where the tree has routers, ``"router"``, built now; each chain reads the tree's plan
+      (`describe` prints it; a callable ``labels`` is called when a tree's paths, shapes or
+      dtypes are first planned).
 
     Works under ``optax.inject_hyperparams(lm_optimizer)(learning_rate=...)``: the float rates
     become (possibly traced) arrays and nothing here branches on their values; a callable
@@ -215,13 +211,95 @@ def lm_optimizer(
     resolved = group_options(learning_rate, head=hp.head, muon=hp.muon, adam=adam,
                              router=hp.router, weight_decay=weight_decay, groups=groups)
 
-    def built(tree: Any) -> optax.GradientTransformationExtraArgs:
-        return optimizer_from_plan(plan_of(tree, hp), resolved, hp, adam)
+    transforms = {label: _head_chain(resolved[label], hp, adam) if label == "head" else
+                  _group_chain(label, resolved[label], hp, adam) for label in LABELS}
+    labels = labels_of(hp)
+    # The router group only where the tree has routers: a dense model's state (so its
+    # checkpoints) has none.
+    dense = partition_by_label({k: v for k, v in transforms.items() if k != "router"}, labels)
+    routed = partition_by_label(transforms, labels)
+
+    def partition(tree: Any) -> optax.GradientTransformationExtraArgs:
+        return routed if plan_of(tree, hp).by_label("router") else dense
 
     def init_fn(params):
-        return built(params).init(params)
+        return partition(params).init(params)
 
     def update_fn(updates, state, params=None, **extra_args):
-        return built(updates).update(updates, state, params, **extra_args)
+        return partition(updates).update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def label_table(labels: Any, params: Any) -> dict[Path, Any]:
+    """``{path: label}`` of a labels tree (or of ``labels(params)`` for a callable).
+
+    Labels boxed in Variables (a ``jax.tree.map`` over an ``nnx.State`` without ``is_leaf``) are
+    unboxed to their strings. Look a parameter up with ``lookup_prefix``: a labels tree may be a
+    prefix of the parameters.
+    """
+    return prefix_entries(labels(params) if callable(labels) else labels)
+
+
+def partition_by_label(
+    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.partition`` with labels checked and matched to the tree by path.
+
+    `labels` is a tree of label strings (the same structure as the params or a prefix of
+    it) or a callable ``params -> such a tree``. Labels are looked up by normalised key
+    path, not by tree structure, so one labels tree serves both calls ``nnx.Optimizer``
+    makes: ``tx.init`` with an ``nnx.State`` of ``nnx.Variable`` and ``tx.update`` with the
+    plain arrays. (Plain ``optax.partition`` fails on the update when the labels tree still
+    holds Variables, e.g. ``jax.tree.map(f, state)`` without ``is_leaf``, or when the labels
+    are a dict but the params an ``nnx.State``.)
+
+    Every parameter needs a label and every label a transform; otherwise a ValueError at
+    init (and update) lists the missing labels and their paths.
+
+    Returns:
+      The ``optax.partition`` transformation.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, rowgeom
+      >>> params = {"mlp": {"kernel": jnp.zeros((8, 8))}, "lm_head": {"kernel": jnp.zeros((8, 32))}}
+      >>> head = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
+      ...                    optax.scale_by_learning_rate(1e-2))
+      >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(1e-2), "head": head},
+      ...                                 rowgeom.label_params)
+      >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+      >>> rowgeom.partition_by_label({"hidden": optax.sgd(1e-2)}, rowgeom.label_params).init(params)
+      Traceback (most recent call last):
+      ...
+      ValueError: partition_by_label: no transform for label(s) 'head' (used by lm_head/kernel). ...
+    """
+    if not isinstance(transforms, Mapping):
+        raise TypeError(f"transforms must be a mapping label -> transformation, got "
+                        f"{type(transforms).__name__}")
+    for name, tx in transforms.items():
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"transforms[{name!r}] must be an optax GradientTransformation, "
+                            f"got {type(tx).__name__}")
+
+    return optax.partition(dict(transforms),
+                           functools.partial(_checked_labels, labels, transforms))
+
+
+def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:
+    """The labels tree of `params` (`label_table`), or a ValueError listing the parameters
+    without a label and the labels without a transform."""
+    table = label_table(labels, params)
+    found = [(path, lookup_prefix(table, path)) for path, _ in tree_paths(params)]
+    missing = [path_str(path) for path, (ok, _) in found if not ok]
+    if missing:
+        raise ValueError("partition_by_label: no label for parameter(s) " + ", ".join(missing))
+    no_tx: dict[str, list[str]] = {}
+    for path, (_, label) in found:
+        if label not in transforms:
+            no_tx.setdefault(label, []).append(path_str(path))
+    if no_tx:
+        detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in no_tx.items())
+        raise ValueError(f"partition_by_label: no transform for label(s) {detail}. "
+                         f"transforms has {sorted(map(str, transforms))}")
+    by_path = {path: label for path, (_, label) in found}
+    return map_with_paths(lambda path, _: by_path[path], params)
