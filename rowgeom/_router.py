@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from rowgeom._rownorm import EPS, _check_eps, rownorm_direction
-from rowgeom._tree import flatten_with_paths, is_masked, path_str
-from rowgeom._validation import canonical_axis
+from rowgeom._tree import canonical_axis, flatten_with_paths, is_masked, path_str
 
 AxesSpec = tuple[int, tuple[int, ...]]
 
@@ -110,13 +109,14 @@ def rownorm_per_matrix(*, axes: Mapping[str, Any] | Callable[[Any], Mapping[str,
                             f"{given!r}")
         return {str(path): _check_spec(str(path), spec) for path, spec in given.items()}
 
-    fixed = None if callable(axes) else checked(axes)
+    given: Any = axes  # a mapping, or a callable of the updates
+    fixed = None if callable(given) else checked(given)
     options = dict(eps=_check_eps(eps), center_input=bool(center_input),
                    center_output=bool(center_output))
 
     def update_fn(updates, state, params=None):
         del params
-        specs = checked(axes(updates)) if fixed is None else fixed
+        specs = checked(given(updates)) if fixed is None else fixed
         return _updates(updates, specs, options), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)

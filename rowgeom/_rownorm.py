@@ -29,6 +29,7 @@ conventions and edge cases (eps, padding, huge inputs, bf16, tied heads): docs/g
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -40,12 +41,16 @@ from jax.typing import ArrayLike
 from rowgeom import _cpu
 from rowgeom._geometry import _row_diameter, _upper_bound
 from rowgeom._numerics import MIN_EPS, _guarded, _pivot, _row_vector, _rownorm_scale
-from rowgeom._tree import map_head_leaves, vocab_axes
-from rowgeom._validation import (
+from rowgeom._tree import (
     canonical_axis,
     check_floating,
     check_int,
     check_min_rank,
+    flatten_with_paths,
+    is_masked,
+    path_name,
+    path_repr,
+    resolve_per_leaf,
     static_args_hint,
 )
 
@@ -325,3 +330,61 @@ def projected_rownorm(*, vocab_axis: Any, eps: float = EPS, center_input: bool =
 # A mixture-of-experts router (d, E) takes projected RowNorm over its expert rows
 # (`rowgeom.RouterOptions`); scanned, (d, L, E) is L independent routers, so the row norms and
 # means must never mix layers.
+
+
+# --- Per-leaf vocabulary axes: the tree helpers of every head transform (RowNorm, the clip, the
+# tracker) -------------------------------------------------------------------------------------
+
+
+def _check_axis_value(ax):
+    if ax is None:
+        return None
+    if isinstance(ax, jax.core.Tracer):
+        raise TypeError("vocab_axis must be a static int, got a traced value; under "
+                        "optax.inject_hyperparams pass static_args=('vocab_axis', ...)")
+    return check_int(ax, argname="vocab_axis", minimum=-(2**31))
+
+
+def vocab_axes(vocab_axis, tree):
+    """Broadcasts ``vocab_axis`` to one ``int | None`` per leaf of ``tree``.
+
+    ``vocab_axis`` is a per-leaf option (`resolve_per_leaf`): an int (every leaf), ``None`` (no
+    leaf), a tree or flat ``"/"``-keyed mapping with ints / ``None`` at its leaves, or a callable
+    ``tree -> such a tree`` (like optax masks). A leaf under no entry gets ``None`` (left
+    unchanged, never a guessed axis), e.g. ``{"lm_head/kernel": 1}`` on a whole model.
+    """
+    if callable(vocab_axis):
+        vocab_axis = vocab_axis(tree)
+    leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
+    is_value = lambda ax: ax is None or not isinstance(ax, Mapping | list | tuple) \
+        or isinstance(ax, optax.MaskedNode)
+    per_leaf = resolve_per_leaf(vocab_axis, [p for p, _ in leaves], is_value=is_value,
+                                argname="vocab_axis")
+    axes = []
+    for (path, _), (_, ax) in zip(leaves, per_leaf, strict=True):
+        try:
+            # A masked entry (a partition's callable sees MaskedNode leaves): not a head leaf.
+            axes.append(None if is_masked(ax) else _check_axis_value(ax))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"vocab_axis at {path_name(path)}: {err}") from None
+    return jax.tree_util.tree_unflatten(treedef, axes)
+
+
+def map_head_leaves(fn, skip, tree, axes):
+    """``fn(leaf, axis)`` on every leaf with an axis (`vocab_axes`); ``skip(leaf)`` elsewhere.
+
+    Errors from ``fn`` are re-raised with the leaf's path, so a user sees which parameter failed.
+    """
+    leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
+
+    def apply(path, leaf, ax):
+        if is_masked(leaf) or ax is None:
+            return skip(leaf)
+        try:
+            return fn(leaf, ax)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"leaf {path_repr(path)}: {err}") from None
+
+    out = [apply(path, leaf, ax)
+           for (path, leaf), ax in zip(leaves, treedef.flatten_up_to(axes), strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, out)

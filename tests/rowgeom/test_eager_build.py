@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import optax
 
 import rowgeom
-from benchmarks.path_modules import RECIPE_TIER, TRANSFORMS, measure, small_lm
-from rowgeom import _plan
+from benchmarks.path_modules import measure, small_lm
+from rowgeom import _recipe
 
 
 def test_the_partition_is_built_when_lm_optimizer_is_called(monkeypatch):
@@ -37,10 +37,11 @@ def test_nnx_optimizer_plans_once_and_every_reader_gets_that_plan(monkeypatch):
     from tests.rowgeom._nnx_models import TinyLM
 
     planned, read = [], []
-    real_plan, real_plan_of = _plan._plan, _plan.plan_of
-    monkeypatch.setattr(_plan, "_MEMO", {})  # a fresh memo: this tree is planned here
-    monkeypatch.setattr(_plan, "_plan", lambda *a: planned.append(real_plan(*a)) or planned[-1])
-    monkeypatch.setattr(_plan, "plan_of", lambda *a: read.append(real_plan_of(*a)) or read[-1])
+    monkeypatch.setattr(_recipe, "_MEMO", {})  # a fresh memo: this tree is planned here
+    for name, seen in (("_plan", planned), ("plan_of", read), ("view_plan", read)):
+        real = getattr(_recipe, name)
+        monkeypatch.setattr(_recipe, name, lambda *a, real=real, seen=seen:
+                            seen.append(real(*a)) or seen[-1])
     model = TinyLM(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(1e-3), wrt=nnx.Param)
 
@@ -60,11 +61,9 @@ def test_describe_prints_the_plan_the_chains_read():
     tx = rowgeom.lm_optimizer(1e-3)
     tx.init(params)
     assert tuple(rowgeom.describe(params, 1e-3)) == tuple(rowgeom.make_plan(params))
-    assert rowgeom.make_plan(params) is _plan.plan_of(params, _plan.plan_options())
+    assert rowgeom.make_plan(params) is _recipe.plan_of(params, _recipe.plan_options())
 
 
 def test_the_call_init_and_update_run_in_at_most_ten_modules():
     modules = measure()
     assert len(modules) <= 10, sorted(modules)
-    assert sum(n for m, n in modules.items() if m in RECIPE_TIER) <= 600
-    assert sum(n for m, n in modules.items() if m not in TRANSFORMS) <= 1700
