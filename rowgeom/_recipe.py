@@ -395,9 +395,9 @@ def group_options(
 # (`rowgeom._structure`, where every axis is inferred) and gives each leaf a `PlanRow`. Under
 # ``nnx.Optimizer`` (``init`` sees Variables, ``update`` arrays: the same paths, shapes and dtypes)
 # both get the same `Plan`. The build (the last section) writes chains that read a plan and
-# decides nothing; `describe` prints it with every group's `GroupOptions`. Rules decided here, and only here: a
-# label's optimizer (`optimizer_of`), a tied head is not centred and a RowNorm router is
-# (`centred`), a Muon head is one matrix, a model has a head unless tied.
+# decides nothing; `describe` prints it with every group's `GroupOptions`. Rules decided here,
+# and only here: a label's optimizer (`optimizer_of`), a tied head is not centred and a RowNorm
+# router is (`centred`), a Muon head is one matrix, a model has a head unless tied.
 
 class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
