@@ -748,9 +748,11 @@ def _key(tree: Any) -> tuple:
 
 
 def _covers(key: tuple, view: tuple) -> bool:
-    """Whether `view` (a partition's masked view) is `key` with some leaves masked."""
+    """Whether `view` (a partition's masked view) is `key` with some leaves masked. Shapes are
+    compared, not dtypes: a chain reads its params (in their dtype) beside the updates (in
+    theirs), and no fact of a plan depends on a dtype."""
     return len(key) == len(view) and all(
-        a[0] == b[0] and (b[1:] == _MASKED or a == b) for a, b in zip(key, view, strict=True))
+        a[0] == b[0] and (b[1:] == _MASKED or a[1] == b[1]) for a, b in zip(key, view, strict=True))
 
 
 class _GivenLabels(tuple):

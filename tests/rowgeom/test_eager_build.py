@@ -67,3 +67,16 @@ def test_describe_prints_the_plan_the_chains_read():
 def test_the_call_init_and_update_run_in_at_most_ten_modules():
     modules = measure()
     assert len(modules) <= 10, sorted(modules)
+
+
+def test_a_chain_reading_params_of_another_dtype_gets_the_updates_plan(monkeypatch):
+    """The head chain resolves its axes on the params, the partition plans the updates: with
+    bfloat16 gradients and float32 params (and no plan of the params left in the memo) the
+    params' view still reads the one plan, since no fact of a plan depends on a dtype."""
+    params = small_lm()
+    tx = rowgeom.lm_optimizer(1e-3)
+    state = tx.init(params)
+    monkeypatch.setattr(_recipe, "_MEMO", {})
+    grads = jax.tree.map(lambda x: jnp.ones_like(x, jnp.bfloat16), params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
