@@ -6,8 +6,9 @@ router the expert stacks beside it confirm) — by path names first, with shapes
 never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
 silently sends the embedding table and the head to Muon); a matrix nothing names is an error
 naming it, unless the caller opts into a fallback. Boxed trees (Flax NNX Variables, Linen
-``nn.Partitioned``) and abstract trees are labelled alike (only paths and shapes are read); the
-error messages are written by `rowgeom._labels`.
+``nn.Partitioned``) and abstract trees are labelled alike (only paths and shapes are read).
+Every problem of a tree is reported in one error, each leaf with the labels that fit it and a
+fix to paste (the last section, `problems_message`).
 
 The rules with examples, public layouts and tied embeddings: docs/guides/labels.md.
 """
@@ -394,7 +395,8 @@ def label_params(params: Any, **options: Any) -> Any:
 # the labels that fit it and a fix to paste.
 #
 # A problem kind is a list of ``(path, shape)`` (``not_hidden`` entries carry the reason too); the
-# labeller collects them (`rowgeom._labels`) and `problems_message` writes them in a fixed order.
+# labeller collects them (above) and `problems_message` writes them in a fixed order.
+
 
 class Shapes(NamedTuple):
     """What a message may say about the tree's sizes: the vocabulary sizes, ``d``, and where

@@ -9,6 +9,11 @@ transform: chain ``optax.trace`` before it and ``optax.scale_by_learning_rate`` 
 It is the spectral-norm steepest-descent direction (Bernstein & Newhouse, arXiv 2409.20325;
 Jordan et al., "Muon", 2024). How leaves of one matrix shape share one Newton–Schulz call, and
 what that costs: docs/benchmarks.md; why it matters under sharding: docs/guides/sharding.md.
+
+Three sections: the transform (each leaf's matrix layout, `_Layout`, and the batching of
+matrices of one shape), the Newton–Schulz iteration that computes the polar factor
+(`newton_schulz`, `ns_coefficients`), and where it runs when the updates are sharded (whole
+matrices on one device each: `matrix_mesh`, `on_mesh`, `spread`, `gather`).
 """
 
 from __future__ import annotations
