@@ -10,8 +10,30 @@ from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_
 from rowgeom._geometry import row_diameter, row_diameter_bounds
 from rowgeom._hilbert import hilbert_distance, hilbert_perturbation
 from rowgeom._labels import Labeler, label_params
-from rowgeom._muon import MuonDimensionNumbers, MuonOptions, muon_orthogonalize
-from rowgeom._names import (
+from rowgeom._muon import (
+    MuonDimensionNumbers,
+    MuonOptions,
+    muon_orthogonalize,
+    newton_schulz,
+    ns_coefficients,
+)
+from rowgeom._recipe import (
+    HEAD_LR_MULTIPLIERS,
+    STATIC_ARGS,
+    AdamOptions,
+    GroupOptions,
+    HeadOptions,
+    Plan,
+    PlanRow,
+    RouterOptions,
+    describe,
+    group_options,
+    lm_optimizer,
+    make_plan,
+    partition_by_label,
+)
+from rowgeom._rownorm import projected_rownorm, rownorm_direction
+from rowgeom._structure import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
     DEFAULT_HIDDEN_NAMES,
@@ -20,20 +42,6 @@ from rowgeom._names import (
     LABELS,
     TOKEN_EMBEDDING_NAMES,
 )
-from rowgeom._newton_schulz import newton_schulz, ns_coefficients
-from rowgeom._options import (
-    HEAD_LR_MULTIPLIERS,
-    AdamOptions,
-    GroupOptions,
-    HeadOptions,
-    RouterOptions,
-    group_options,
-)
-from rowgeom._oracle import common_ball_oracle, diameter_oracle
-from rowgeom._partition import partition_by_label
-from rowgeom._plan import Plan, PlanRow, describe, make_plan
-from rowgeom._recipe import STATIC_ARGS, lm_optimizer
-from rowgeom._rownorm import projected_rownorm, rownorm_direction
 
 __version__ = "0.1.0"
 
@@ -42,8 +50,6 @@ __all__ = (
     "MuonDimensionNumbers",
     "RowDiameterStats",
     "clip_row_diameter",
-    "common_ball_oracle",
-    "diameter_oracle",
     "hilbert_distance",
     "hilbert_perturbation",
     "label_params",

@@ -31,8 +31,8 @@ from jax.typing import ArrayLike
 
 from rowgeom._cpu import check_impl
 from rowgeom._geometry import _row_diameter, _upper_bound
-from rowgeom._tree import map_head_leaves, vocab_axes
-from rowgeom._validation import check_int, check_matrix_like
+from rowgeom._rownorm import map_head_leaves, vocab_axes
+from rowgeom._tree import check_int, check_matrix_like
 
 
 def _check_max_diameter(max_diameter):

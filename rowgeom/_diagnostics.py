@@ -40,17 +40,18 @@ import optax
 from rowgeom._cpu import check_impl
 from rowgeom._geometry import _bounds_and_sum
 from rowgeom._numerics import _pow2_exponent, _times_pow2
+from rowgeom._rownorm import map_head_leaves, vocab_axes
 from rowgeom._tree import (
+    check_int,
+    check_matrix_like,
     is_box,
     is_masked,
     key_name,
-    map_head_leaves,
     path_str,
+    static_args_hint,
     tree_paths,
     unbox,
-    vocab_axes,
 )
-from rowgeom._validation import check_int, check_matrix_like, static_args_hint
 
 PyTree = Any  # a nested structure of arrays (dicts, lists, NamedTuples, nnx.State, ...)
 

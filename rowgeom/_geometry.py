@@ -46,7 +46,7 @@ from rowgeom._numerics import (
     _take_rows,
     _times_pow2,
 )
-from rowgeom._validation import (
+from rowgeom._tree import (
     check_int,
     check_matrix_like,
 )

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rowgeom._numerics import _pow2_exponent, _times_pow2
-from rowgeom._validation import canonical_axis, check_floating, check_min_rank
+from rowgeom._tree import canonical_axis, check_floating, check_min_rank
 
 _HIGHEST = lax.Precision.HIGHEST  # accelerators default to reduced-precision matmuls
 

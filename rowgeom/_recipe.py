@@ -16,14 +16,21 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
-Contract: data flows one way. `lm_optimizer` checks and resolves its options when called:
-every group's `GroupOptions` (`rowgeom._options.group_options`) and the options a plan depends
-on (`rowgeom._plan.plan_options`). At ``init`` and ``update`` the tree's per-leaf facts come from
-`rowgeom._plan.plan_of` (pure, memoised on paths, shapes and dtypes), and `_partition` writes
-the ``optax.partition`` of the group chains from them. It decides nothing: each group's
-optimizer, centring and axes are the plan's, its rate, decay and momentum its `GroupOptions`,
-every other option the options objects'. No optimizer is kept between calls: the chains are
-closures, written again for each call (once per trace under ``jax.jit``) from the same plan.
+Contract: data flows one way, in the three sections of this module.
+
+1. **Options.** `lm_optimizer` checks its options when called: the frozen options objects
+   (`HeadOptions`, `RouterOptions`, `AdamOptions`, `GroupOptions`; `MuonOptions` beside its
+   transform in `rowgeom._muon`) and every group's resolved rate, decay and momentum
+   (`group_options`, the one home of the derived defaults).
+2. **Plan.** Every per-leaf fact (label, optimizer, centring, Muon's dimension numbers, the
+   vocabulary or expert axis) comes from one pure function of the tree's paths, shapes and
+   dtypes, `plan_of`, memoised on them: a `Plan` of `PlanRow` (`describe` prints it with the
+   rates). The labels are `rowgeom._labels`'; every axis is inferred in `rowgeom._structure`.
+3. **Build.** When called, as optax's aliases are, `lm_optimizer` writes the
+   ``optax.partition`` of the group chains. The chains receive the plan as the per-leaf
+   callables the transforms accept (`per_leaf`, `labels_of`): each reads the tree's plan
+   (`view_plan`: for the ``MaskedNode`` view a partition gives a group, the plan of the whole
+   tree, made just before). Nothing is kept between calls but the plan's memo.
 
 `track_row_diameter` ends the head chain so it measures the step the softmax sees
 (docs/guides/diagnostics.md).
@@ -31,25 +38,873 @@ closures, written again for each call (once per trace under ``jax.jit``) from th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
+from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._muon import MuonOptions
-from rowgeom._options import (
-    AdamOptions,
-    GroupOptions,
-    HeadOptions,
-    Rate,
-    RouterOptions,
-    group_options,
+from rowgeom._labels import Labeler
+from rowgeom._muon import (
+    MuonDimensionNumbers,
+    MuonOptions,
+    as_dimension_numbers,
+    is_dimension_numbers,
 )
-from rowgeom._partition import partition_by_label
-from rowgeom._plan import Plan, PlanOptions, plan_of, plan_options
-from rowgeom._rownorm import projected_rownorm, rownorm_per_matrix
+from rowgeom._router import rownorm_per_matrix
+from rowgeom._rownorm import _RESCALE_MODES, _check_eps, projected_rownorm
+from rowgeom._structure import (
+    DEFAULT_ROUTER_NAMES,
+    HEAD_OPTIMIZERS,
+    LABELS,
+    ROUTER_OPTIMIZERS,
+    TIED_POLICIES,
+    ModelStructure,
+    StructureError,
+    batch_axes,
+    batch_roles,
+    head_vocab_axis,
+    model_structure,
+    muon_axes,
+    router_axes,
+    router_matrix_axes,
+)
+from rowgeom._tree import (
+    Path,
+    check_bool,
+    check_int,
+    check_momentum,
+    check_real,
+    flatten_with_paths,
+    is_masked,
+    leaf_shape,
+    lookup_prefix,
+    map_with_paths,
+    one_of,
+    path_str,
+    prefix_entries,
+    prefixed,
+    resolve_per_leaf,
+    tree_paths,
+    unbox,
+)
+
+# --- `lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home.
+#
+# Contract: `HeadOptions` (the head's optimizer, momentum, vocabulary axis, RowNorm's eps, padding,
+# rescaling, formulation and tracker), `MuonOptions` (in `rowgeom._muon`, beside the transform
+# whose defaults it owns), `RouterOptions` (the router group's optimizer), `AdamOptions` (every
+# AdamW group) and `GroupOptions` (one group's rate, decay and momentum). Each checks its fields
+# on creation, naming the field. A field that only one optimizer reads (a RowNorm head's ``eps``,
+# an AdamW head has no ``momentum``) is None by default and an error when given to another.
+# `group_options` resolves every group's `GroupOptions`: the one home of the derived defaults.
+#
+# Why the defaults follow from one learning rate (RMS-matched Muon, the head rate as a radius, the
+# head study's multipliers): docs/guides/learning-rates.md.
+
+Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
+
+HEAD_LR_MULTIPLIERS = types.MappingProxyType({"rownorm": 5.0, "adamw": 3.0, "muon": 3.0})
+"""Default head learning rate per head optimizer, as a multiple of the base rate.
+
+From the head study's sweep (docs/results/head_study.md): at base rate 0.006 the lowest final
+validation loss was at head rate 0.03 for projected RowNorm and 0.018 for AdamW and Muon heads.
+
+Examples:
+    >>> import rowgeom
+    >>> dict(rowgeom.HEAD_LR_MULTIPLIERS)   # read-only
+    {'rownorm': 5.0, 'adamw': 3.0, 'muon': 3.0}
+"""
+
+EMA_MOMENTUM = 0.95
+"""The EMA momentum of a RowNorm head or router and the trace momentum of a Muon head when
+their options leave it None."""
+
+
+def _only_for(owner: str, optimizer: str, needs: str, **fields) -> None:
+    """Raises when a field that only the `needs` optimizer reads is given to another."""
+    given = [name for name, value in fields.items() if value is not None]
+    if given and optimizer != needs:
+        raise ValueError(f"{owner}.{given[0]} applies to optimizer={needs!r} only, got "
+                         f"optimizer={optimizer!r} with {given[0]}={fields[given[0]]!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOptions:
+    """How `lm_optimizer` trains the LM head.
+
+    Attributes:
+      optimizer: ``"rownorm"`` (projected RowNorm, arXiv 2608.22253), ``"adamw"`` or ``"muon"``.
+      momentum: EMA momentum of a RowNorm head (no Nesterov, float32, before the normalisation)
+        and the trace momentum of a Muon head; None: 0.95. An AdamW head uses `AdamOptions.b1`
+        (giving it here is an error).
+      vocab_axis: the vocabulary axis of every head leaf; None: the one axis of size ``V``, else
+        by name (``kernel`` -> 1, ``embedding``/``weight`` -> 0).
+      eps: RowNorm only: rows shorter than it are divided by it (`rownorm_direction`); None:
+        `rownorm_direction`'s default (``1e-8``).
+      bias_correction: RowNorm only: divide the EMA ``B_t = m·B_{t-1} + (1 - m)·G_t`` by
+        ``1 - m^t`` before the normalisation (``optax.ema(debias=True)``), as the paper's recipe
+        does. It changes only how the rows compare with ``eps`` in the first updates.
+      rescale: RowNorm only: None, ``"exact"`` (multiply the direction by ``2/D(S*)``, the whole
+        diameter budget, ``O(V²d)`` per step) or ``"bound"`` (divide by the ``O(Vd)`` upper
+        bound instead).
+      num_valid: the number of real tokens of a padded vocabulary: token rows ``>= num_valid``
+        are left out of RowNorm's means and get no RowNorm step (their weight decay still
+        applies: ``-lr·wd·W_pad``, zero while those rows are zero). The other heads need no
+        mask: a padding row's gradient is zero, and so is its AdamW or Muon step.
+      track: record `rowgeom.RowDiameterStats` of the full head step (`read_row_diameter`).
+      track_every_k_steps: measure them on the first step and every k-th (1: every step).
+      impl: the formulation of RowNorm and of the tracker's bracket (`rownorm_direction`'s
+        ``impl``): ``"auto"`` (decided per head leaf when traced: the XLA:CPU formulation for
+        an array on one CPU device, the masked one elsewhere), ``"xla"`` or ``"cpu"``.
+
+    Examples:
+      >>> import rowgeom
+      >>> rowgeom.HeadOptions(optimizer="adamw").optimizer
+      'adamw'
+      >>> rowgeom.HeadOptions(track_every_k_steps=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: HeadOptions.track_every_k_steps must be >= 1, got 0
+    """
+
+    optimizer: str = "rownorm"
+    momentum: float | None = None
+    vocab_axis: int | None = None
+    eps: float | None = None
+    bias_correction: bool = False
+    rescale: str | None = None
+    num_valid: int | None = None
+    track: bool = True
+    track_every_k_steps: int = 10
+    impl: str = "auto"
+
+    def __post_init__(self):
+        one_of(self.optimizer, HEAD_OPTIMIZERS, "HeadOptions.optimizer")
+        one_of(self.rescale, _RESCALE_MODES, "HeadOptions.rescale")
+        one_of(self.impl, IMPLS, "HeadOptions.impl")
+        _only_for("HeadOptions", self.optimizer, "rownorm", rescale=self.rescale, eps=self.eps,
+                  bias_correction=self.bias_correction or None)
+        check_bool(self.bias_correction, "HeadOptions.bias_correction")
+        if self.optimizer == "adamw" and self.momentum is not None:
+            raise ValueError("HeadOptions.momentum: an AdamW head's momentum is AdamOptions.b1, "
+                             f"got momentum={self.momentum!r}")
+        check_momentum(self.momentum, "HeadOptions.momentum")
+        if self.eps is not None:
+            prefixed("HeadOptions", _check_eps, self.eps)
+        if self.vocab_axis is not None:
+            check_int(self.vocab_axis, argname="HeadOptions.vocab_axis", minimum=-(2**31))
+        if self.num_valid is not None:
+            check_int(self.num_valid, argname="HeadOptions.num_valid", minimum=1)
+        check_bool(self.track, "HeadOptions.track")
+        check_int(self.track_every_k_steps, argname="HeadOptions.track_every_k_steps",
+                  minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterOptions:
+    """How `lm_optimizer` trains mixture-of-experts routers (the ``"router"`` group).
+
+    A router ``W`` (``(d, E)``, a scanned layer axis aside) maps a token's features to one logit
+    per expert. Its rows along the expert axis play the part of the head's token rows: a
+    softmax router (softmax then top-k, or top-k then softmax) is invariant to adding one
+    constant to all ``E`` logits, so its gradient's expert rows sum to zero and the
+    row-diameter geometry of the head applies over ``E``; a sigmoid router (DeepSeek-V3,
+    Llama 4) is not shift-invariant. The tree cannot tell which score function a model uses.
+
+    Attributes:
+      optimizer: ``"muon"`` (default: the hidden group's Muon chain, `MuonOptions`, per layer,
+        right for every score function), ``"rownorm"`` (projected RowNorm over the expert axis,
+        per layer: centred expert rows, each of norm ``<= 1``, so ``D(step) <= 2·lr``; for
+        softmax routers only, since the centring drops a shift a sigmoid router does see) or
+        ``"adamw"`` (`AdamOptions`).
+      momentum: RowNorm only: the EMA momentum before the normalisation (no Nesterov,
+        float32); None: 0.95.
+      eps: RowNorm only: rows shorter than it are divided by it; None: `rownorm_direction`'s
+        default (``1e-8``).
+
+    Examples:
+      >>> import rowgeom
+      >>> rowgeom.RouterOptions(optimizer="rownorm").optimizer
+      'rownorm'
+      >>> rowgeom.group_options(1e-3, router="rownorm")["router"].momentum
+      0.95
+    """
+
+    optimizer: str = "muon"
+    momentum: float | None = None
+    eps: float | None = None
+
+    def __post_init__(self):
+        one_of(self.optimizer, ROUTER_OPTIMIZERS, "RouterOptions.optimizer")
+        _only_for("RouterOptions", self.optimizer, "rownorm", momentum=self.momentum,
+                  eps=self.eps)
+        check_momentum(self.momentum, "RouterOptions.momentum")
+        if self.eps is not None:
+            prefixed("RouterOptions", _check_eps, self.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamOptions:
+    """``optax.adamw``'s options for the embedding and vector groups, an AdamW head and an
+    AdamW router (the rate and decay are the group's).
+
+    Examples:
+      >>> import rowgeom
+      >>> rowgeom.AdamOptions()
+      AdamOptions(b1=0.9, b2=0.95, eps=1e-08, eps_root=0.0, mu_dtype=None, nesterov=False)
+    """
+
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    eps_root: float = 0.0
+    mu_dtype: Any = None
+    nesterov: bool = False
+
+    def __post_init__(self):
+        check_real(self.b1, "AdamOptions.b1", low=0.0, high=1.0, high_open=True)
+        check_real(self.b2, "AdamOptions.b2", low=0.0, high=1.0, high_open=True)
+        check_real(self.eps, "AdamOptions.eps", low=0.0)
+        check_real(self.eps_root, "AdamOptions.eps_root", low=0.0)
+        check_bool(self.nesterov, "AdamOptions.nesterov")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupOptions:
+    """One group's learning rate, weight decay and momentum: what `lm_optimizer` trains the
+    group with, and what ``groups={group: GroupOptions(...)}`` overrides (None: derived, see
+    `group_options`).
+
+    ``learning_rate``: float or schedule ``count -> rate``; ``weight_decay``: decoupled, per
+    step times the rate; ``momentum``: Muon's ``optax.trace`` decay, RowNorm's EMA decay or
+    AdamW's ``b1``.
+
+    Examples:
+      >>> import rowgeom
+      >>> groups = rowgeom.group_options(
+      ...     1e-3, groups={"vector": rowgeom.GroupOptions(learning_rate=3e-4)})
+      >>> groups["vector"].learning_rate, groups["hidden"].learning_rate
+      (0.0003, 0.001)
+    """
+
+    learning_rate: Rate = None
+    weight_decay: Rate = None
+    momentum: float | None = None
+
+    def __post_init__(self):
+        check_momentum(self.momentum, "GroupOptions.momentum")
+
+
+def as_options(value, kind: type, names: tuple[str, ...], argname: str):
+    """An options object from its keyword: None -> the defaults, a name -> its optimizer."""
+    if value is None:
+        return kind()
+    if names and isinstance(value, str):
+        return kind(optimizer=one_of(value, names, argname))
+    if not isinstance(value, kind):
+        allowed = f"one of {names} or " if names else ""
+        raise TypeError(f"{argname} must be {allowed}a rowgeom.{kind.__name__}, got {value!r}")
+    return value
+
+
+def _scaled(rate: Rate, factor: float) -> Rate:
+    """`factor` times a learning rate; a schedule stays a schedule, None stays None."""
+    if rate is None or factor == 1:
+        return rate
+    if callable(rate):
+        return lambda count: factor * rate(count)
+    return factor * rate
+
+
+def group_options(
+    learning_rate: Rate,
+    *,
+    head: str | HeadOptions = "rownorm",
+    muon: MuonOptions | None = None,
+    adam: AdamOptions | None = None,
+    router: str | RouterOptions = "muon",
+    weight_decay: Rate = 0.1,
+    groups: Mapping[str, GroupOptions] | None = None,
+) -> Mapping[str, GroupOptions]:
+    """Every group's `GroupOptions`, resolved: the rates, decays and momenta `lm_optimizer`
+    (with the same keywords) trains with, and `describe` prints.
+
+    Defaults (the guide "Learning rates and radii"): hidden, embedding and vector use
+    `learning_rate` as is, the head ``HEAD_LR_MULTIPLIERS[optimizer]`` times it (a schedule
+    stays a schedule), the router the hidden group's rate and decay; `weight_decay` for the
+    matrix groups, 0 for vectors; momentum `MuonOptions.momentum` (Muon), `HeadOptions.momentum`
+    or `RouterOptions.momentum` (RowNorm, None: 0.95) or `AdamOptions.b1` (AdamW). A field of
+    ``groups[group]`` that is not None replaces the derived one.
+
+    Examples:
+      >>> import rowgeom
+      >>> no_decay = {"head": rowgeom.GroupOptions(weight_decay=0.0)}
+      >>> rowgeom.group_options(1e-3, groups=no_decay)["head"]
+      GroupOptions(learning_rate=0.005, weight_decay=0.0, momentum=0.95)
+      >>> warm = lambda count: 1e-3 * count / 100
+      >>> round(float(rowgeom.group_options(warm, head="adamw")["head"].learning_rate(50)), 6)
+      0.0015
+    """
+    head_: HeadOptions = as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head")
+    router_: RouterOptions = as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router")
+    muon_: MuonOptions = as_options(muon, MuonOptions, (), "muon")
+    adam_: AdamOptions = as_options(adam, AdamOptions, (), "adam")
+    overrides = dict(groups or {})
+    unknown = sorted(set(overrides) - set(LABELS))
+    if unknown:
+        raise ValueError(f"groups: unknown group(s) {unknown}; groups are {LABELS}")
+    for name, value in overrides.items():
+        if not isinstance(value, GroupOptions):
+            raise TypeError(f"groups[{name!r}] must be a rowgeom.GroupOptions, got {value!r}")
+
+    def group(name: str, rate: Rate, decay: Rate, mom: float) -> GroupOptions:
+        given = overrides.get(name, GroupOptions())
+        pick = lambda field, derived: derived if getattr(given, field) is None else getattr(
+            given, field)
+        return GroupOptions(pick("learning_rate", rate), pick("weight_decay", decay),
+                            pick("momentum", mom))
+
+    hidden = group("hidden", learning_rate, weight_decay, muon_.momentum)
+    head_momentum = (adam_.b1 if head_.optimizer == "adamw" else
+                     EMA_MOMENTUM if head_.momentum is None else head_.momentum)
+    router_momentum = {"muon": muon_.momentum, "adamw": adam_.b1,
+                       "rownorm": EMA_MOMENTUM if router_.momentum is None else router_.momentum}
+    return types.MappingProxyType({
+        "hidden": hidden,
+        "head": group("head", _scaled(learning_rate, HEAD_LR_MULTIPLIERS[head_.optimizer]),
+                      weight_decay, head_momentum),
+        "embedding": group("embedding", learning_rate, weight_decay, adam_.b1),
+        "vector": group("vector", learning_rate, 0.0, adam_.b1),
+        "router": group("router", hidden.learning_rate, hidden.weight_decay,
+                        router_momentum[router_.optimizer]),
+    })
+
+
+# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree.
+#
+# Contract: `make_plan(tree, ...)` is a pure function of the tree's paths, shapes and dtypes and
+# the options that decide a leaf's treatment (``head``, ``muon``, ``router``, ``labels``,
+# ``tied``), memoised on them: it labels every leaf, reads the model structure
+# (`rowgeom._structure`, where every axis is inferred) and gives each leaf a `PlanRow`. Under
+# ``nnx.Optimizer`` (``init`` sees Variables, ``update`` arrays: the same paths, shapes and dtypes)
+# both get the same `Plan`. The build (the last section) writes chains that read a plan and
+# decides nothing; `describe` prints it with every group's `GroupOptions`. Rules decided here,
+# and only here: a label's optimizer (`optimizer_of`), a tied head is not centred and a RowNorm
+# router is (`centred`), a Muon head is one matrix, a model has a head unless tied.
+
+class PlanRow(NamedTuple):
+    """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
+
+    ``path``: ``"/"``-joined key path; ``label``: its group (its rate, decay and momentum are
+    the group's `GroupOptions`); ``geometry``: the update rule with its axes, as text;
+    ``optimizer``: ``"muon"``, ``"rownorm"`` or ``"adamw"`` (``""``: a custom label);
+    ``centred``: whether RowNorm centres the rows (None: no RowNorm leaf); ``muon_dims``:
+    Muon's matrix axes (hidden leaves, a Muon head or router); ``vocab_axis``: the head's
+    vocabulary axis (a RowNorm router's expert axis); ``batch_axes``: the axes Muon or a
+    router's RowNorm takes as a batch of matrices; ``note``: what a reader should check (an
+    expert stack's axes, a head that is probably unused); ``reason``: why the leaf has its
+    label (``"name"``, ``"rule"``, ``"shape"``, ``"block"``, ``"tied"``, ...; ``"given"`` for
+    labels given as a tree or callable).
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> row = rowgeom.describe({"embed": {"embedding": jnp.zeros((8, 4))},
+      ...                         "lm_head": {"kernel": jnp.zeros((4, 8))}}, 1e-3)[1]
+      >>> row.path, row.label, row.geometry, row.centred, row.reason
+      ('lm_head/kernel', 'head', 'RowNorm, vocab axis 1', True, 'name')
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    label: str
+    geometry: str
+    optimizer: str = ""
+    centred: bool | None = None
+    muon_dims: MuonDimensionNumbers | None = None
+    vocab_axis: int | None = None
+    batch_axes: tuple[int, ...] = ()
+    note: str = ""
+    reason: str = ""
+
+
+class Plan(tuple):
+    """Every leaf's `PlanRow`, in tree order, with the model structure it was read from and
+    (from `describe`) every group's `GroupOptions`; ``str()`` is an aligned table.
+
+    Examples:
+      >>> import jax.numpy as jnp, rowgeom
+      >>> plan = rowgeom.describe({"wte": {"embedding": jnp.zeros((8, 4))}}, tied="embedding")
+      >>> print(plan)
+      path           shape   label      geometry  lr  wd
+      -------------  ------  ---------  --------  --  ---
+      wte/embedding  (8, 4)  embedding  AdamW     -   0.1
+      >>> plan.structure.vocab_size, plan.structure.width
+      (8, 4)
+    """
+
+    structure: ModelStructure
+    groups: Mapping[str, Any]
+
+    def __new__(cls, rows, structure: ModelStructure, groups: Mapping[str, Any] | None = None):
+        plan = super().__new__(cls, rows)
+        plan.structure, plan.groups = structure, dict(groups or {})
+        return plan
+
+    def with_groups(self, groups: Mapping[str, Any]) -> Plan:
+        """The same rows, printed with these groups' rates and decays."""
+        return Plan(self, self.structure, groups)
+
+    def by_label(self, label: str) -> dict[str, PlanRow]:
+        """``{path: PlanRow}`` of the leaves with this label."""
+        return {row.path: row for row in self if row.label == label}
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """``{path: label}`` of every leaf (`rowgeom.partition_by_label`'s labels)."""
+        return {row.path: row.label for row in self}
+
+    def __str__(self) -> str:
+        rate = lambda r, field: _cell(getattr(self.groups.get(r.label), field, None))
+        header: tuple[str, ...] = ("path", "shape", "label", "geometry", "lr", "wd")
+        cells = [header] + [(r.path, str(r.shape), r.label, r.geometry, rate(r, "learning_rate"),
+                             rate(r, "weight_decay")) for r in self]
+        if any(r.note for r in self):  # the column only where a leaf has something to check
+            header += ("note",)
+            cells = [header] + [row + (r.note,) for row, r in zip(cells[1:], self, strict=True)]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                 for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+class PlanOptions(NamedTuple):
+    """The options a plan depends on (the others, rates and AdamW's, do not change a leaf's
+    treatment)."""
+
+    head: HeadOptions
+    muon: MuonOptions
+    router: RouterOptions
+    labels: Any
+    tied: str | None
+
+
+def _cell(x) -> str:
+    if x is None:
+        return "-"
+    if callable(x):
+        return "schedule"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def infers_muon_dims(dims: Any) -> bool:
+    """Whether `MuonOptions.dimension_numbers` asks for inference: None, or a mapping of
+    ``"/"``-joined paths to dimension numbers (overrides of the inference)."""
+    return dims is None or (isinstance(dims, Mapping) and bool(dims)
+                            and all(isinstance(k, str) for k in dims)
+                            and all(is_dimension_numbers(v) for v in dims.values()))
+
+
+def _axes_text(axes) -> str:
+    return ",".join(map(str, (axes,) if isinstance(axes, int) else tuple(axes)))
+
+
+def _unwrap(axes: tuple[int, ...]):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+# --- The rules --------------------------------------------------------------------------------
+
+
+def optimizer_of(label: str, hp: PlanOptions) -> str:
+    """The optimizer of a label's leaves."""
+    return {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer,
+            "embedding": "adamw", "vector": "adamw"}.get(label, "")
+
+
+def centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
+    """Whether RowNorm centres a leaf's rows: a head unless it is the tied input table (an
+    input embedding has no shift symmetry), a router always; None for other geometries."""
+    if optimizer != "rownorm":
+        return None
+    return label == "router" or hp.tied != "head"
+
+
+def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
+    """A leaf's update rule as `describe` prints it."""
+    with_batch = f" batch {_axes_text(batch)}" if batch else ""
+    if label == "head":
+        name = {"rownorm": "RowNorm", "adamw": "AdamW", "muon": "Muon"}[optimizer]
+        return f"{name}{'' if centred in (None, True) else ' uncentred'}, vocab axis {axis}"
+    if optimizer == "rownorm":
+        return f"RowNorm over experts, expert axis {axis}{with_batch}"
+    if optimizer == "adamw":
+        return "AdamW"
+    if optimizer == "muon" and dims is None:
+        return "momentum only (dimension_numbers None)"
+    if optimizer == "muon":
+        return (f"Muon, in {_axes_text(dims.reduction_axis)} out {_axes_text(dims.output_axis)}"
+                + with_batch)
+    return "custom label"
+
+
+def _check_head_group(leaves, hp: PlanOptions) -> None:
+    if any(label == "head" for _, _, label in leaves):
+        return
+    matrices = [(p, s, lab) for p, s, lab in leaves if len(s) == 2]
+    largest = max((max(s) for _, s, _ in matrices), default=None)
+    candidates = ", ".join(f"{path_str(p)} {tuple(s)} (labelled {lab!r})"
+                           for p, s, lab in matrices if max(s) == largest)
+    seen = f" (the matrices with the largest axis: {candidates})" if candidates else ""
+    if hp.tied is None:
+        raise ValueError(
+            f"lm_optimizer(head={hp.head.optimizer!r}): no parameter is labelled 'head' by the "
+            f"given labels{seen}. Label the output matrix 'head', or pass tied='embedding' if "
+            "the logits reuse the embedding table (tied='head' trains that table with the head "
+            "optimizer: label it 'head')")
+    if hp.tied == "head":
+        raise ValueError("lm_optimizer(tied='head'): no parameter is labelled 'head'; label the "
+                         f"tied embedding table 'head'{seen}")
+
+
+# --- Labels and axes ----------------------------------------------------------------------------
+
+
+def _labelled(tree: Any, hp: PlanOptions):
+    """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
+    entries = tree_paths(tree)
+    if isinstance(hp.labels, Labeler):
+        leaves, _ = hp.labels.label_leaves(tree)
+        return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
+                {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
+    given = hp.labels(tree) if callable(hp.labels) else hp.labels
+    given = given.table() if isinstance(given, _GivenLabels) else given
+    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
+                                is_value=lambda v: isinstance(v, str), argname="labels")
+    missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
+               if not found]
+    if missing:
+        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
+    labelled = [(p, leaf_shape(x), str(label))
+                for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
+    return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
+
+
+def _given_dims(option: Any, tree: Any, hidden: list[Path]) -> dict[Path, Any]:
+    """Each hidden leaf's entry of a `MuonOptions.dimension_numbers` given outright (one
+    value, a tree, or a callable of the tree); an entry None passes the leaf through."""
+    option = option(tree) if callable(option) else option
+    paths = [p for p, _ in tree_paths(tree)]
+    per_leaf = dict(zip(paths, resolve_per_leaf(
+        option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
+        argname="MuonOptions.dimension_numbers"), strict=True))
+    missing = [path_str(p) for p in hidden if not per_leaf[p][0]]
+    if missing:
+        raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
+                         f"parameter(s) {missing}")
+    return {p: as_dimension_numbers(per_leaf[p][1]) for p in hidden}
+
+
+def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any):
+    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: overrides
+    and inferred axes (`muon_axes`), or the dimension numbers given outright."""
+    option = hp.muon.dimension_numbers
+    hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
+    if not infers_muon_dims(option):
+        return _given_dims(option, tree, [p for p, _ in hidden]), []
+    overrides = [(False, None)] * len(hidden)
+    if option is not None:
+        overrides = resolve_per_leaf(
+            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
+            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
+    dims, undecided = {}, []
+    for (path, shape), (found, value) in zip(hidden, overrides, strict=True):
+        if found:
+            dims[path] = as_dimension_numbers(value)
+            continue
+        try:
+            red, out = muon_axes(path, shape, structure)
+        except StructureError as err:
+            undecided.append((path, shape, err, batch_roles(path, shape, structure)))
+            continue
+        dims[path] = MuonDimensionNumbers(_unwrap(red), _unwrap(out))
+    return dims, undecided
+
+
+def _undecided_error(errors) -> ValueError:
+    """One error for every leaf whose Muon axes the shapes do not decide, with the mapping to
+    pass (the likely reading where there is one)."""
+    lines, entries = [], []
+    for path, shape, err, roles in errors:
+        lines.append(f"  {err}")
+        roles = {**roles, **err.roles}
+        dims, comment = "reduction_axis=..., output_axis=...", ""
+        if err.suggestion is not None:
+            red, out = err.suggestion
+            dims = f"reduction_axis={_unwrap(red)!r}, output_axis={_unwrap(out)!r}"
+            batch = [f"{a} ({roles.get(a, 'batch')})" for a in range(len(shape))
+                     if a not in set(red) | set(out)]
+            comment = f"  # batch axes {', '.join(batch)}" if batch else ""
+        entries.append(f"    {path_str(path)!r}: rowgeom.MuonDimensionNumbers({dims}),{comment}")
+    return ValueError(
+        f"lm_optimizer: cannot infer Muon's matrix axes of {len(errors)} parameter(s) from the "
+        "shapes:\n" + "\n".join(lines) + "\nCheck the likely reading below (axes not named "
+        "in a side are batch axes: experts, layers), correct it where needed and pass "
+        "it; leaves not named there are still inferred:\n"
+        "muon=rowgeom.MuonOptions(dimension_numbers={\n" + "\n".join(entries) + "\n})")
+
+
+def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
+    """``(muon dims or None, expert axis or None, batch axes)`` of a router leaf."""
+    try:
+        feature, expert = (router_axes if optimizer == "rownorm" else router_matrix_axes)(
+            path, shape, structure)
+    except StructureError as err:
+        raise ValueError(f"lm_optimizer(router={optimizer!r}): {err}. Train routers with "
+                         "router='muon', or label this one 'hidden'") from None
+    batch = tuple(a for a in range(len(shape)) if a not in (feature, expert))
+    if optimizer == "muon":
+        return MuonDimensionNumbers(feature, expert), None, batch
+    return None, (expert if optimizer == "rownorm" else None), batch
+
+
+def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
+    """``(muon dims or None, vocabulary axis)`` of a head leaf."""
+    if hp.head.optimizer == "muon" and len(shape) != 2:
+        raise ValueError(f"head='muon': the head {path_str(path)} {shape} must be a single "
+                         "matrix (rank 2)")
+    axis = hp.head.vocab_axis
+    if axis is None:
+        try:
+            axis = head_vocab_axis(path, shape, structure.vocab_size)
+        except StructureError as err:
+            raise ValueError(str(err)) from None
+    return (MuonDimensionNumbers(0, 1) if hp.head.optimizer == "muon" else None), axis
+
+
+def _note(path, shape, label, structure, reason) -> str:
+    if reason == "unused head":
+        return "probably unused: tied model, the logits read the token table"
+    roles = batch_roles(path, shape, structure)
+    if label == "router":
+        count = structure.routers.get(tuple(path))
+        text = "router" + (f" over E={count} experts" if count is not None else "")
+        layers = [a for a, r in roles.items() if r == "layers"]
+        return text + (f", layers axis {layers[0]}" if layers else "")
+    if "experts" in roles.values():
+        return ", ".join(f"{role} axis {a}" for a, role in sorted(roles.items()))
+    return ""
+
+
+def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) -> PlanRow:
+    """Every fact of one leaf (module docstring)."""
+    optimizer, dims, axis = optimizer_of(label, hp), None, None
+    batch: tuple[int, ...] = ()
+    if label == "hidden":
+        dims = hidden_dims[path]
+        batch = () if dims is None else batch_axes(dims, len(shape))
+    elif label == "router":
+        dims, axis, batch = _router_axes(path, shape, structure, optimizer)
+    elif label == "head":
+        dims, axis = _head_axes(path, shape, structure, hp)
+    centre = centred(label, optimizer, hp)
+    return PlanRow(path_str(path), tuple(shape), label,
+                   _geometry(label, optimizer, centre, dims, axis, batch), optimizer, centre,
+                   dims, axis, batch, _note(path, shape, label, structure, reason), reason or "")
+
+
+def _plan(tree: Any, hp: PlanOptions) -> Plan:
+    """The plan of `tree` (module docstring); raises naming every undecided leaf."""
+    labelled, reasons, router_names = _labelled(tree, hp)
+    _check_head_group(labelled, hp)
+    structure = model_structure(labelled, router_names=router_names)
+    hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
+    if undecided:
+        raise _undecided_error(undecided)
+    return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
+                 for p, s, label in labelled], structure)
+
+
+_MASKED = ("masked",)  # a partition's MaskedNode in a key: a leaf of another group
+# key -> [(options, plan)], the least recently used key first. Options are compared, not
+# hashed: a MuonOptions may hold a dict of dimension numbers.
+_MEMO: dict[tuple, list[tuple[Any, Plan]]] = {}
+_MEMO_SIZE = 64
+
+
+def _key(tree: Any) -> tuple:
+    """The tree's paths, shapes and dtypes (Flax boxes opened): all a plan depends on."""
+    leaves, _ = flatten_with_paths(tree, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    return tuple((path, *_MASKED) if isinstance(x, optax.MaskedNode)
+                 else (path, leaf_shape(x), getattr(unbox(x), "dtype", None))
+                 for path, x in leaves)
+
+
+def _covers(key: tuple, view: tuple) -> bool:
+    """Whether `view` (a partition's masked view) is `key` with some leaves masked. Shapes are
+    compared, not dtypes: a chain reads its params (in their dtype) beside the updates (in
+    theirs), and no fact of a plan depends on a dtype."""
+    return len(key) == len(view) and all(
+        a[0] == b[0] and (b[1:] == _MASKED or a[1] == b[1]) for a, b in zip(key, view, strict=True))
+
+
+class _GivenLabels(tuple):
+    """A labels tree as ``(("/"-joined path, label), ...)``: hashable, so its plans memoise."""
+
+    def table(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
+                 router: Any = "muon", labels: Any = None, tied: str | None = None
+                 ) -> PlanOptions:
+    """The options objects a plan depends on, from `lm_optimizer`'s keywords; the tied policy
+    said once (here or in the `Labeler` given as `labels`)."""
+    one_of(tied, TIED_POLICIES, "tied")
+    if isinstance(labels, (str, jax.Array)):
+        # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
+        raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
+                        "under optax.inject_hyperparams list it in static_args "
+                        "(rowgeom.STATIC_ARGS)")
+    if labels is None:
+        labels = Labeler(tied=tied)
+    elif isinstance(labels, Labeler):
+        if labels.tied is not None and tied is not None:
+            raise ValueError(f"lm_optimizer: tied={tied!r} and labels=Labeler(tied="
+                             f"{labels.tied!r}) both set the tied policy; give it once")
+        tied = labels.tied if tied is None else tied
+        labels = dataclasses.replace(labels, tied=tied)
+    elif not callable(labels) and not isinstance(labels, str):
+        labels = _GivenLabels(sorted((path_str(p), label)
+                                     for p, label in prefix_entries(labels).items()))
+    return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
+                       as_options(muon, MuonOptions, (), "muon"),
+                       as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router"),
+                       labels, tied)
+
+
+def _memoised(key: tuple, tree: Any, options: PlanOptions) -> Plan:
+    plans = _MEMO.pop(key, [])
+    plan = next((p for o, p in plans if o == options), None)
+    if plan is None:
+        plan = _plan(tree, options)
+        plans = [(options, plan), *plans][:8]
+    _MEMO[key] = plans  # most recently used last
+    if len(_MEMO) > _MEMO_SIZE:
+        del _MEMO[next(iter(_MEMO))]
+    return plan
+
+
+def plan_of(tree: Any, options: PlanOptions) -> Plan:
+    """Every leaf's `PlanRow` on `tree` (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes): a pure
+    function of its paths, shapes and dtypes and `options` (`plan_options`), memoised on them."""
+    return _memoised(_key(tree), tree, options)
+
+
+def view_plan(tree: Any, options: PlanOptions) -> Plan:
+    """The plan a chain reads on the tree it is given: `plan_of`'s for a whole tree; for the
+    view ``optax.partition`` gives one group (the other leaves ``optax.MaskedNode``), the plan
+    of the whole tree, which `lm_optimizer` planned just before (the most recently used plan
+    whose key the view matches)."""
+    key = _key(tree)
+    if not any(entry[1:] == _MASKED for entry in key):
+        return _memoised(key, tree, options)
+    for whole, plans in reversed(_MEMO.items()):
+        plan = next((p for o, p in plans if o == options), None)
+        if plan is not None and _covers(whole, key):
+            return plan
+    raise ValueError("rowgeom: a group's view of a tree no plan was made for; the group "
+                     "transforms of lm_optimizer run inside its partition only")
+
+
+def labels_of(options: PlanOptions) -> Callable[[Any], dict[str, str]]:
+    """The partition's labels: ``tree -> {path: label}`` of its plan."""
+    return lambda tree: view_plan(tree, options).labels
+
+
+def per_leaf(options: PlanOptions, label: str, fact: Callable[[PlanRow], Any]
+             ) -> Callable[[Any], dict[str, Any]]:
+    """A per-leaf option of a group's transform (the callables they accept): ``tree ->
+    {path: fact(row)}`` of the `label` leaves of the tree's plan."""
+    return lambda tree: {path: fact(row)
+                         for path, row in view_plan(tree, options).by_label(label).items()}
+
+
+def make_plan(params: Any, *, head: str | HeadOptions = "rownorm",
+              muon: MuonOptions | None = None, router: str | RouterOptions = "muon",
+              labels: Any = None, tied: str | None = None) -> Plan:
+    """The `Plan` `lm_optimizer` with these options builds its chains from on `params`: a pure
+    function of the tree's paths, shapes and dtypes and the options, memoised on them.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rowgeom
+      >>> S = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+      >>> params = {"embed": {"embedding": S(100, 16)}, "lm_head": {"kernel": S(16, 100)}}
+      >>> rowgeom.make_plan(params).by_label("head")["lm_head/kernel"].vocab_axis
+      1
+      >>> rowgeom.make_plan(params) is rowgeom.make_plan(params)     # memoised
+      True
+    """
+    return plan_of(params, plan_options(head=head, muon=muon, router=router, labels=labels,
+                                        tied=tied))
+
+
+def describe(params: Any, learning_rate: Any = None, *, head: str | HeadOptions = "rownorm",
+             muon: MuonOptions | None = None, adam: Any = None,
+             router: str | RouterOptions = "muon",
+             labels: Any = None, tied: str | None = None, weight_decay: Any = 0.1,
+             groups: Mapping[str, Any] | None = None) -> Plan:
+    """What `lm_optimizer` with the same arguments does to each leaf of `params`.
+
+    The same `make_plan` result `lm_optimizer`'s chains read at ``init`` and ``update``
+    (labels with their shape cross-checks, Muon's matrix axes, the head's vocabulary
+    axis), with every group's `GroupOptions` (`group_options`), so what is printed is what
+    will run. Errors are those `lm_optimizer` would raise, naming the leaf.
+
+    Args:
+      params: the parameter tree (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes).
+      learning_rate: `lm_optimizer`'s base rate; None leaves the rate columns empty.
+      head: as in `lm_optimizer`.
+      muon: as in `lm_optimizer`.
+      adam: as in `lm_optimizer`.
+      router: as in `lm_optimizer`.
+      labels: as in `lm_optimizer`.
+      tied: as in `lm_optimizer`.
+      weight_decay: as in `lm_optimizer`.
+      groups: as in `lm_optimizer`.
+
+    Returns:
+      A `Plan`: a tuple of `PlanRow` whose ``str()`` is an aligned table.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, rowgeom
+      >>> S = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+      >>> params = {"embed": {"embedding": S(100, 16)},
+      ...           "layers": {"attn": {"query": {"kernel": S(16, 2, 4, 4)}},  # (d, L, H, Dh)
+      ...                      "norm": {"scale": S(16, 2)}},
+      ...           "lm_head": {"kernel": S(16, 100)}}
+      >>> print(rowgeom.describe(params, 1e-3))
+      path                      shape          label      geometry                    lr     wd
+      ------------------------  -------------  ---------  --------------------------  -----  ---
+      embed/embedding           (100, 16)      embedding  AdamW                       0.001  0.1
+      layers/attn/query/kernel  (16, 2, 4, 4)  hidden     Muon, in 0 out 2,3 batch 1  0.001  0.1
+      layers/norm/scale         (16, 2)        vector     AdamW                       0.001  0
+      lm_head/kernel            (16, 100)      head       RowNorm, vocab axis 1       0.005  0.1
+    """
+    options = plan_options(head=head, muon=muon, router=router, labels=labels, tied=tied)
+    return plan_of(params, options).with_groups(group_options(
+        learning_rate, head=options.head, muon=options.muon, adam=adam, router=options.router,
+        weight_decay=weight_decay, groups=groups))
+
+
+# --- `lm_optimizer`: one call for a language model, each parameter block in its own geometry.
 
 STATIC_ARGS = ("labels",)
 """For ``optax.inject_hyperparams(lm_optimizer, static_args=STATIC_ARGS)``.
@@ -69,7 +924,7 @@ def _given(**options: Any) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def _muon_chain(group: GroupOptions, muon: MuonOptions, dims: Mapping[str, Any]
+def _muon_chain(group: GroupOptions, muon: MuonOptions, dims: Any
                 ) -> optax.GradientTransformation:
     return optax.chain(
         optax.trace(decay=group.momentum, nesterov=muon.nesterov, accumulator_dtype=muon.mu_dtype),
@@ -97,54 +952,39 @@ def _rownorm_chain(group: GroupOptions, direction, *, debias: bool = False
     )
 
 
-def _group_chain(plan: Plan, label: str, group: GroupOptions, hp: PlanOptions,
-                 adam: AdamOptions) -> optax.GradientTransformation:
-    """One group's chain, by the optimizer the plan gives its leaves."""
-    rows = plan.by_label(label)
-    optimizer = {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer}.get(
-        label, "adamw")
+def _group_chain(label: str, group: GroupOptions, hp: PlanOptions, adam: AdamOptions
+                 ) -> optax.GradientTransformation:
+    """One group's chain, by the optimizer the plan gives its leaves; every per-leaf fact a
+    callable of the tree (`per_leaf`)."""
+    optimizer = optimizer_of(label, hp)
     if optimizer == "muon":
-        return _muon_chain(group, hp.muon, {p: r.muon_dims for p, r in rows.items()})
-    if optimizer == "adamw":
+        return _muon_chain(group, hp.muon, per_leaf(hp, label, lambda row: row.muon_dims))
+    if optimizer != "rownorm":
         return _adamw(group, adam)
-    centred = {r.centred for r in rows.values()}
-    if len(centred) > 1:  # one chain per group: make_plan never mixes them
-        raise AssertionError(f"group {label!r} mixes centred and uncentred RowNorm leaves")
-    center = centred.pop() is not False if centred else True  # an empty group never runs
+    center = centred(label, optimizer, hp) is not False
     if label == "router":
         direction = rownorm_per_matrix(
-            axes={p: (r.vocab_axis, r.batch_axes) for p, r in rows.items()},
+            axes=per_leaf(hp, label, lambda row: (row.vocab_axis, row.batch_axes)),
             center_input=center, center_output=center, **_given(eps=hp.router.eps))
         return _rownorm_chain(group, direction)
     head = hp.head
     direction = projected_rownorm(
-        vocab_axis={p: r.vocab_axis for p, r in rows.items()}, center_input=center,
+        vocab_axis=per_leaf(hp, label, lambda row: row.vocab_axis), center_input=center,
         center_output=center, rescale=head.rescale, num_valid=head.num_valid, impl=head.impl,
         **_given(eps=head.eps))
     return _rownorm_chain(group, direction, debias=head.bias_correction)
 
 
-def _head_chain(plan: Plan, group: GroupOptions, hp: PlanOptions,
-                adam: AdamOptions) -> optax.GradientTransformation:
+def _head_chain(group: GroupOptions, hp: PlanOptions, adam: AdamOptions
+                ) -> optax.GradientTransformation:
     """The head group's chain, the tracker last: it sees ``-lr·(U + wd·W)``, the step the
     softmax sees."""
-    chain = _group_chain(plan, "head", group, hp, adam)
+    chain = _group_chain("head", group, hp, adam)
     if not hp.head.track:
         return chain
-    axes = {path: row.vocab_axis for path, row in plan.by_label("head").items()}
     return optax.chain(chain, track_row_diameter(
-        vocab_axis=axes, every_k_steps=hp.head.track_every_k_steps, impl=hp.head.impl))
-
-
-def optimizer_from_plan(plan: Plan, groups: Mapping[str, GroupOptions], hp: PlanOptions,
-                        adam: AdamOptions) -> optax.GradientTransformationExtraArgs:
-    """The ``optax.partition`` over the plan's labels, each group's chain written from it."""
-    # The router group only where the tree has routers: a dense model's state stays as it was.
-    labels = ("hidden", "head", "embedding", "vector") + (
-        ("router",) if plan.by_label("router") else ())
-    transforms = {label: _head_chain(plan, groups[label], hp, adam) if label == "head" else
-                  _group_chain(plan, label, groups[label], hp, adam) for label in labels}
-    return partition_by_label(transforms, plan.labels)
+        vocab_axis=per_leaf(hp, "head", lambda row: row.vocab_axis),
+        every_k_steps=hp.head.track_every_k_steps, impl=hp.head.impl))
 
 
 def lm_optimizer(
@@ -184,9 +1024,9 @@ def lm_optimizer(
 
     Returns:
       An ``optax.partition`` over ``"hidden"``, ``"head"``, ``"embedding"``, ``"vector"`` and,
-      where the tree has routers, ``"router"``, written at ``init`` and ``update`` from the
-      tree's plan (`describe` prints it; a callable ``labels`` is called when a tree's paths,
-      shapes or dtypes are first planned).
+      where the tree has routers, ``"router"``, built now; each chain reads the tree's plan
+      (`describe` prints it; a callable ``labels`` is called when a tree's paths, shapes or
+      dtypes are first planned).
 
     Works under ``optax.inject_hyperparams(lm_optimizer)(learning_rate=...)``: the float rates
     become (possibly traced) arrays and nothing here branches on their values; a callable
@@ -215,13 +1055,95 @@ def lm_optimizer(
     resolved = group_options(learning_rate, head=hp.head, muon=hp.muon, adam=adam,
                              router=hp.router, weight_decay=weight_decay, groups=groups)
 
-    def built(tree: Any) -> optax.GradientTransformationExtraArgs:
-        return optimizer_from_plan(plan_of(tree, hp), resolved, hp, adam)
+    transforms = {label: _head_chain(resolved[label], hp, adam) if label == "head" else
+                  _group_chain(label, resolved[label], hp, adam) for label in LABELS}
+    labels = labels_of(hp)
+    # The router group only where the tree has routers: a dense model's state (so its
+    # checkpoints) has none.
+    dense = partition_by_label({k: v for k, v in transforms.items() if k != "router"}, labels)
+    routed = partition_by_label(transforms, labels)
+
+    def partition(tree: Any) -> optax.GradientTransformationExtraArgs:
+        return routed if plan_of(tree, hp).by_label("router") else dense
 
     def init_fn(params):
-        return built(params).init(params)
+        return partition(params).init(params)
 
     def update_fn(updates, state, params=None, **extra_args):
-        return built(updates).update(updates, state, params, **extra_args)
+        return partition(updates).update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def label_table(labels: Any, params: Any) -> dict[Path, Any]:
+    """``{path: label}`` of a labels tree (or of ``labels(params)`` for a callable).
+
+    Labels boxed in Variables (a ``jax.tree.map`` over an ``nnx.State`` without ``is_leaf``) are
+    unboxed to their strings. Look a parameter up with ``lookup_prefix``: a labels tree may be a
+    prefix of the parameters.
+    """
+    return prefix_entries(labels(params) if callable(labels) else labels)
+
+
+def partition_by_label(
+    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.partition`` with labels checked and matched to the tree by path.
+
+    `labels` is a tree of label strings (the same structure as the params or a prefix of
+    it) or a callable ``params -> such a tree``. Labels are looked up by normalised key
+    path, not by tree structure, so one labels tree serves both calls ``nnx.Optimizer``
+    makes: ``tx.init`` with an ``nnx.State`` of ``nnx.Variable`` and ``tx.update`` with the
+    plain arrays. (Plain ``optax.partition`` fails on the update when the labels tree still
+    holds Variables, e.g. ``jax.tree.map(f, state)`` without ``is_leaf``, or when the labels
+    are a dict but the params an ``nnx.State``.)
+
+    Every parameter needs a label and every label a transform; otherwise a ValueError at
+    init (and update) lists the missing labels and their paths.
+
+    Returns:
+      The ``optax.partition`` transformation.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, rowgeom
+      >>> params = {"mlp": {"kernel": jnp.zeros((8, 8))}, "lm_head": {"kernel": jnp.zeros((8, 32))}}
+      >>> head = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
+      ...                    optax.scale_by_learning_rate(1e-2))
+      >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(1e-2), "head": head},
+      ...                                 rowgeom.label_params)
+      >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+      >>> rowgeom.partition_by_label({"hidden": optax.sgd(1e-2)}, rowgeom.label_params).init(params)
+      Traceback (most recent call last):
+      ...
+      ValueError: partition_by_label: no transform for label(s) 'head' (used by lm_head/kernel). ...
+    """
+    if not isinstance(transforms, Mapping):
+        raise TypeError(f"transforms must be a mapping label -> transformation, got "
+                        f"{type(transforms).__name__}")
+    for name, tx in transforms.items():
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"transforms[{name!r}] must be an optax GradientTransformation, "
+                            f"got {type(tx).__name__}")
+
+    return optax.partition(dict(transforms),
+                           functools.partial(_checked_labels, labels, transforms))
+
+
+def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:
+    """The labels tree of `params` (`label_table`), or a ValueError listing the parameters
+    without a label and the labels without a transform."""
+    table = label_table(labels, params)
+    found = [(path, lookup_prefix(table, path)) for path, _ in tree_paths(params)]
+    missing = [path_str(path) for path, (ok, _) in found if not ok]
+    if missing:
+        raise ValueError("partition_by_label: no label for parameter(s) " + ", ".join(missing))
+    no_tx: dict[str, list[str]] = {}
+    for path, (_, label) in found:
+        if label not in transforms:
+            no_tx.setdefault(label, []).append(path_str(path))
+    if no_tx:
+        detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in no_tx.items())
+        raise ValueError(f"partition_by_label: no transform for label(s) {detail}. "
+                         f"transforms has {sorted(map(str, transforms))}")
+    by_path = {path: label for path, (_, label) in found}
+    return map_with_paths(lambda path, _: by_path[path], params)

@@ -29,7 +29,6 @@ conventions and edge cases (eps, padding, huge inputs, bf16, tied heads): docs/g
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,12 +41,16 @@ from jax.typing import ArrayLike
 from rowgeom import _cpu
 from rowgeom._geometry import _row_diameter, _upper_bound
 from rowgeom._numerics import MIN_EPS, _guarded, _pivot, _row_vector, _rownorm_scale
-from rowgeom._tree import flatten_with_paths, is_masked, map_head_leaves, path_str, vocab_axes
-from rowgeom._validation import (
+from rowgeom._tree import (
     canonical_axis,
     check_floating,
     check_int,
     check_min_rank,
+    flatten_with_paths,
+    is_masked,
+    path_name,
+    path_repr,
+    resolve_per_leaf,
     static_args_hint,
 )
 
@@ -328,97 +331,60 @@ def projected_rownorm(*, vocab_axis: Any, eps: float = EPS, center_input: bool =
 # (`rowgeom.RouterOptions`); scanned, (d, L, E) is L independent routers, so the row norms and
 # means must never mix layers.
 
-AxesSpec = tuple[int, tuple[int, ...]]
+
+# --- Per-leaf vocabulary axes: the tree helpers of every head transform (RowNorm, the clip, the
+# tracker) -------------------------------------------------------------------------------------
 
 
-def _check_spec(path: str, spec: Any) -> AxesSpec:
-    """``(row axis, batch axes)`` as ints, or a TypeError naming the entry."""
-    try:
-        axis, batch = spec
-        batch = tuple(batch)
-    except (TypeError, ValueError):
-        raise TypeError(f"axes[{path!r}] must be a (row axis, batch axes) pair, got "
-                        f"{spec!r}") from None
-    for value in (axis, *batch):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"axes[{path!r}] must hold ints, got {spec!r}")
-    return int(axis), tuple(int(b) for b in batch)
+def _check_axis_value(ax):
+    if ax is None:
+        return None
+    if isinstance(ax, jax.core.Tracer):
+        raise TypeError("vocab_axis must be a static int, got a traced value; under "
+                        "optax.inject_hyperparams pass static_args=('vocab_axis', ...)")
+    return check_int(ax, argname="vocab_axis", minimum=-(2**31))
 
 
-def _leaf_axes(u, spec: AxesSpec, where: str) -> AxesSpec:
-    """The spec's axes for this leaf, non-negative, or a ValueError naming the leaf."""
-    axis, batch = spec
-    if jnp.ndim(u) < 2 + len(batch):
-        raise ValueError(f"updates at {where} (shape {jnp.shape(u)}) need rank >= "
-                         f"{2 + len(batch)}: a row axis, a feature axis and {len(batch)} "
-                         "batch axes")
-    axis = canonical_axis(axis, u.ndim, argname=f"axes[{where!r}] row axis")
-    batch = tuple(canonical_axis(b, u.ndim, argname=f"axes[{where!r}] batch axis")
-                  for b in batch)
-    if len(set(batch) | {axis}) != len(batch) + 1:
-        raise ValueError(f"axes[{where!r}]: the row axis {axis} and batch axes {batch} must "
-                         "be distinct")
-    return axis, batch
+def vocab_axes(vocab_axis, tree):
+    """Broadcasts ``vocab_axis`` to one ``int | None`` per leaf of ``tree``.
 
-
-def _per_matrix(u, spec: AxesSpec, options: dict, where: str):
-    """`rownorm_direction` of each matrix of `u` (one per index of the batch axes)."""
-    axis, batch = _leaf_axes(u, spec, where)
-    if not batch:
-        return rownorm_direction(u, vocab_axis=axis, **options)
-    front = jnp.moveaxis(u, batch, tuple(range(len(batch))))
-    rest = [a for a in range(u.ndim) if a not in batch]
-    flat = front.reshape((-1,) + front.shape[len(batch):])
-    row = rest.index(axis)
-    out = jax.vmap(lambda m: rownorm_direction(m, vocab_axis=row, **options))(flat)
-    return jnp.moveaxis(out.reshape(front.shape), tuple(range(len(batch))), batch)
-
-
-def _updates(updates, axes: Mapping[str, AxesSpec], options: dict):
-    leaves, treedef = flatten_with_paths(updates, open_boxes=True, is_leaf=is_masked)
-    paths = {path_str(p) for p, _ in leaves}
-    unknown = sorted(set(axes) - paths)
-    if unknown:
-        raise ValueError(f"axes names {unknown}, which are not in the tree")
-    out = [u if is_masked(u) or path_str(p) not in axes
-           else _per_matrix(u, axes[path_str(p)], options, path_str(p))
-           for p, u in leaves]
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def rownorm_per_matrix(*, axes: Mapping[str, Any], eps: float = EPS, center_input: bool = True,
-                       center_output: bool = True) -> optax.GradientTransformation:
-    """Projected RowNorm of each leaf named in `axes`, one matrix per index of its batch axes.
-
-    Args:
-      axes: ``{"/"-joined path: (row axis, batch axes)}``. Each such leaf is a batch of
-        matrices (one per index of the batch axes) whose rows lie along the row axis, its
-        other axes being features; each matrix becomes `rownorm_direction` of it. Leaves not
-        named, and masked leaves, pass through unchanged; a path naming no leaf is an error.
-      eps: as in `rownorm_direction`.
-      center_input: as in `rownorm_direction`.
-      center_output: as in `rownorm_direction`.
-
-    Returns:
-      A stateless ``optax.GradientTransformation``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, optax
-      >>> from rowgeom._rownorm import rownorm_per_matrix
-      >>> g = {"router": jax.random.normal(jax.random.key(0), (8, 3, 4))}   # (d, L, E)
-      >>> tx = rownorm_per_matrix(axes={"router": (2, (1,))})
-      >>> s, _ = tx.update(g, tx.init(g))
-      >>> bool(jnp.allclose(s["router"].sum(axis=2), 0, atol=1e-6))   # each layer centred
-      True
+    ``vocab_axis`` is a per-leaf option (`resolve_per_leaf`): an int (every leaf), ``None`` (no
+    leaf), a tree or flat ``"/"``-keyed mapping with ints / ``None`` at its leaves, or a callable
+    ``tree -> such a tree`` (like optax masks). A leaf under no entry gets ``None`` (left
+    unchanged, never a guessed axis), e.g. ``{"lm_head/kernel": 1}`` on a whole model.
     """
-    if not isinstance(axes, Mapping):
-        raise TypeError(f"axes must be a mapping path -> (row axis, batch axes), got {axes!r}")
-    checked = {str(path): _check_spec(str(path), spec) for path, spec in axes.items()}
-    options = dict(eps=_check_eps(eps), center_input=bool(center_input),
-                   center_output=bool(center_output))
+    if callable(vocab_axis):
+        vocab_axis = vocab_axis(tree)
+    leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
+    is_value = lambda ax: ax is None or not isinstance(ax, Mapping | list | tuple) \
+        or isinstance(ax, optax.MaskedNode)
+    per_leaf = resolve_per_leaf(vocab_axis, [p for p, _ in leaves], is_value=is_value,
+                                argname="vocab_axis")
+    axes = []
+    for (path, _), (_, ax) in zip(leaves, per_leaf, strict=True):
+        try:
+            # A masked entry (a partition's callable sees MaskedNode leaves): not a head leaf.
+            axes.append(None if is_masked(ax) else _check_axis_value(ax))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"vocab_axis at {path_name(path)}: {err}") from None
+    return jax.tree_util.tree_unflatten(treedef, axes)
 
-    def update_fn(updates, state, params=None):
-        del params
-        return _updates(updates, checked, options), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+def map_head_leaves(fn, skip, tree, axes):
+    """``fn(leaf, axis)`` on every leaf with an axis (`vocab_axes`); ``skip(leaf)`` elsewhere.
+
+    Errors from ``fn`` are re-raised with the leaf's path, so a user sees which parameter failed.
+    """
+    leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
+
+    def apply(path, leaf, ax):
+        if is_masked(leaf) or ax is None:
+            return skip(leaf)
+        try:
+            return fn(leaf, ax)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"leaf {path_repr(path)}: {err}") from None
+
+    out = [apply(path, leaf, ax)
+           for (path, leaf), ax in zip(leaves, treedef.flatten_up_to(axes), strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,13 +1,14 @@
 """What a language model's parameter tree says about the model, and every axis read from it.
 
-Names say what a parameter is for (`rowgeom._paths` reads them); shapes say how big the model
-is. The labels and the optimizer plan use both, so that a name that contradicts the shapes is
-an error instead of a silently wrong geometry. This module is the one place an axis is inferred:
+Names say what a parameter is for (the name sets and predicates below read them); shapes say
+how big the model is. The labels and the optimizer plan use both, so that a name that
+contradicts the shapes is an error instead of a silently wrong geometry. This module is the one
+place an axis is inferred:
 
 - the **vocabulary size** ``V`` and **width** ``d`` come from the token embedding table
   (``(V, d)``, the layout of every JAX ``Embed``; position tables excluded), else from a named
   head matrix;
-- the **repeated blocks** are the subtrees of a block container (`rowgeom._paths.block_position`:
+- the **repeated blocks** are the subtrees of a block container (`block_position`:
   ``layers/0``, ``h/3``, ``layers_0``); a container name followed by no number is a **stack** of
   scanned layers whose leaves carry a layer axis;
 - a stack is also recognised **by structure**, whatever its name: a container of several
@@ -17,7 +18,7 @@ an error instead of a silently wrong geometry. This module is the one place an a
 - a stack's **layer axis** is read off its norm scales (``(L, d)`` or, as in MaxText's default
   ``param_scan_axis=1``, ``(d, L)``), else from the one leading axis all its leaves share;
 - the **mixture-of-experts** routers and expert stacks and their expert count ``E`` are found
-  by `rowgeom._experts`; each expert stack's **expert axis** is its one axis of size ``E``.
+  by `find_experts`; each expert stack's **expert axis** is its one axis of size ``E``.
 
 `muon_axes` turns this into Muon's matrix axes: layer and expert axes are batch axes (Muon runs
 per layer and per expert), two axes left are the matrix; of three or more left, the one axis of
@@ -33,19 +34,432 @@ expert axes.
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from rowgeom._experts import find_experts
-from rowgeom._names import (
-    DEFAULT_ROUTER_NAMES,
-    GENERIC_LEAF_NAMES,
-    TOKEN_EMBEDDING_NAMES,
-    VOCAB_AXIS_BY_LEAF_NAME,
-)
-from rowgeom._paths import block_position, is_expert_component, is_position_embedding, naming_path
-from rowgeom._tree import Path
+from rowgeom._tree import Path, path_name
+
+# --- Every name rowgeom recognises in a parameter path, in one place.
+#
+# Labels (`rowgeom.label_params`) and the model structure (`rowgeom._structure`) read whole,
+# case-insensitive path components against these sets; the public ones are the defaults a user
+# can replace or extend (``Labeler(extra_hidden_names=...)``). Nothing here is logic.
+
+LABELS = ("hidden", "head", "embedding", "vector", "router")
+"""The five parameter labels, one per optimizer group.
+
+``"hidden"`` (Muon), ``"head"`` (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW),
+``"router"`` (a mixture-of-experts router: Muon by default, projected RowNorm over the experts
+on request, `rowgeom.RouterOptions`); the keys `lm_optimizer` partitions by and `label_params`
+assigns.
+
+Examples:
+    >>> import rowgeom
+    >>> rowgeom.LABELS
+    ('hidden', 'head', 'embedding', 'vector', 'router')
+"""
+
+TIED_POLICIES = (None, "embedding", "head")
+"""How a head tied to the embedding table is trained: not tied, as the embedding, as the head."""
+
+HEAD_OPTIMIZERS = ("rownorm", "adamw", "muon")
+"""The head optimizers `lm_optimizer` builds."""
+
+ROUTER_OPTIMIZERS = ("muon", "rownorm", "adamw")
+"""The router optimizers `lm_optimizer` builds (`rowgeom.RouterOptions`)."""
+
+DEFAULT_HEAD_NAMES = frozenset({
+    "lm_head", "head", "output", "output_layer", "unembed", "unembedding", "unembedder",
+    "logits", "logits_dense", "logitdense", "to_logits", "logits_ffn",
+})
+"""Path components that name the output (unembedding) matrix: label ``"head"``.
+
+Examples:
+    >>> import rowgeom
+    >>> "lm_head" in rowgeom.DEFAULT_HEAD_NAMES and "logits_dense" in rowgeom.DEFAULT_HEAD_NAMES
+    True
+"""
+
+TOKEN_EMBEDDING_NAMES = frozenset({
+    "wte", "tok_embeddings", "tok_embedding", "tok_embed", "token_embedder", "token_embedding",
+    "token_embeddings", "embed_tokens", "word_embeddings", "word_embedding", "input_embedding",
+    "shared_embedding", "embedding_lookup",
+})
+"""Path components that name the token embedding table (the one a tied head reuses).
+
+Its ``(V, d)`` shape gives `label_params` the vocabulary size and the model width.
+
+Examples:
+    >>> import rowgeom
+    >>> "wte" in rowgeom.TOKEN_EMBEDDING_NAMES and "wpe" not in rowgeom.TOKEN_EMBEDDING_NAMES
+    True
+"""
+
+POSITION_EMBEDDING_NAMES = frozenset({
+    "wpe", "pos_embed", "pos_embedding", "position_embedding", "position_embeddings",
+    "embed_positions", "posembed_input", "posembed_output",
+})
+"""Path components that name a position table: an embedding, never the source of ``V``."""
+
+POSITION_WORD = re.compile(r"(?:pos|positions?|positional)(?:emb\w*)?")
+"""A ``_``-separated word of a component that names positions (``W_pos``, ``abs_pos_emb``,
+``PositionEmbedding``), matched whole: ``composer`` or ``transposed`` are no position words."""
+
+DEFAULT_EMBEDDING_NAMES = TOKEN_EMBEDDING_NAMES | frozenset({
+    "embed", "embedding", "embeddings", "embedder", "wpe", "pos_embed", "pos_embedding",
+    "position_embedding", "position_embeddings", "embed_positions",
+})
+"""Path components that name lookup tables (token and position embeddings): ``"embedding"``.
+
+Examples:
+    >>> import rowgeom
+    >>> rowgeom.TOKEN_EMBEDDING_NAMES <= rowgeom.DEFAULT_EMBEDDING_NAMES
+    True
+"""
+
+BLOCK_CONTAINER_NAMES = frozenset({
+    "layers", "layer", "blocks", "block", "h", "transformer_blocks", "decoder_layers",
+    "encoder_layers", "decoder_blocks", "encoder_blocks", "resblocks",
+})
+"""Path components that hold the repeated transformer blocks (numbered children or a stack).
+
+Any component ending in ``_layers`` or ``_blocks`` does too (MaxText DeepSeek's
+``dense_layers`` / ``moe_layers``, praxis' ``x_layers_3``), and a container whose leaves all
+carry one layer axis is a stack whatever its name (`rowgeom._structure.find_stacks`)."""
+
+CONTAINER_SUFFIXES = ("_layers", "_blocks")
+"""Name endings that make a path component a block container (see `BLOCK_CONTAINER_NAMES`)."""
+
+DEFAULT_HIDDEN_NAMES = frozenset({
+    # block containers (a subset of BLOCK_CONTAINER_NAMES: the others are told by structure)
+    "layers", "layer", "blocks", "block", "h", "transformer_blocks",
+    # attention
+    "attn", "attention", "self_attn", "self_attention", "cross_attn", "cross_attention",
+    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "qkv", "qkv_proj", "kv_proj",
+    "query", "key", "value", "out", "wq", "wk", "wv", "wo", "c_attn",
+    # MLP
+    "mlp", "ffn", "feed_forward", "feedforward", "gate", "up", "down", "gate_proj", "up_proj",
+    "down_proj", "wi", "wi_0", "wi_1", "w1", "w2", "w3", "c_fc", "c_proj", "fc1", "fc2",
+    # mixture of experts (routers are told apart by `DEFAULT_ROUTER_NAMES` and the shapes)
+    "experts", "wo_0", "wi_gate_0", "gate_up_proj",
+})
+"""Path components that name blocks, attention and MLP projections: label ``"hidden"``.
+
+Examples:
+    >>> import rowgeom
+    >>> {"layers", "q_proj", "mlp"} <= rowgeom.DEFAULT_HIDDEN_NAMES
+    True
+"""
+
+DEFAULT_ROUTER_NAMES = frozenset({"router", "gate", "gating", "moe_gate", "router_gate"})
+"""Path components that name a mixture-of-experts router: label ``"router"``.
+
+``router`` always does (gpt-oss, Llama 4); the others (MaxText's and EasyDeL's ``gate/kernel``,
+praxis' ``gate``) only when the shapes agree: the router is ``(d, E)`` (``(E, d)`` for a
+PyTorch-style ``weight``; a scanned layer axis aside) and ``E`` is the expert count of the expert
+stacks beside it, ``(E, d, f)``-like leaves in the same module, or of its numbered experts. A
+dense MLP's ``gate`` (``(d, f)``, no experts beside it) stays ``"hidden"``.
+
+Examples:
+    >>> import rowgeom
+    >>> {"router", "gate"} <= rowgeom.DEFAULT_ROUTER_NAMES
+    True
+"""
+
+EXPERT_MODULE = re.compile(r"expert|moe")
+"""A path component naming a mixture-of-experts module or its expert stacks (``experts``,
+``MoeBlock_0``, ``block_sparse_moe``); ``shared_expert(s)`` (a dense MLP every token uses) and
+block containers (``moe_layers``) excepted."""
+
+WRAPPER_SUFFIXES = (("value", "data_array"), ("data_array",))
+"""Trailing path components that wrap a parameter instead of naming it: penzai's
+``Parameter.value`` holding a ``NamedArray.data_array``. Names are read from the path without
+them, so ``(3, 'value', 'data_array')`` carries no name at all."""
+
+DEFAULT_VECTOR_NAMES = frozenset({"scale", "bias", "biases", "gain", "beta", "gamma", "offset"})
+"""Leaf names that make a parameter a ``"vector"`` whatever its rank.
+
+A norm scale stacked over scanned layers ``(L, d)`` or a per-head bias ``(H, Dh)`` has rank 2
+but no matrix structure. A leaf whose own module is a norm (a component containing ``norm``,
+or ``ln_f``, ``ln_1``, ...) is a vector too, e.g. Hugging Face's ``input_layernorm/weight``.
+
+Examples:
+    >>> import rowgeom
+    >>> sorted(rowgeom.DEFAULT_VECTOR_NAMES)[:3]
+    ['beta', 'bias', 'biases']
+"""
+
+BIAS_LEAF = re.compile(r"b_[a-z0-9]+")
+"""A leaf name, matched whole and lower-cased, of a bias of any rank: TransformerLens's
+per-head ``b_Q``, ``b_K``, ``b_V`` ``(n_heads, d_head)``, its ``b_in``, ``b_out``, ``b_U``."""
+
+NORM_MODULE = re.compile(r"norm|^ln(_|\d|f|$)")
+"""A path component naming a normalisation module (``final_norm``, ``ln_f``, ``ln_1``)."""
+
+MATRIX_LEAF_NAMES = frozenset({"kernel", "embedding"})
+"""Leaf names that stay matrices even inside a norm module."""
+
+GENERIC_LEAF_NAMES = frozenset({"kernel", "weight", "weights", "w", "embedding"})
+"""Leaf names that say how a parameter is stored, not what it is for (the module name does)."""
+
+VOCAB_AXIS_BY_LEAF_NAME = types.MappingProxyType({"kernel": 1, "embedding": 0, "weight": 0})
+"""A rank-2 head's vocabulary axis from its leaf name when the shapes cannot tell: Flax's
+``kernel`` is ``(d, V)``, an ``embedding`` table and PyTorch-style ``weight`` are ``(V, d)``."""
+
+
+# --- What the names in a parameter path say: wrappers, blocks, position tables, experts, routers,
+# biases. Whole components only, case-insensitive; shapes are never read here.
+#
+# The predicates below read the name sets above; the labels (`rowgeom._labels`) and the
+# structure further below use them.
+
+_NUMBERED = re.compile(r"^(?P<base>.*?)_?(?P<index>\d+)$")
+
+
+def naming_path(path: Sequence[str]) -> Path:
+    """`path` without the wrapper components at its end (`rowgeom._structure.WRAPPER_SUFFIXES`)."""
+    path = tuple(path)
+    for suffix in WRAPPER_SUFFIXES:
+        n = len(suffix)
+        if len(path) > n - 1 and tuple(c.lower() for c in path[-n:]) == suffix:
+            return path[:-n]
+    return path
+
+
+def is_nameless(path: Sequence[str]) -> bool:
+    """Whether a path carries no name at all (``(3, 'value', 'data_array')``: penzai's tuple)."""
+    return all(c.isdigit() for c in naming_path(path))
+
+
+def is_container(component: str) -> bool:
+    """Whether a component holds repeated blocks (``layers``, ``h``, ``*_layers``, ...)."""
+    c = component.lower()
+    return c in BLOCK_CONTAINER_NAMES or c.endswith(CONTAINER_SUFFIXES)
+
+
+def _numbered_block(component: str) -> bool:
+    """``layers_0``, ``encoderdecoderblock_2``, ``x_layers_1``: one unrolled block."""
+    match = _NUMBERED.match(component)
+    if match is None:
+        return False
+    base = match["base"]
+    return is_container(base) or "block" in base or base.endswith(("layer", "layers"))
+
+
+def block_position(path: Sequence[str]) -> tuple[int, bool] | None:
+    """(index of the component that starts a repeated block, whether it is a stack), or None.
+
+    ``layers/0/...``, ``h/0/...``, ``layers_0/...``, ``encoderdecoderblock_0/...``: an unrolled
+    block. ``layers/attn/...`` (a container name followed by no number): a stack of layers.
+    """
+    path = naming_path(path)
+    for i, component in enumerate(path[:-1]):
+        c = component.lower()
+        if c.isdigit():
+            if i == 0:
+                continue  # a list of modules at the root (sequential), not a block container
+            return i, False
+        if _numbered_block(c):
+            return i, False
+        if is_container(c):
+            return (i + 1, False) if path[i + 1].isdigit() else (i, True)
+    return None
+
+
+def is_position_embedding(path: Sequence[str]) -> bool:
+    """Whether a path names a position table: a component in `POSITION_EMBEDDING_NAMES`, or one
+    whose ``_``-separated words include a position word (``pos``, ``position``,
+    ``positional``, ``posembed``, ``pos``/``position`` + ``embed...``), so ``W_pos`` and
+    ``abs_pos_emb`` are, ``composer``, ``purpose`` and ``transposed_proj`` are not."""
+    for component in path:
+        c = component.lower()
+        if c in POSITION_EMBEDDING_NAMES or any(POSITION_WORD.fullmatch(w) for w in c.split("_")):
+            return True
+    return False
+
+
+def is_expert_component(component: str) -> bool:
+    """A component naming an MoE module or its experts (``experts``, ``MoeBlock_0``); not a
+    shared expert (a dense MLP every token uses) nor a block container (``moe_layers``)."""
+    c = component.lower()
+    return bool(EXPERT_MODULE.search(c)) and not c.startswith("shared") and not is_container(c)
+
+
+def router_index(path: Sequence[str], router_names: Collection[str]) -> int | None:
+    """Index of the component naming a router (``gate/kernel`` -> the ``gate``), or None."""
+    nm = naming_path(path)
+    if nm and nm[-1].lower() in router_names:
+        return len(nm) - 1
+    if len(nm) > 1 and nm[-2].lower() in router_names and nm[-1].lower() in GENERIC_LEAF_NAMES:
+        return len(nm) - 2
+    return None
+
+
+def module_index(path: Sequence[str]) -> int:
+    """Length of a leaf's module path: ``gate/kernel`` -> 1 (the storage name is no module)."""
+    nm = naming_path(path)
+    return len(nm) - (2 if len(nm) > 1 and nm[-1].lower() in GENERIC_LEAF_NAMES else 1)
+
+
+def is_vector_name(path: Sequence[str], vector_names: Collection[str]) -> bool:
+    """Whether a leaf's names make it a vector whatever its rank: its own name is in
+    `vector_names`, ends in ``_bias`` or is a bias (``b``, TransformerLens's per-head ``b_Q``
+    ``(n_heads, d_head)``, ``b_in``), or its module is a norm and it is no kernel."""
+    names = naming_path(path)
+    if not names:
+        return False
+    leaf = names[-1].lower()
+    if leaf in vector_names or leaf.endswith("_bias") or BIAS_LEAF.fullmatch(leaf):
+        return True
+    return len(names) > 1 and bool(NORM_MODULE.search(names[-2].lower())) \
+        and leaf not in MATRIX_LEAF_NAMES
+
+
+# --- Mixture-of-experts modules: which leaves are routers and expert stacks, and the expert count.
+#
+# A **mixture-of-experts module** holds a **router** (named in the labeler's router names, or an
+# unnamed ``(d, E)`` matrix) and **expert stacks**: its leaves with three or more axes besides the
+# layer axis (``(E, d, f)``, MaxText's scanned ``(E, L, d, f)``), or leaves under an
+# ``experts``/``*moe*`` component. The expert count ``E`` is the router's axis other than ``d``
+# that every expert stack has (or the number of numbered experts ``experts/0``, ``experts/1``...).
+# A dense MLP's ``gate`` ``(d, f)``, with no expert stack beside it, is no router. Which axis of a
+# stack indexes the experts (its one axis of size ``E``) is read in `rowgeom._structure`.
+
+def _numbered_experts(paths, module: Path) -> int | None:
+    """The number of numbered experts (``experts/0``, ``experts/1``, ...) under a module."""
+    indices = set()
+    for path in paths:
+        rest = path[len(module):]
+        for i, c in enumerate(rest[:-1]):
+            if c.lower() in ("experts", "expert") and rest[i + 1].isdigit():
+                indices.add(int(rest[i + 1]))
+    return len(indices) if indices and indices == set(range(len(indices))) else None
+
+
+class _MatrixLeaves:
+    """The rank >= 2 leaves `find_experts` reads: shapes, labels and axes besides a layer axis."""
+
+    def __init__(self, entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]]):
+        self.entries = [(tuple(p), tuple(s), lb) for p, s, lb in entries if len(s) >= 2]
+        self.axes = {p: axes_of(p, s) for p, s, _ in self.entries}
+        self.shapes = {p: s for p, s, _ in self.entries}
+        self.labels = {p: lb for p, _, lb in self.entries}
+        self.width = width
+        self.may_expert = [p for p, _, lb in self.entries
+                           if lb in ("hidden", None) and len(self.axes[p]) >= 3]
+
+    def stacks_under(self, module: Path, skip) -> list[Path]:
+        """The possible expert stacks of a module (its shared experts excluded)."""
+        return [p for p in self.may_expert if p[:len(module)] == module and p not in skip
+                and not any(c.lower().startswith("shared") for c in p[len(module):])]
+
+    def router_sizes(self, path) -> set[int]:
+        """A router's possible expert counts: its sizes other than one of ``d``."""
+        sizes = [self.shapes[path][a] for a in self.axes[path]]
+        if self.width is not None and sizes.count(self.width) == 1:
+            return {s for s in sizes if s != self.width}
+        return set(sizes)
+
+    def count_for(self, router, members, module) -> int | None:
+        """The expert count a router and the stacks beside it agree on (or numbered experts)."""
+        sizes = self.router_sizes(router)
+        if members:
+            common = {e for e in sizes if all(any(self.shapes[m][a] == e for a in self.axes[m])
+                                              for m in members)}
+            if len(common) == 1:
+                return common.pop()
+        numbered = _numbered_experts(list(self.shapes), module)
+        return numbered if numbered in sizes else None
+
+    def common_sizes(self, members) -> set[int]:
+        """Sizes at one position in every stack (the expert axis; f changes places in wo)."""
+        ranks = {len(self.axes[m]) for m in members}
+        if len(ranks) != 1:
+            return set()
+        first = members[0]
+        sizes = {self.shapes[first][self.axes[first][i]] for i in range(ranks.pop())
+                 if len({self.shapes[m][self.axes[m][i]] for m in members}) == 1}
+        return sizes - {self.width}
+
+    def beside(self, p: Path, module: Path, skip) -> bool:
+        """A direct child leaf of the MoE module or of its parent."""
+        for outer in (module, module[:-1]):
+            rel = naming_path(p)[len(outer):]
+            if p[:len(outer)] == outer and p not in skip and (
+                    len(rel) == 1 or (len(rel) == 2 and rel[-1].lower() in GENERIC_LEAF_NAMES)):
+                return True
+        return False
+
+
+def _named_routers(leaves: _MatrixLeaves, router_names, movable) -> dict[Path, list[Path]]:
+    """``{module: [router candidates]}``: matrices labelled ``"router"`` or named as one."""
+    by_module: dict[Path, list[Path]] = {}
+    for path, _, label in leaves.entries:
+        if len(leaves.axes[path]) != 2:
+            continue
+        k = router_index(path, router_names)
+        if label == "router" and k is None:
+            k = module_index(path)
+        if k is not None and (label == "router" or (label in ("hidden", None) and movable(path))):
+            by_module.setdefault(path[:k], []).append(path)
+    return by_module
+
+
+def _shaped_router(leaves: _MatrixLeaves, module, members, movable):
+    """``(router or None, E or None)`` of expert stacks with no named router: the one unnamed
+    ``(d, E)`` matrix beside them whose ``E`` they share."""
+    sizes, skip, width = leaves.common_sizes(members), set(members), leaves.width
+    shaped = [p for p, _, lb in leaves.entries if leaves.beside(p, module, skip)
+              and lb in ("hidden", None) and movable(p) and len(leaves.axes[p]) == 2
+              and width is not None and width in [leaves.shapes[p][a] for a in leaves.axes[p]]
+              and leaves.router_sizes(p) & sizes]
+    if len(shaped) == 1 and len(leaves.router_sizes(shaped[0]) & sizes) == 1:
+        return shaped[0], (leaves.router_sizes(shaped[0]) & sizes).pop()
+    return None, None
+
+
+def find_experts(entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]], *,
+                 router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
+                 movable: Callable[[Path], bool] = lambda p: True):
+    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (module doc).
+
+    `entries`: ``(path, shape, label)`` of every leaf (label None: not named); `axes_of(path,
+    shape)`: a leaf's axes besides its layer axis (`rowgeom._structure.unstacked_axes`).
+    Routers are the leaves labelled ``"router"`` and, where `movable(path)`, the ``"hidden"`` or
+    unlabelled leaves named in `router_names` (or unnamed ``(d, E)`` matrices beside expert
+    stacks) that the shapes confirm; expert stacks are among the ``"hidden"`` or unlabelled
+    leaves.
+    """
+    leaves = _MatrixLeaves(entries, width, axes_of)
+    routers: dict[Path, int | None] = {}
+    experts: dict[Path, int | None] = {}
+    for module, candidates in _named_routers(leaves, router_names, movable).items():
+        members = leaves.stacks_under(module, set(candidates))
+        for router in candidates:
+            count = leaves.count_for(router, members, module)
+            if count is not None or leaves.labels[router] == "router":
+                routers[router] = count
+            if count is not None:
+                experts.update((m, count) for m in members)
+    # Expert stacks under an experts/moe component and no named router beside them: a router
+    # by its (d, E) shape alone, else an expert count nobody can tell.
+    for path in leaves.may_expert:
+        marks = [i for i, c in enumerate(path[:-1]) if is_expert_component(c)]
+        if path in experts or not marks:
+            continue
+        module = path[:marks[-1] + 1]
+        members = leaves.stacks_under(module, set(routers))
+        if members:
+            router, count = _shaped_router(leaves, module, members, movable)
+            if router is not None:
+                routers[router] = count
+            experts.update((m, count) for m in members)
+    return experts, routers
+
+
+# --- What a language model's parameter tree says about the model, and every axis read from it.
 
 _EMPTY: Mapping = types.MappingProxyType({})
 
@@ -217,7 +631,7 @@ def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NA
 
     ``V`` and ``d`` come from the leaves labelled ``"embedding"``/``"head"``; a leaf labelled
     ``"vector"`` is a norm scale or bias; `movable(path)`: whether a ``"hidden"`` (or None)
-    label may still turn out to be a router (`rowgeom._experts.find_experts`).
+    label may still turn out to be a router (`rowgeom._structure.find_experts`).
     """
     leaves = [(tuple(p), tuple(s), lb) for p, s, lb, *_ in leaves]
     rank2 = lambda lab: [(p, s) for p, s, lb in leaves if lb == lab and len(s) == 2]
@@ -386,7 +800,7 @@ def head_vocab_axis(path: Sequence[str], shape: Sequence[int], vocab_size: int |
     if name in VOCAB_AXIS_BY_LEAF_NAME and len(shape) == 2:
         return VOCAB_AXIS_BY_LEAF_NAME[name]
     raise StructureError(
-        f"cannot infer the vocabulary axis of head parameter {'/'.join(path) or '<root>'!r} "
+        f"cannot infer the vocabulary axis of head parameter {path_name(tuple(path))!r} "
         f"(shape {shape}): it has not exactly one axis of the vocabulary size "
         f"(V={vocab_size}), and only rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' "
         "or 'weight' ((V, d) -> 0) are recognised by name. Say it with "

@@ -1,4 +1,4 @@
-"""Parameter paths: the one tree walker behind labels, transforms, the recipe and the tracker.
+"""Parameter paths and arguments: the one tree walker, per-leaf options and argument checks.
 
 Contract (the layout page, docs/architecture.md, shows who uses what):
 
@@ -11,6 +11,9 @@ Contract (the layout page, docs/architecture.md, shows who uses what):
   caller already loaded it.
 - **Masked** leaves (`is_masked`: ``None`` and ``optax.MaskedNode``, what ``optax.partition`` and
   ``optax.masked`` put where a transform must not act) are leaves wherever a transform walks.
+- **Arguments** are checked one way (the last section): every error names the argument (an
+  options object's as ``Owner.field``) and says what was expected, never a silent NaN or a
+  silently wrong axis.
 - A **per-leaf option** (labels, ``vocab_axis``, Muon dimension numbers, the routing a test
   expects) has one semantics everywhere (`resolve_per_leaf`): one value for every leaf, a
   callable ``tree -> option``, or a tree matched by path — nested like the parameters, flat with
@@ -21,17 +24,23 @@ Contract (the layout page, docs/architecture.md, shows who uses what):
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
-
-from rowgeom._validation import check_int
+from jax.typing import ArrayLike
 
 Path = tuple[str, ...]
+
+ROOT = "(root)"
+"""How the empty path (a bare array's) is shown in messages: `path_name`."""
 
 
 def key_name(key) -> str:
@@ -50,6 +59,11 @@ def _components(keys) -> Path:
 def path_str(path: Path) -> str:
     """``"lm_head/kernel"``: a path as every message and mapping key shows it."""
     return "/".join(path)
+
+
+def path_name(path: Path) -> str:
+    """`path_str`, or `ROOT` for the empty path: a path as a message names a leaf."""
+    return path_str(path) or ROOT
 
 
 def path_repr(path: Path) -> str:
@@ -185,58 +199,112 @@ def resolve_per_leaf(option, paths: list[Path], *, is_value: Callable[[Any], boo
     return [lookup_prefix(entries, path) for path in paths]
 
 
-# --- Per-leaf vocabulary axes (the head transforms and the tracker) ---------------------------
+# --- Argument checks: every public function reports bad input the same way ------------------
 
 
-def _check_axis_value(ax):
-    if ax is None:
-        return None
-    if isinstance(ax, jax.core.Tracer):
-        raise TypeError("vocab_axis must be a static int, got a traced value; under "
-                        "optax.inject_hyperparams pass static_args=('vocab_axis', ...)")
-    return check_int(ax, argname="vocab_axis", minimum=-(2**31))
+def check_int(value: Any, *, argname: str, minimum: int) -> int:
+    """Returns `value` as an int ``>= minimum`` (a bool is no int here), or raises naming it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{argname} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{argname} must be an int, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{argname} must be >= {minimum}, got {value}")
+    return value
 
 
-def vocab_axes(vocab_axis, tree):
-    """Broadcasts ``vocab_axis`` to one ``int | None`` per leaf of ``tree``.
-
-    ``vocab_axis`` is a per-leaf option (`resolve_per_leaf`): an int (every leaf), ``None`` (no
-    leaf), a tree or flat ``"/"``-keyed mapping with ints / ``None`` at its leaves, or a callable
-    ``tree -> such a tree`` (like optax masks). A leaf under no entry gets ``None`` (left
-    unchanged, never a guessed axis), e.g. ``{"lm_head/kernel": 1}`` on a whole model.
-    """
-    if callable(vocab_axis):
-        vocab_axis = vocab_axis(tree)
-    leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
-    is_value = lambda ax: ax is None or not isinstance(ax, Mapping | list | tuple) \
-        or isinstance(ax, optax.MaskedNode)
-    per_leaf = resolve_per_leaf(vocab_axis, [p for p, _ in leaves], is_value=is_value,
-                                argname="vocab_axis")
-    axes = []
-    for (path, _), (_, ax) in zip(leaves, per_leaf, strict=True):
-        try:
-            # A masked entry (a partition's callable sees MaskedNode leaves): not a head leaf.
-            axes.append(None if is_masked(ax) else _check_axis_value(ax))
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"vocab_axis at {path_str(path) or '<root>'}: {err}") from None
-    return jax.tree_util.tree_unflatten(treedef, axes)
+def canonical_axis(axis: Any, ndim: int, *, argname: str = "vocab_axis") -> int:
+    """Returns `axis` as a non-negative int, or raises naming `argname`."""
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"{argname} must be an int, got {axis!r}") from None
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+                f"{argname}={axis} is out of range for an array of rank {ndim} "
+                f"(expected {-ndim} <= {argname} < {ndim})")
+    return axis % ndim
 
 
-def map_head_leaves(fn, skip, tree, axes):
-    """``fn(leaf, axis)`` on every leaf with an axis (`vocab_axes`); ``skip(leaf)`` elsewhere.
+def check_floating(x: ArrayLike, *, argname: str) -> None:
+    """Raises TypeError unless `x` has a real floating dtype."""
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+                f"{argname} must have a real floating dtype (float32, bfloat16, ...), got {dtype}")
 
-    Errors from ``fn`` are re-raised with the leaf's path, so a user sees which parameter failed.
-    """
-    leaves, treedef = flatten_with_paths(tree, open_boxes=True, is_leaf=is_masked)
 
-    def apply(path, leaf, ax):
-        if is_masked(leaf) or ax is None:
-            return skip(leaf)
-        try:
-            return fn(leaf, ax)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"leaf {path_repr(path)}: {err}") from None
+def check_min_rank(x: ArrayLike, min_rank: int, *, argname: str, what: str = "") -> None:
+    """Raises ValueError if `x` has fewer than `min_rank` dimensions."""
+    ndim = jnp.ndim(x)
+    if ndim < min_rank:
+        extra = f" ({what})" if what else ""
+        raise ValueError(
+                f"{argname} must have rank >= {min_rank}{extra}, got shape {jnp.shape(x)}")
 
-    out = [apply(path, leaf, ax)
-           for (path, leaf), ax in zip(leaves, treedef.flatten_up_to(axes), strict=True)]
-    return jax.tree_util.tree_unflatten(treedef, out)
+
+def check_matrix_like(x: ArrayLike, *, argname: str, vocab_axis: Any,
+                      argname_axis: str = "vocab_axis") -> int:
+    """Validates a head-like array (rank >= 2, float) and returns its vocab axis."""
+    check_min_rank(x, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
+    check_floating(x, argname=argname)
+    return canonical_axis(vocab_axis, jnp.ndim(x), argname=argname_axis)
+
+
+def static_args_hint(*names: str) -> str:
+    """The advice for an option that arrived as a traced array (injected under jit): list the
+    transform's non-float options under `optax.inject_hyperparams`."""
+    return f"under optax.inject_hyperparams list it in static_args, e.g. static_args={names!r}"
+
+
+# --- options objects: each field checked on creation, its error naming ``Owner.field`` ---------
+
+
+def one_of(value, allowed, argname: str):
+    """`value` if it is in `allowed`; a ValueError naming `argname` otherwise."""
+    if value not in allowed:
+        raise ValueError(f"{argname} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def not_array(value, argname: str):
+    """`value` unless it is a jax array (options objects are static Python values)."""
+    import jax
+
+    if isinstance(value, jax.Array):
+        raise TypeError(f"{argname} must be a Python value, not a jax array: options objects are "
+                        "static (only lm_optimizer's float rates are injectable)")
+    return value
+
+
+def check_real(value, argname: str, *, low: float, high: float = math.inf,
+               low_open: bool = False, high_open: bool = False) -> None:
+    """Raises unless `value` is a real number in the interval (bounds open where said)."""
+    not_array(value, argname)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{argname} must be a finite real number, got {value!r}")
+    value = float(value)
+    if value < low or (low_open and value == low) or value > high or (high_open and value == high):
+        bounds = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{argname} must be in {bounds}, got {value!r}")
+
+
+def check_momentum(value, argname: str) -> None:
+    """None or a decay in [0, 1)."""
+    if value is not None:
+        check_real(value, argname, low=0.0, high=1.0, high_open=True)
+
+
+def check_bool(value, argname: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{argname} must be a bool, got {value!r}")
+
+
+def prefixed(owner: str, check, *args, **kwargs):
+    """Runs a transform's own argument check, its error naming the options field."""
+    try:
+        return check(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{owner}.{err}") from None

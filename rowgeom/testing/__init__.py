@@ -12,6 +12,10 @@ chex-style checks that raise ``AssertionError`` naming the leaf path and the mea
 - `assert_optimizer_does_not_retrace`: the optimizer's jitted step compiles once
   (``chex.assert_max_traces``).
 
+The exact float64 references of those properties, `diameter_oracle` and `common_ball_oracle`
+(second-order cone programs for small vocabularies), need the ``oracle`` extra
+(``pip install rowgeom[oracle]``), imported only when called.
+
 Hypothesis strategies for the inputs these properties should hold on live in
 ``rowgeom.testing.strategies``, which needs the ``testing`` extra
 (``pip install rowgeom[testing]``); this module does not import hypothesis.
@@ -22,10 +26,13 @@ from rowgeom.testing._geometry import (
     assert_row_diameter_at_most,
     assert_rows_zero_sum,
 )
+from rowgeom.testing._oracle import common_ball_oracle, diameter_oracle
 from rowgeom.testing._retrace import assert_optimizer_does_not_retrace
 from rowgeom.testing._routing import assert_labels_equal
 
 __all__ = (
+    "common_ball_oracle",
+    "diameter_oracle",
     "assert_hilbert_perturbation_at_most",
     "assert_labels_equal",
     "assert_optimizer_does_not_retrace",

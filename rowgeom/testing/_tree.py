@@ -13,16 +13,13 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from rowgeom._tree import flatten_with_paths, path_str, resolve_per_leaf, unbox
-
-ROOT = "(root)"
-"""How the path of a bare array (a tree with one leaf and no keys) is shown."""
+from rowgeom._tree import ROOT, flatten_with_paths, path_name, resolve_per_leaf, unbox
 
 
 def leaves_with_paths(tree, *, keep_none: bool = False) -> list[tuple[str, object]]:
     """``[(path, leaf)]`` in tree order, Flax boxes unwrapped into their values."""
     flat, _ = flatten_with_paths(tree, is_leaf=(lambda x: x is None) if keep_none else None)
-    return [(path_str(p) or ROOT, unbox(x)) for p, x in flat]
+    return [(path_name(p), unbox(x)) for p, x in flat]
 
 
 def components(path: str) -> tuple[str, ...]:

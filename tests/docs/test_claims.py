@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import rowgeom
+import rowgeom.testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MDN = rowgeom.MuonDimensionNumbers
@@ -254,12 +255,13 @@ def test_ratio_is_one_for_one_feature_two_tokens_and_rank_one(rng):
              "rank 1": u @ rng.standard_normal((1, 3))}
     for name, g in cases.items():
         g = g - g.mean(axis=0)  # the canonical, zero-sum case
-        _, value = rowgeom.diameter_oracle(g, rho)
+        _, value = rowgeom.testing.diameter_oracle(g, rho)
         rownorm = rho / 2 * np.linalg.norm(g, axis=1).sum()  # Theorem 2's value at r = rho/2
         np.testing.assert_allclose(rownorm / value, 1.0, rtol=1e-5, err_msg=name)
     g = rng.standard_normal((6, 3))  # and a generic gradient loses something
     g -= g.mean(axis=0)
-    assert rho / 2 * np.linalg.norm(g, axis=1).sum() < 0.99 * rowgeom.diameter_oracle(g, rho)[1]
+    assert (rho / 2 * np.linalg.norm(g, axis=1).sum()
+            < 0.99 * rowgeom.testing.diameter_oracle(g, rho)[1])
 
 
 # ----------------------------------------------------------------------------- checkpoints

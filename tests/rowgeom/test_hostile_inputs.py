@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import rowgeom
+import rowgeom.testing
 
 V, DIM = 6, 4
 GOOD = np.random.default_rng(0).standard_normal((V, DIM)).astype(np.float32)
@@ -184,9 +185,9 @@ def test_oracles_bad_arguments():
                                  (np.where(GOOD > 1, np.nan, GOOD), 1.0, ValueError, "finite"),
                                  (GOOD, 0.0, ValueError, "rho"), (GOOD, np.inf, ValueError, "rho")):
         with pytest.raises(error, match=match):
-            rowgeom.diameter_oracle(g, rho)
+            rowgeom.testing.diameter_oracle(g, rho)
     with pytest.raises(ValueError, match=r"\br\b must be a finite positive"):
-        rowgeom.common_ball_oracle(GOOD, -1.0)
+        rowgeom.testing.common_ball_oracle(GOOD, -1.0)
 
 
 # --------------------------------------------------------------------------- labels and trees

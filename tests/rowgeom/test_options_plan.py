@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import rowgeom
-from rowgeom import _plan
+from rowgeom import _recipe as _plan
 
 LR, V, D = 1e-3, 48, 16
 

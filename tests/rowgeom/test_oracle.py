@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from rowgeom import common_ball_oracle, diameter_oracle
+from rowgeom.testing import common_ball_oracle, diameter_oracle
 
 pytest.importorskip("clarabel")
 

@@ -335,7 +335,7 @@ def test_t4_gauge_diameter_and_value(rng):
 
 
 def test_t6_equals_the_common_ball_optimum(rng):
-    oracle = pytest.importorskip("rowgeom._oracle")
+    oracle = pytest.importorskip("rowgeom.testing._oracle")
     pytest.importorskip("clarabel")
     r = 0.5
     for shape in [(6, 3), (11, 4)]:
@@ -359,7 +359,7 @@ def jung(k):
 
 @pytest.mark.slow
 def test_t7_within_jungs_factor_of_the_exact_diameter_optimum(rng):
-    oracle = pytest.importorskip("rowgeom._oracle")
+    oracle = pytest.importorskip("rowgeom.testing._oracle")
     pytest.importorskip("clarabel")
     rho = 1.0
     cases = [rng.normal(size=(8, 2)), rng.normal(size=(7, 3)),
@@ -383,7 +383,7 @@ def test_t7_within_jungs_factor_of_the_exact_diameter_optimum(rng):
 
 @pytest.mark.parametrize("k", [2, 3, 5])
 def test_t7_regular_simplex_attains_jungs_factor(k):
-    oracle = pytest.importorskip("rowgeom._oracle")
+    oracle = pytest.importorskip("rowgeom.testing._oracle")
     pytest.importorskip("clarabel")
     g = np.eye(k + 1) - 1.0 / (k + 1)  # k+1 rows: a regular simplex spanning k dimensions
     _, opt = oracle.diameter_oracle(g, 1.0)

@@ -10,11 +10,13 @@ import pytest
 from _nnx_models import unflatten
 
 import rowgeom
-from rowgeom._paths import block_position, is_position_embedding, is_vector_name
 from rowgeom._structure import (
     NOT_STACKED,
     ModelStructure,
     StructureError,
+    block_position,
+    is_position_embedding,
+    is_vector_name,
     router_axes,
 )
 from rowgeom._tree import tree_paths

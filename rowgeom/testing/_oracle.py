@@ -110,11 +110,11 @@ def diameter_oracle(g: ArrayLike, rho: float) -> tuple[np.ndarray, float]:
       Gradient rows forming a regular simplex are the tight case of Theorem 3: the common-ball
       step (radius ``rho / 2``) reaches exactly ``sqrt((k+1)/(2k))`` of the optimum, ``k = 2``:
 
-      >>> import numpy as np, rowgeom
+      >>> import numpy as np, rowgeom.testing
       >>> angles = 2 * np.pi * np.arange(3) / 3
       >>> g = np.stack([np.cos(angles), np.sin(angles)], axis=1)
-      >>> s, opt = rowgeom.diameter_oracle(g, rho=2.0)
-      >>> _, ball = rowgeom.common_ball_oracle(g, r=1.0)
+      >>> s, opt = rowgeom.testing.diameter_oracle(g, rho=2.0)
+      >>> _, ball = rowgeom.testing.common_ball_oracle(g, r=1.0)
       >>> round(opt, 4), round(ball / opt, 4), round(float(np.sqrt(3 / 4)), 4)
       (3.4641, 0.866, 0.866)
     """
@@ -157,9 +157,9 @@ def common_ball_oracle(g: ArrayLike, r: float) -> tuple[np.ndarray, float]:
     Examples:
       The value matches Theorem 2's closed form ``r sum_i ||(PG)_i||``:
 
-      >>> import numpy as np, rowgeom
+      >>> import numpy as np, rowgeom.testing
       >>> g = np.array([[2.0, 0.0], [0.0, 1.0], [-2.0, -1.0]])
-      >>> s, value = rowgeom.common_ball_oracle(g, r=0.5)
+      >>> s, value = rowgeom.testing.common_ball_oracle(g, r=0.5)
       >>> pg = g - g.mean(axis=0)
       >>> round(value, 5) == round(0.5 * float(np.linalg.norm(pg, axis=1).sum()), 5)
       True
