@@ -46,6 +46,7 @@ from rowgeom._numerics import (
     _rescale_rows,
     _take_rows,
     _times_pow2,
+    _token_axis_may_be_sharded,
 )
 from rowgeom._validation import (
     check_int,
@@ -227,6 +228,30 @@ def _sweep_sq_dists(x: jax.Array, t: int, centre, sq_centred, row, ka=0, kb=0) -
     return sq_centred - 2.0 * (dot - offset) + jnp.sum(u * u)
 
 
+_LANES = 128  # a TPU tile's minor dimension
+
+
+def _take_row(x: jax.Array, t: int, index: jax.Array) -> jax.Array:
+    """``x``'s token row ``index`` (an int32 scalar, in range), shaped like ``x`` with a unit
+    token axis: `rowgeom._numerics._take_rows` of one row, except for tokens along the minor
+    axis of an unsharded ``x`` (a Flax ``(d, V)`` kernel). A gather of one column there makes
+    the TPU compiler copy the whole head into a transposed layout first (one read and one write
+    more per step); a gather of the aligned block of 128 columns holding it reads ``x`` in its
+    own layout, and the row is then picked from that block (``128 d`` elements).
+    """
+    num_rows = x.shape[t]
+    if t != x.ndim - 1 or num_rows < _LANES or _token_axis_may_be_sharded(x, t):
+        return _take_rows(x, t, index[None])
+    start = jnp.minimum(index // _LANES * _LANES, num_rows - _LANES)
+    dnums = lax.GatherDimensionNumbers(offset_dims=tuple(range(x.ndim)),
+                                       collapsed_slice_dims=(), start_index_map=(t,))
+    block = lax.gather(x, start[None], dnums, x.shape[:t] + (_LANES,),
+                       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    pick = lax.broadcasted_iota(jnp.int32, block.shape, t) == index - start
+    # A select, not a product with a one-hot: a NaN or inf elsewhere in the block stays there.
+    return jnp.sum(jnp.where(pick, block, 0.0), axis=t, keepdims=True)
+
+
 def _pair_distance(a: jax.Array, b: jax.Array) -> jax.Array:
     """``||a - b||_2`` of two rows, exact up to rounding for any finite rows: the difference
     (halved when it overflows) is rescaled by a power of two before it is squared."""
@@ -380,9 +405,9 @@ def _bounds_of_view(s, axis: int, *, sweeps: int, total=None, impl: str = "xla")
     # rows' hull), so it already dominates the centroid's own lower bounds.
     def sweep(_, carry):
         lower, anchor = carry
-        row = _take_rows(x, t, anchor[None])
+        row = _take_row(x, t, anchor)
         far = _max_index_sum(_sweep_sq_dists(x, t, centre, sq_centred, row, ka, kb))[1]
-        pair = _pair_distance(_take_rows(x, t, far[None]), row)
+        pair = _pair_distance(_take_row(x, t, far), row)
         return jnp.maximum(lower, pair), far
 
     # A loop, not unrolled: its body reads x's buffer as it is. Unrolled, XLA would recompute
