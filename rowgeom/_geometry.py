@@ -12,9 +12,10 @@ axis is flattened into features, so a Flax ``(d, V)`` Dense kernel uses ``vocab_
 ``(V, d)`` embedding ``vocab_axis=0``. Results are float32 whatever the input dtype, and finite
 input never gives NaN (power-of-two rescaling, `rowgeom._numerics`). Each works under any
 mesh and placement: the bracket reduces whole axes, multiplies by vectors and gathers single
-rows, so only vectors cross devices (in a process with one CPU device its centred norms over a
-leading feature axis are `rowgeom._cpu.sq_dists`), and the exact diameter gathers the rows
-once.
+rows (from their aligned 128-token block when the tokens are the minor axis of an unsharded
+array: `_take_row`), so only vectors cross devices (in a process with one CPU device its centred
+norms over a leading feature axis are `rowgeom._cpu.sq_dists`), and the exact diameter gathers
+the rows once.
 
     >>> import jax.numpy as jnp, rowgeom
     >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0]])
@@ -369,7 +370,7 @@ def _bounds_of_view(s, axis: int, *, sweeps: int, total=None, impl: str = "xla")
 
     The passes over ``x`` the algorithm needs and no more: its sum (the centroid; skipped when
     ``total`` is given), the centred squared norms, and one matrix-vector product per sweep
-    (`_sweep_sq_dists`); a sweep's own rows are taken by a gather of one row. Only the centred
+    (`_sweep_sq_dists`); a sweep's own rows are gathered (`_take_row`). Only the centred
     norms can over/underflow float32 (their squares; the pair lengths are rescaled): when the
     upper end is outside ``[2^-60, 2^60]`` a branch recomputes them at a power-of-two scale
     (`_rescaled_centred_norms`, two reads) and the sweeps work at that scale. The sweeps run
