@@ -107,7 +107,7 @@ def _fusion_traffic(comp: list[_Instr], size: int, elements: dict) -> tuple[dict
     params = {}
     for instr in comp:
         if instr.op == "parameter":
-            index = re.match(r"(\d+)", instr.attrs)
+            index = re.match(r"\s*(\d+)", instr.args) or re.match(r"(\d+)", instr.attrs)
             params[instr.name] = int(index.group(1)) if index else len(params)
     partial: dict[int, float | None] = {}
     for pname, index in params.items():

@@ -362,7 +362,10 @@ def _rescaled_centred_norms(s, axis: int, centre):
     mean = _times_pow2(scaled_sum / num_rows, -log2_h - e_amax)  # max |mean| <= 1
     p = jnp.where(centred, centre, mean)
     d = _times_pow2(_times_pow2(x, ka) - p, kb)
-    return p, jnp.sum(jnp.square(d), axis=_features(x, t)), ka, kb
+    # A barrier on the (small) results: XLA's conditional simplifier inlines a branch made only
+    # of reductions and elementwise ops into selects, so XLA:GPU would run these two reads on
+    # every call; a barrier is not such an op, and costs nothing.
+    return lax.optimization_barrier((p, jnp.sum(jnp.square(d), axis=_features(x, t)), ka, kb))
 
 
 def _bounds_of_view(s, axis: int, *, sweeps: int, total=None, impl: str = "xla"):
