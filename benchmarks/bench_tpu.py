@@ -10,7 +10,8 @@ timings; nothing runs. Three tables:
    `projected_rownorm` update (input donated) and the `track_row_diameter` statistics, each
    against the memory floor, a donated `x * 0.5` (one read, one write), with the passes over the
    head that the compiled program makes (`hlo_passes.py`). The minimum for RowNorm is 4 reads
-   and 1 write: 2.5x the floor.
+   and 1 write: 2.5x the floor; for the tracker 4 reads (the row sum, the centred norms, one
+   per sweep): 2x the floor.
 2. Muon's orthogonalization on one chip: `rowgeom.muon_orthogonalize` (5 Newton-Schulz steps,
    Keller's coefficients) against optax's `orthogonalize_via_newton_schulz` mapped over the same
    hidden matrices (one `190m` block: q, k, v, o (768, 768), gate and up (768, 2560), down
@@ -222,7 +223,9 @@ def markdown(results: dict) -> str:
              "`projected_rownorm` is 4 reads and 1 write, 2.5x the floor's bytes. "
              "`cost_analysis()` adds up both branches of a conditional, so its bytes include "
              "the branches that run only when taken (such as the overflow guard's rescaling, "
-             "for entries above 2**50); the last column counts "
+             "for entries above 2**50, or the tracker's rescaled centred norms, for a bracket "
+             "outside [2**-60, 2**60]), and it counts a loop's body once (the tracker's two "
+             "sweeps: one); the passes count each iteration. The last column counts "
              "the passes of the path that runs on every call, over the floor's.", "",
              "| chip | op | layout | bytes accessed | ÷ floor | est. time | ÷ floor | passes | "
              "passes run ÷ floor's |",

@@ -8,9 +8,10 @@ head's number of elements: a copy of the valid rows of a padded head counts), di
 number. A fusion or dot reading the head is one read; a slice, gather or dynamic slice of it
 (also inside a fusion) counts the elements it takes, so taking two rows costs two rows; a
 dynamic-update-slice into it counts the update as a write. Loop bodies count once per
-iteration (XLA's known trip count); each branch of a conditional is counted apart, as it runs
-only when taken. Free instructions (parameters, tuples, bitcasts, optimization barriers) count
-nothing.
+iteration (XLA's known trip count, or for the TPU compiler's counted loops, which do not record
+it, the count read from the loop's condition and initial counter); each branch of a conditional
+is counted apart, as it runs only when taken. Free instructions (parameters, tuples, bitcasts,
+optimization barriers) count nothing.
 
     python benchmarks/hlo_passes.py   # prints the counts of a few toy programs
 
@@ -57,6 +58,7 @@ class _Instr:
     op: str
     operands: list[str]
     attrs: str
+    args: str = ""  # the text between the parentheses (a constant's value)
 
 
 def computations(text: str) -> tuple[dict[str, list[str]], str]:
@@ -90,7 +92,7 @@ def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
                             for dims in _SHAPE.findall(shape)]
                 comps[name].append(_Instr(iname, elements, op,
                                           re.findall(r"%([\w.\-]+)", args),
-                                          attrs if attrs else rest))
+                                          attrs if attrs else rest, args))
     return comps, entry
 
 
@@ -105,7 +107,7 @@ def _fusion_traffic(comp: list[_Instr], size: int, elements: dict) -> tuple[dict
     params = {}
     for instr in comp:
         if instr.op == "parameter":
-            index = re.match(r"(\d+)", instr.attrs)
+            index = re.match(r"\s*(\d+)", instr.args) or re.match(r"(\d+)", instr.attrs)
             params[instr.name] = int(index.group(1)) if index else len(params)
     partial: dict[int, float | None] = {}
     for pname, index in params.items():
@@ -128,18 +130,61 @@ def _fusion_traffic(comp: list[_Instr], size: int, elements: dict) -> tuple[dict
     return partial, write
 
 
+def _int_constant(instr: _Instr | None, by_name: dict) -> int | None:
+    """The value of an integer scalar constant (through copies), else None."""
+    while instr is not None and instr.op == "copy" and instr.operands:
+        instr = by_name.get(instr.operands[0])
+    if instr is None or instr.op != "constant":
+        return None
+    return int(instr.args) if re.fullmatch(r"-?\d+", instr.args.strip()) else None
+
+
+def _trip_count(loop: _Instr, comps: dict, by_name: dict) -> int | None:
+    """A while loop's number of iterations: XLA's ``known_trip_count`` when the backend records
+    it (XLA:CPU), else read from a counted loop's shape, as the TPU compiler leaves it: the
+    condition is ``counter < N`` with ``N`` a constant and the counter a tuple element whose
+    initial value is a constant (the body adds one to it, as every `lax.fori_loop` does)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+    if known:
+        return int(known.group(1))
+    (cond,) = _called(loop.attrs, "condition") or [""]
+    body = comps.get(cond, [])
+    root = body[-1] if body else None
+    if root is not None and root.op == "fusion":  # XLA:CPU wraps the compare in a fusion
+        (callee,) = _called(root.attrs, "calls") or [""]
+        inner = comps.get(callee, [])
+        params = {i.name: re.match(r"(\d+)", i.args) for i in inner if i.op == "parameter"}
+        if inner and inner[-1].op == "compare" and len(inner[-1].operands) == 2 and all(
+                params.get(o) for o in inner[-1].operands):
+            order = [int(params[o].group(1)) for o in inner[-1].operands]  # type: ignore[union-attr]
+            root = dataclasses.replace(inner[-1], operands=[root.operands[k] for k in order])
+    if root is None or root.op != "compare" or "direction=LT" not in root.attrs \
+            or len(root.operands) != 2:
+        return None
+    counter = by_name.get(root.operands[0])
+    limit = _int_constant(by_name.get(root.operands[1]), by_name)
+    index = re.match(r"\s*index=(\d+)", counter.attrs) if counter else None
+    init = by_name.get(loop.operands[0]) if loop.operands else None
+    if counter is None or counter.op != "get-tuple-element" or index is None or limit is None \
+            or init is None or init.op != "tuple" or int(index.group(1)) >= len(init.operands):
+        return None
+    start = _int_constant(by_name.get(init.operands[int(index.group(1))]), by_name)
+    return None if start is None else max(limit - start, 0)
+
+
 def head_traffic(compiled_text: str, num_elements: int) -> Traffic:
     """Passes over arrays of ``num_elements`` elements in optimized HLO text (module docstring)."""
     comps, entry = _parse(compiled_text)
     elements = {i.name: i.elements for body in comps.values() for i in body}
+    by_name = {i.name: i for body in comps.values() for i in body}
     big = lambda n: 2 * n >= num_elements  # noqa: E731
 
     def visit(name: str, times: float, out: Traffic) -> None:
         for instr in comps.get(name, []):
             if instr.op == "while":
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+                trip = _trip_count(instr, comps, by_name)
                 for body in _called(instr.attrs, "body"):
-                    visit(body, times * (int(trip.group(1)) if trip else 1), out)
+                    visit(body, times * (1 if trip is None else trip), out)
                 continue
             if instr.op == "conditional":
                 for branch in _called(instr.attrs, "branch_computations") + _called(

@@ -12,9 +12,10 @@ axis is flattened into features, so a Flax ``(d, V)`` Dense kernel uses ``vocab_
 ``(V, d)`` embedding ``vocab_axis=0``. Results are float32 whatever the input dtype, and finite
 input never gives NaN (power-of-two rescaling, `rowgeom._numerics`). Each works under any
 mesh and placement: the bracket reduces whole axes, multiplies by vectors and gathers single
-rows, so only vectors cross devices (in a process with one CPU device its centred norms over a
-leading feature axis are `rowgeom._cpu.sq_dists`), and the exact diameter gathers the rows
-once.
+rows (from their aligned 128-token block when the tokens are the minor axis of an unsharded
+array: `_take_row`), so only vectors cross devices (in a process with one CPU device its centred
+norms over a leading feature axis are `rowgeom._cpu.sq_dists`), and the exact diameter gathers
+the rows once.
 
     >>> import jax.numpy as jnp, rowgeom
     >>> s = jnp.array([[0.0, 0.0], [3.0, 4.0]])
@@ -41,10 +42,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rowgeom import _cpu
 from rowgeom._numerics import (
     _out_of_range,
+    _pow2_exponent,
     _replicated,
     _rescale_rows,
     _take_rows,
     _times_pow2,
+    _token_axis_may_be_sharded,
 )
 from rowgeom._tree import (
     check_int,
@@ -187,10 +190,15 @@ def _masked_sq_dists(x: jax.Array, t: int, point: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x - point), axis=_features(x, t))
 
 
-def _sweep_sq_dists(x: jax.Array, t: int, centre, sq_centred, row) -> jax.Array:
+def _sweep_sq_dists(x: jax.Array, t: int, centre, sq_centred, row, ka=0, kb=0) -> jax.Array:
     """``||x_v - r||^2`` per token of a `_token_view` ``x`` for one of its rows ``r``, from the
     centred squared norms ``sq_centred = ||x_v - c||^2`` (``c = centre``) already at hand:
     ``||x_v - c||^2 - 2 (x_v - c)·(r - c) + ||r - c||^2`` with ``(x_v - c)·u = x_v·u - c·u``.
+
+    With power-of-two exponents ``ka``, ``kb`` (int scalars, 0 by default) the rows are taken at
+    the scale of the rescaled bracket: ``sq_centred`` holds ``||(x_v 2^ka - centre) 2^kb||^2``
+    and so does the result for ``(x_v - r) 2^(ka + kb)``; the matrix-vector product then reads
+    ``x`` as it is (a scaled copy would be a pass of its own) and the scales go to vectors.
 
     One matrix-vector product over the feature axes: a single read of ``x`` in either layout,
     at memory speed on every backend (XLA:CPU runs the direct reduction over a leading feature
@@ -198,16 +206,62 @@ def _sweep_sq_dists(x: jax.Array, t: int, centre, sq_centred, row) -> jax.Array:
     rounding, about ``eps (||c|| + ||x_v - c||) ||u||`` per token, only decides which row a sweep
     moves to: the bracket records the distance of the pair it picked, computed directly.
     """
-    u = row - centre
+    scaled = not (isinstance(ka, int) and isinstance(kb, int) and ka == kb == 0)
+    if scaled:
+        u = _times_pow2(_times_pow2(row, ka) - centre, kb)  # the row centred, at the scale
+        half = jnp.asarray(ka, jnp.int32) // 2  # x_v·(u 2^half) neither overflows nor flushes
+        v = _times_pow2(u, half)
+    else:
+        u = v = row - centre
     feat = _features(x, t)
     sharding = jax.typeof(x).sharding
     spec = tuple(getattr(sharding, "spec", ()) or ())
     out = None
     if any(part is not None for part in spec):  # Explicit axes: the tokens' sharding, summed
         out = NamedSharding(sharding.mesh, PartitionSpec(spec[t] if t < len(spec) else None))
-    dot = lax.dot_general(x, jnp.squeeze(u, t), ((feat, tuple(range(u.ndim - 1))), ((), ())),
+    dot = lax.dot_general(x, jnp.squeeze(v, t), ((feat, tuple(range(v.ndim - 1))), ((), ())),
                           precision=_HIGHEST, out_sharding=out)
-    return sq_centred - 2.0 * (dot - jnp.sum(centre * u)) + jnp.sum(u * u)
+    if scaled:  # (x_v 2^ka - centre)·u 2^kb, the scales applied to V-vectors and scalars
+        dot = _times_pow2(dot, ka - half + kb)
+        offset = _times_pow2(jnp.sum(centre * u), kb)
+    else:
+        offset = jnp.sum(centre * u)
+    return sq_centred - 2.0 * (dot - offset) + jnp.sum(u * u)
+
+
+_LANES = 128  # a TPU tile's minor dimension
+
+
+def _take_row(x: jax.Array, t: int, index: jax.Array) -> jax.Array:
+    """``x``'s token row ``index`` (an int32 scalar, in range), shaped like ``x`` with a unit
+    token axis: `rowgeom._numerics._take_rows` of one row, except for tokens along the minor
+    axis of an unsharded ``x`` (a Flax ``(d, V)`` kernel). A gather of one column there makes
+    the TPU compiler copy the whole head into a transposed layout first (one read and one write
+    more per step); a gather of the aligned block of 128 columns holding it reads ``x`` in its
+    own layout, and the row is then picked from that block (``128 d`` elements).
+    """
+    num_rows = x.shape[t]
+    if t != x.ndim - 1 or num_rows < _LANES or _token_axis_may_be_sharded(x, t):
+        return _take_rows(x, t, index[None])
+    start = jnp.minimum(index // _LANES * _LANES, num_rows - _LANES)
+    dnums = lax.GatherDimensionNumbers(offset_dims=tuple(range(x.ndim)),
+                                       collapsed_slice_dims=(), start_index_map=(t,))
+    block = lax.gather(x, start[None], dnums, x.shape[:t] + (_LANES,),
+                       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    pick = lax.broadcasted_iota(jnp.int32, block.shape, t) == index - start
+    # A select, not a product with a one-hot: a NaN or inf elsewhere in the block stays there.
+    return jnp.sum(jnp.where(pick, block, 0.0), axis=t, keepdims=True)
+
+
+def _pair_distance(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``||a - b||_2`` of two rows, exact up to rounding for any finite rows: the difference
+    (halved when it overflows) is rescaled by a power of two before it is squared."""
+    diff = a - b
+    finite = jnp.all(jnp.isfinite(diff))
+    diff = jnp.where(finite, diff, a * 0.5 - b * 0.5)
+    exponent = _pow2_exponent(diff)
+    norm = jnp.sqrt(jnp.sum(jnp.square(_times_pow2(diff, -exponent))))
+    return _times_pow2(norm, exponent + jnp.where(finite, 0, 1))
 
 
 def _max_index_sum(n2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -274,49 +328,90 @@ def _bounds_and_sum(s, *, axis: int, sweeps: int, impl: str = "xla"):
 def _jitted_bounds_and_sum(s, *, axis: int, sweeps: int, impl: str):
     x, t = _token_view(s, axis)
     total = jnp.sum(x, axis=t, keepdims=True)
-    fast = _bounds_of_view(x, t, sweeps=sweeps, total=total, impl=impl)
     row_sum = total.reshape(s.shape[:axis] + s.shape[axis + 1:])
     if x.shape[t] <= 1:
-        return fast + (row_sum,)
-
-    def rescaled(s):  # squares may have over/underflowed: redo on power-of-two scaled rows
-        y, exponent = _rescale_rows(_token_view(s, axis)[0], t)
-        return tuple(_times_pow2(b, exponent)
-                     for b in _bounds_of_view(y, t, sweeps=sweeps, impl=impl))
-
-    # The operand is `s` itself, not its view: inside one program with the step that produced
-    # `s`, XLA materialised the view as a second full-size buffer for the conditional.
-    return lax.cond(_out_of_range(fast[1]), rescaled, lambda s: fast, s) + (row_sum,)
+        zero = jnp.zeros((), jnp.float32)
+        return zero, zero, row_sum
+    return _bounds_of_view(s, axis, sweeps=sweeps, total=total, impl=impl) + (row_sum,)
 
 
-def _bounds_of_view(x, t: int, *, sweeps: int, total=None, impl: str = "xla"):
-    """``(lower, upper)`` of a `_token_view` (see `row_diameter_bounds`).
+def _rescaled_centred_norms(s, axis: int, centre):
+    """``(p, ||d_v||^2 per token, ka, kb)`` with ``d_v = (x_v 2^ka - p) 2^kb`` the centred rows
+    of ``s``'s `_token_view` ``x`` at a power-of-two scale (exact) where ``max |d|`` is about 1,
+    so that their squares neither overflow nor underflow: two reads of ``x``.
+
+    The first read takes, as sibling reductions over the token axis (one pass on TPU), the
+    largest ``|x - centre|`` (``centre``: the rows' mean from their sum, as rounded), the largest
+    ``|x|`` and the sum of ``x 2^-ceil(log2 V)``, which cannot overflow. Usually ``x - centre``
+    is finite: ``p = centre``, ``ka = 0`` and ``2^kb`` brings its largest entry to ``[0.5, 1)``,
+    however small the rows' spread. Otherwise (the sum or the centring overflowed) ``2^ka``
+    brings ``max |x|`` to ``[0.5, 1)`` and ``p`` is the mean of those scaled rows, from the
+    scaled sum. The second read is the squared norms.
+    """
+    x, t = _token_view(s, axis)
+    num_rows = x.shape[t]
+    log2_h = -max(num_rows - 1, 1).bit_length()  # V 2^log2_h <= 1: the scaled sum is finite
+    spread = jnp.max(jnp.abs(x - centre), axis=t)
+    amax = jnp.max(jnp.abs(x), axis=t)
+    scaled_sum = jnp.sum(x * 2.0**log2_h, axis=t, keepdims=True)
+    spread, amax = jnp.max(spread), jnp.max(amax)
+    centred = jnp.isfinite(spread)  # also False for NaN, which then reaches the norms
+    e_spread, e_amax = _pow2_exponent(spread), _pow2_exponent(amax)
+    ka = jnp.where(centred, 0, -e_amax)
+    kb = jnp.where(centred, -e_spread, 0)
+    mean = _times_pow2(scaled_sum / num_rows, -log2_h - e_amax)  # max |mean| <= 1
+    p = jnp.where(centred, centre, mean)
+    d = _times_pow2(_times_pow2(x, ka) - p, kb)
+    # A barrier on the (small) results: XLA's conditional simplifier inlines a branch made only
+    # of reductions and elementwise ops into selects, so XLA:GPU would run these two reads on
+    # every call; a barrier is not such an op, and costs nothing.
+    return lax.optimization_barrier((p, jnp.sum(jnp.square(d), axis=_features(x, t)), ka, kb))
+
+
+def _bounds_of_view(s, axis: int, *, sweeps: int, total=None, impl: str = "xla"):
+    """``(lower, upper)`` of ``s`` (see `row_diameter_bounds`), from its `_token_view`.
 
     The passes over ``x`` the algorithm needs and no more: its sum (the centroid; skipped when
     ``total`` is given), the centred squared norms, and one matrix-vector product per sweep
-    (`_sweep_sq_dists`); a sweep's own rows are taken by a gather of one row.
+    (`_sweep_sq_dists`); a sweep's own rows are gathered (`_take_row`). Only the centred
+    norms can over/underflow float32 (their squares; the pair lengths are rescaled): when the
+    upper end is outside ``[2^-60, 2^60]`` a branch recomputes them at a power-of-two scale
+    (`_rescaled_centred_norms`, two reads) and the sweeps work at that scale. The sweeps run
+    after the branch, once, whichever it took.
     """
+    x, t = _token_view(s, axis)
     num_rows = x.shape[t]
     if num_rows <= 1:
         zero = jnp.zeros((), jnp.float32)
         return zero, zero
-    centre, sq_centred = _centroid_sq_dists(x, t, total, impl)
+    if total is None:
+        total = jnp.sum(x, axis=t, keepdims=True)
+    centre = total / num_rows
+    sq_centred = _sq_dists(x, t, centre, impl)
+    zero = jnp.zeros((), jnp.int32)
+    fast = (centre, sq_centred, zero, zero)
+    # The operand is `s` itself, not its view: inside one program with the step that produced
+    # `s`, XLA materialised the view as a second full-size buffer for the conditional.
+    suspect = _out_of_range(2.0 * jnp.sqrt(_max_index_sum(sq_centred)[0]))
+    centre, sq_centred, ka, kb = lax.cond(
+        suspect, lambda s: _rescaled_centred_norms(s, axis, centre), lambda s: fast, s)
     top, anchor, sum_n2 = _max_index_sum(sq_centred)
-    r_c = jnp.sqrt(top)
-    upper = 2.0 * r_c  # 2 max_i ||x_i - c|| >= D for *any* point c: the rounded centroid too
+    r_c = jnp.sqrt(top)  # at the scale 2^(ka + kb): the bounds are scaled back at the end
+    unscale = -(ka + kb)
+    upper = _times_pow2(2.0 * r_c, unscale)  # 2 max_i ||x_i - c|| >= D for *any* point c
     if sweeps == 0:
         # Lower bounds that hold for the exact centroid only (see row_diameter_bounds).
-        return jnp.minimum(
-            jnp.maximum(r_c, math.sqrt(2 / (num_rows - 1)) * jnp.sqrt(sum_n2)), upper), upper
+        lower = jnp.maximum(r_c, math.sqrt(2 / (num_rows - 1)) * jnp.sqrt(sum_n2))
+        return jnp.minimum(_times_pow2(lower, unscale), upper), upper
     # Farthest-point sweeps from the row farthest from the centroid: each one is the length of
     # an actual pair, hence a lower bound whatever the centroid's rounding, and usually lands on
     # (or near) a diametral pair. The first sweep is >= ||x_a - xbar|| (the mean lies in the
     # rows' hull), so it already dominates the centroid's own lower bounds.
     def sweep(_, carry):
         lower, anchor = carry
-        row = _take_rows(x, t, anchor[None])
-        far = _max_index_sum(_sweep_sq_dists(x, t, centre, sq_centred, row))[1]
-        pair = jnp.sqrt(jnp.sum(jnp.square(_take_rows(x, t, far[None]) - row)))
+        row = _take_row(x, t, anchor)
+        far = _max_index_sum(_sweep_sq_dists(x, t, centre, sq_centred, row, ka, kb))[1]
+        pair = _pair_distance(_take_row(x, t, far), row)
         return jnp.maximum(lower, pair), far
 
     # A loop, not unrolled: its body reads x's buffer as it is. Unrolled, XLA would recompute
