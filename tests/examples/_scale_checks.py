@@ -6,9 +6,9 @@ Prints one JSON object:
   policy, the plain or the chunked loss) and each mesh (fsdp 8, data 2 x fsdp 4, fsdp 4 x
   tensor 2), the largest relative difference of two training steps' losses and of the final
   parameters from the same variant on one device, and whether the blocks' kernels were split.
-- ``"plan"``: `examples.lm.plan` of the `190m` config on fsdp 8 at 4 sequences per chip (per-device
-  peak memory, collective bytes as partitioned, matmul FLOPs, each against what it is compared
-  with), and the element types of its weight all-gathers.
+- ``"plan"``: `examples.lm.tools.plan` of the `190m` config on fsdp 8 at 4 sequences per chip
+  (per-device peak memory, collective bytes as partitioned, matmul FLOPs, each against what it
+  is compared with), and the element types of its weight all-gathers.
 """
 
 import os
@@ -31,9 +31,10 @@ import json  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from examples.lm import configs, plan  # noqa: E402
-from examples.lm import mesh as mesh_lib  # noqa: E402
-from examples.lm.trainer import Trainer  # noqa: E402
+from examples.lm import configs  # noqa: E402
+from examples.lm import sharding as mesh_lib  # noqa: E402
+from examples.lm.tools import plan  # noqa: E402
+from examples.lm.train import Trainer  # noqa: E402
 
 MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}
 # (fields, meshes): scan and remat off and on, on every mesh; the third policy on one.
@@ -96,7 +97,7 @@ def steps() -> dict:
 
 def plan_190m() -> dict:
     # The paper's 256 sequences per update as 8 micro-batches of 4 sequences per chip: what
-    # `python -m examples.lm.plan --paper` finds fits a 16 GiB TPU v5e.
+    # `python -m examples.lm.tools.plan --paper` finds fits a 16 GiB TPU v5e.
     cfg = configs.override(configs.get_config("190m"),
                            {"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1,
                             "data.batch_size": 32, "optim.grad_accum_steps": 8})

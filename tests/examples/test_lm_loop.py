@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from _lm_fixtures import config_on, deterministic_records, restore_on_one_device
 
-from examples.lm import batches, checkpointing, metrics, train
-from examples.lm import mesh as mesh_lib
+from examples.lm import checkpointing, data, metrics, train
+from examples.lm import sharding as mesh_lib
 
 STEPS, EVERY, ACCUM, MICRO_BATCH = 3, 2, 2, 4
 
@@ -78,7 +78,7 @@ def micro_batches():
     real = train._Batches.get
 
     def get(self, index):
-        if isinstance(self.source, batches.BatchSampler) and self.source.seed != train.PROBE_SEED:
+        if isinstance(self.source, data.BatchSampler) and self.source.seed != train.PROBE_SEED:
             calls.append(index)
         return real(self, index)
 

@@ -248,7 +248,8 @@ def test_sharded_on_8_simulated_devices_matches_one_device(tmp_path):
         import jax, jax.numpy as jnp, numpy as np
         jax.config.update("jax_num_cpu_devices", 8)
         from flax import nnx
-        from examples.lm import model as M, sharding as S
+        from examples.lm import model as M
+        from examples.lm import sharding as S
         cfg = M.ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, mlp_dim=64,
                             max_seq_len=16)
         tokens = jnp.arange(64, dtype=jnp.int32).reshape(4, 16) * 7 % 64

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import pytest
 from _subprocess import ModuleSubprocess
 
-from examples.lm import compiled, configs, plan, resume
+from examples.lm import configs
+from examples.lm.tools import compiled, plan
 
 SCRIPT = pathlib.Path(__file__).with_name("_scale_checks.py")
 ROOT = SCRIPT.parents[2]
@@ -59,8 +60,8 @@ def test_190m_fits_a_16_gib_chip_at_4_sequences_per_chip_on_fsdp_8(checks):
 
 @pytest.mark.slow
 def test_plan_command_says_when_the_step_does_not_fit(tmp_path):
-    command = [sys.executable, "-m", "examples.lm.plan", "--config", "test", "--mesh.data", "1",
-               "--mesh.fsdp", "8", "--device-memory", "64KiB", "--json",
+    command = [sys.executable, "-m", "examples.lm.tools.plan", "--config", "test",
+               "--mesh.data", "1", "--mesh.fsdp", "8", "--device-memory", "64KiB", "--json",
                str(tmp_path / "plan.json")]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -140,17 +141,17 @@ def test_a_checkpoint_restores_only_into_its_layer_layout():
     meta = {"step": 10, "config": dataclasses.asdict(unrolled)}
     with pytest.raises(ValueError, match=r"--model.scan_layers saved False, now True.*"
                                          r"restores only into the layout it was written in"):
-        resume.resolve_config(scanned, meta)
+        configs.resolve_config(scanned, meta)
     # Not given on the command line: the checkpoint's layout is followed.
-    cfg, _ = resume.resolve_config(scanned, meta, explicit=set())
+    cfg, _ = configs.resolve_config(scanned, meta, explicit=set())
     assert not cfg.model.scan_layers
     # A checkpoint from before the field existed stored its blocks unrolled.
     del meta["config"]["model"]["scan_layers"]
-    cfg, _ = resume.resolve_config(scanned, meta, explicit=set())
+    cfg, _ = configs.resolve_config(scanned, meta, explicit=set())
     assert not cfg.model.scan_layers
     # The recomputation policy and the loss's chunking follow the command line.
     changed = configs.override(scanned, {"model.remat": "none", "model.loss_chunk": 256})
-    cfg, changes = resume.resolve_config(
+    cfg, changes = configs.resolve_config(
         changed, {"step": 10, "config": dataclasses.asdict(scanned)})
     assert (cfg.model.remat, cfg.model.loss_chunk) == ("none", 256)
     assert set(changes) == {"model.remat", "model.loss_chunk"}

@@ -27,8 +27,8 @@ from _lm_fixtures import (
     write_llmc_shard,
 )
 
-from examples.lm import checkpointing, configs, flags, metrics, optimizer, train
-from examples.lm import mesh as mesh_lib
+from examples.lm import checkpointing, configs, metrics, optimizer, train
+from examples.lm import sharding as mesh_lib
 
 STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, and the final one
 
@@ -74,7 +74,7 @@ def interrupted(corpus):
 
 
 def test_cli_overrides_parse():
-    cfg = flags.parse_config(["--config", "test", "--model.d_model", "48",
+    cfg = configs.parse_config(["--config", "test", "--model.d_model", "48",
                                 "--model.num_layers=3", "--optim.grad_clip", "none",
                                 "--model.tied_embeddings", "true", "--head", "adamw",
                                 "--checkpoint.every", "7"])
@@ -82,7 +82,7 @@ def test_cli_overrides_parse():
     assert (m.d_model, m.num_layers, cfg.optim.grad_clip, m.tied_embeddings) == (48, 3, None, True)
     assert (cfg.head, cfg.checkpoint.every) == ("adamw", 7)
     assert m.vocab_size == configs.get_config("test").model.vocab_size  # untouched fields kept
-    assert flags.parse_config([]) == configs.get_config(configs.DEFAULT_CONFIG)
+    assert configs.parse_config([]) == configs.get_config(configs.DEFAULT_CONFIG)
     for argv, match in ((["--model.d_model", "abc"], "^--model.d_model expects int"),
                         (["--model.nope", "1"], "^unrecognized arguments: --model.nope 1$"),
                         (["--d_model", "48"], "^unrecognized arguments: --d_model 48$"),
@@ -90,7 +90,7 @@ def test_cli_overrides_parse():
                         (["--model.d_model", "30", "--model.num_heads", "4"],
                          "divisible by --model.num_heads")):
         with pytest.raises(ValueError, match=match):
-            flags.parse_config(argv)
+            configs.parse_config(argv)
 
 
 def test_mesh_helpers():
@@ -234,7 +234,8 @@ _EIGHT_DEVICES = textwrap.dedent("""
     import json, sys
     import jax
     assert jax.device_count() == 8, jax.devices()
-    from examples.lm import configs, mesh, train
+    from examples.lm import configs, train
+    from examples.lm import sharding as mesh
     cfg = configs.override(configs.get_config("test"), {
         "data.source": sys.argv[1], "data.dir": sys.argv[2], "checkpoint.every": 3,
         "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
