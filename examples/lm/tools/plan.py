@@ -84,8 +84,9 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     the model's FLOP count and the parameter bytes to compare against. `step="grad_step"`: the
     same forward and backward pass without the optimizer update.
 
-    `dump_dir`: where `prepare_backend` asked XLA to dump the step right after SPMD partitioning.
-    Its collectives (`partitioned`) have the element types the partitioner chose; XLA:CPU later
+    The step is also dumped right after SPMD partitioning (into `dump_dir`, default a temporary
+    directory; the compile's own debug options, so no process-wide XLA_FLAGS are needed). Its
+    collectives (`partitioned`) have the element types the partitioner chose; XLA:CPU later
     widens bf16 collectives to float32 (it has no bf16 collectives), which the final program's
     `collectives` then show.
     """
@@ -96,14 +97,16 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     if batch % dp:
         raise ValueError(f"--data.batch_size ({batch}) must be divisible by the data-parallel "
                          f"size --mesh.data x --mesh.fsdp ({dp})")
-    if dump_dir:
-        shutil.rmtree(dump_dir, ignore_errors=True)
+    dump_dir = dump_dir or tempfile.mkdtemp(prefix="rowgeom-plan-")
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
     start = time.perf_counter()
     trainer = Trainer(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32,
                                   sharding=mesh_lib.batch_sharding(mesh))
     with jax.set_mesh(mesh):
-        compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens).compile()
+        compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens).compile(
+            compiler_options=dump)
     params = jax.tree.leaves(trainer.abstract_state["params"])
     out = compiled_lib.read_compiled(compiled)
     out.update(
@@ -290,13 +293,14 @@ def report(result: dict, *, name: str, device_memory: int | None) -> str:
     return "\n".join(lines)
 
 
-def prepare_backend(cpu_devices: int, dump_dir: str) -> None:
+def prepare_backend(cpu_devices: int) -> None:
     """Before JAX starts its backends: ask for `cpu_devices` CPU devices (simulated when no
-    accelerator is present) and for the train step's HLO after SPMD partitioning in `dump_dir`."""
-    jax.config.update("jax_num_cpu_devices", max(cpu_devices, 1))
-    dump = (f"--xla_dump_to={dump_dir} --xla_dump_hlo_pass_re=spmd-partitioning "
-            "--xla_dump_hlo_module_re=.*_step.*")
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump}".strip()
+    accelerator is present). Where the backends have already started (a test process, a notebook)
+    the devices are those there are, and `devices_for` says when they are too few."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(cpu_devices, 1))
+    except RuntimeError:
+        pass
 
 
 def main(argv=None) -> int:
@@ -334,17 +338,14 @@ def main(argv=None) -> int:
         return topology.main(argv)
     if args.paper:
         return _main_paper(parser, args)
-    dump_dir = tempfile.mkdtemp(prefix="rowgeom-plan-")
     try:
         cfg = configs.config_from_args(args)
         sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-        prepare_backend(args.devices or math.prod(s for s in sizes if s > 0), dump_dir)
+        prepare_backend(args.devices or math.prod(s for s in sizes if s > 0))
         devices, _ = devices_for(cfg, args.devices)
-        result = plan(cfg, devices, dump_dir=dump_dir)
+        result = plan(cfg, devices)
     except ValueError as e:
         parser.error(str(e))
-    finally:
-        shutil.rmtree(dump_dir, ignore_errors=True)
     print(report(result, name=args.config or configs.DEFAULT_CONFIG,
                  device_memory=args.device_memory))
     if args.json:
