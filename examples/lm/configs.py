@@ -40,8 +40,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
            "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
            "optim.muon_scale": MUON_SCALES, "optim.head_impl": HEAD_IMPLS}
-# The padded vocabulary of a --data.tokenizer run is a multiple of this (lane- and shard-friendly).
+# A padded vocabulary (a --data.tokenizer run, the paper's GPT-2 one) is a multiple of this
+# (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(num_tokens: int) -> int:
+    """`num_tokens` rounded up to a multiple of VOCAB_MULTIPLE: the model's `vocab_size` for a
+    vocabulary of `num_tokens` real tokens (its `valid_vocab_size`; the rest are padding rows)."""
+    return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,7 +365,7 @@ def paper_config(size: str, head: str = "rownorm") -> Config:
     d = p.d_model
     micro = 8 * p.micro_batch_per_gpu  # global micro-batch: the paper's per-GPU one on 8 GPUs
     model = ModelConfig(
-        vocab_size=-(-PAPER_VOCAB // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        vocab_size=padded_vocab(PAPER_VOCAB),
         valid_vocab_size=PAPER_VOCAB, d_model=d, num_layers=32, num_heads=d // 64,
         mlp_dim=4 * d, max_seq_len=2048, rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True,
         norm_gain=False, init_std=0.02, compute_dtype="bfloat16", param_dtype="float32",

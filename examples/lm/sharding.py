@@ -151,6 +151,16 @@ def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
+def check_batch(batch_size: int, mesh: Mesh) -> None:
+    """Raise ValueError unless the global batch splits evenly over the data-parallel devices and
+    the processes (each feeds its own rows)."""
+    dp = data_parallel_size(mesh)
+    if batch_size % dp or batch_size % jax.process_count():
+        raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
+                         f"parallel size --mesh.data x --mesh.fsdp ({dp}) and by the process "
+                         f"count ({jax.process_count()})")
+
+
 def global_batch(local: np.ndarray, mesh: Mesh, *, replicated_rows: bool = False) -> jax.Array:
     """The global (B, T) array from this process's rows (every process passes its share), split
     over the data-parallel axes; with `replicated_rows`, the whole array on every device (every

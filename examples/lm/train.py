@@ -71,8 +71,11 @@ class Trainer:
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
         self.tx = build_optimizer(cfg)
-        group = head_group(cfg)  # the head step's rate and decay, for the head probe
-        self.head_lr, self.head_wd = lr_schedule(group.learning_rate, cfg), group.weight_decay
+        # The group that trains the head (rowgeom's rule: "embedding" for a tied table): the head
+        # step's rate, decay and momentum, for the probes.
+        self.head_group = head_group(cfg)
+        self.head_lr = lr_schedule(self.head_group.learning_rate, cfg)
+        self.head_wd = self.head_group.weight_decay
         mc, tx, seed = cfg.model, self.tx, cfg.seed
 
         def init_state():
@@ -140,7 +143,6 @@ class Trainer:
         # With eval.centring, a RowNorm head's step against the uncentred one
         # (evaluate.centring_diagnostics): where the optimizer state holds the head's EMA moment.
         self.centring_probe = None
-        hp = head_group(self.cfg)
         full_head = self.abstract_state["params"]["lm_head"]["kernel"].shape if (
             "lm_head" in self.abstract_state["params"]) else None
         rownorm = optimizer_options(self.cfg)["head"].optimizer == "rownorm"
@@ -148,7 +150,7 @@ class Trainer:
                 and evaluate.head_ema(self.abstract_state["opt_state"], full_head) is not None):
             o = self.cfg.optim
             self.centring_probe = evaluate.make_centring_probe(
-                gd, model_lib.head_matrix, full_head, momentum=hp.momentum,
+                gd, model_lib.head_matrix, full_head, momentum=self.head_group.momentum,
                 debias=o.head_bias_correction, eps=1e-8 if o.head_eps is None else o.head_eps,
                 exact=self.exact_diameter, out_sharding=repl)
 
@@ -216,11 +218,7 @@ def _start(cfg, workdir, *, explicit, overwrite, change_horizon, out) -> Run:
                                              change_horizon=change_horizon)
         _report_changes(changed, meta["step"], cfg, out)
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    dp, batch = sharding.data_parallel_size(mesh), cfg.data.batch_size
-    if batch % dp or batch % jax.process_count():
-        raise ValueError(f"--data.batch_size ({batch}) must be divisible by the data-parallel "
-                         f"size --mesh.data x --mesh.fsdp ({dp}) and by the process count "
-                         f"({jax.process_count()})")
+    sharding.check_batch(cfg.data.batch_size, mesh)
     if cfg.effective_warmup() != cfg.optim.warmup_steps:
         out(f"--optim.warmup_steps {cfg.optim.warmup_steps} does not fit --steps {cfg.steps}: "
             f"warming up over {cfg.effective_warmup()} steps instead")
@@ -249,8 +247,8 @@ def with_tokenizer_vocab(cfg: configs.Config) -> configs.Config:
     if cfg.data.tokenizer is None:
         return cfg
     n = tokenization.vocab_size(tokenization.load_tokenizer(cfg.data.tokenizer))
-    padded = -(-n // configs.VOCAB_MULTIPLE) * configs.VOCAB_MULTIPLE
-    return configs.override(cfg, {"model.vocab_size": padded, "model.valid_vocab_size": n})
+    return configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
+                                  "model.valid_vocab_size": n})
 
 
 def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:

@@ -12,8 +12,8 @@
 - the head probe's "step without decay" is `new - old + lr wd old` (its diameter against float64
   numpy), and within projected RowNorm's radius in the loop's evaluations.
 
-The runs use the `test` model on `small_corpus`'s token cache, with XLA's optimizations off
-(`fast_compile`); every Trainer of one config is built (and compiled) once for the module.
+The runs use the `test` model on `small_corpus`'s token cache; every Trainer of one config is
+built (and compiled) once for the module.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from examples.lm import sharding as mesh_lib
 
 STEPS, EVERY, ACCUM, MICRO_BATCH = 3, 2, 2, 4
 
-pytestmark = pytest.mark.usefixtures("fast_compile", "no_plot")
+pytestmark = pytest.mark.usefixtures("no_plot")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from studies import compare_heads, oracle_table
 HEADS = ("adamw", "rownorm-rescaled")
 
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.fixture(scope="module")

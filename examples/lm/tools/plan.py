@@ -93,10 +93,8 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     from examples.lm.train import Trainer  # noqa: PLC0415  (pulls in rowgeom and flax)
 
     mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-    dp, batch = mesh_lib.data_parallel_size(mesh), cfg.data.batch_size
-    if batch % dp:
-        raise ValueError(f"--data.batch_size ({batch}) must be divisible by the data-parallel "
-                         f"size --mesh.data x --mesh.fsdp ({dp})")
+    batch = cfg.data.batch_size
+    mesh_lib.check_batch(batch, mesh)
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="rowgeom-plan-")
     shutil.rmtree(dump_dir, ignore_errors=True)
     dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
