@@ -8,6 +8,7 @@ tests/conftest.py does it, `XLA_FLAGS=--xla_force_host_platform_device_count=8 p
 """
 
 import functools
+import json
 import re
 import shutil
 
@@ -304,3 +305,17 @@ def test_plan_command_says_when_the_step_does_not_fit(tmp_path, capsys):
     assert "does NOT fit" in out, out
     assert "on 8 cpu devices" in out and "as partitioned" in out, out
     assert (tmp_path / "plan.json").exists()
+
+
+def test_plan_paper_190m_fits_the_papers_gpus_and_states_the_diameter_share(tmp_path, capsys):
+    """`plan --paper` for 190m (380m and 640m take longer and are not tested): its count is the
+    paper's, it fits an 80 GiB GPU at the paper's micro-batch, a 16 GiB chip gets a micro-batch,
+    and the exact diameter every 10 updates is a small share."""
+    out = tmp_path / "plan.json"
+    assert plan.main(["--paper", "--config", "190m", "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["param_count"] == result["paper_param_count"] == 185_680_896
+    assert result["fits"] == {"H100": True, "H200": True}
+    assert result["v5e"] is not None and result["v5e"]["peak_bytes"] <= 16 * 2**30
+    assert 0 < result["diameter_share"] < 0.005
+    assert "fits 80.00 GiB (H100)" in capsys.readouterr().out

@@ -359,7 +359,7 @@ def _main_paper(parser, args) -> int:
                      f"--config {args.config}")
     sizes = [args.config] if args.config else list(configs.PAPER_MODELS)
     head = configs.config_from_args(args).head if args.field__head else "rownorm"
-    jax.config.update("jax_num_cpu_devices", 8)
+    prepare_backend(8)
     devices = (jax.devices()[:8] if jax.default_backend() != "cpu" and jax.device_count() >= 8
                else jax.devices("cpu")[:8])
     results = [paper_plan(size, head, devices) for size in sizes]
