@@ -30,8 +30,6 @@ from examples.lm import sharding as mesh_lib
 STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, and the final one
 
 
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, small_corpus):
     """~30 small stdlib modules as a text-directory corpus, and a shared tokenizer cache dir."""

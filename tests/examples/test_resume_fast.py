@@ -22,7 +22,6 @@ from examples.lm import checkpointing, configs, metrics, train
 STEPS, SAVE_EVERY, RESUME_FROM = 4, 2, 2
 
 
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, small_corpus):
     return small_corpus(tmp_path_factory.mktemp("resume_fast"), tokenize=True)

@@ -15,8 +15,6 @@ from studies import compare_heads, oracle_table
 HEADS = ("adamw", "rownorm-rescaled")
 
 
-
-
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, small_corpus):
     """`compare_heads.py --quick` on a small text corpus: (workdir, out, returned result).
