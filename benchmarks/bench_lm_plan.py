@@ -1,12 +1,12 @@
 """The example's train step at the paper's sizes, read from the compiled program on 8 devices.
 
-Every number comes from `python -m examples.lm.plan`'s reading of the compiled step
-(`examples/lm/plan.py`, `examples/lm/compiled.py`), compiled from abstract inputs on 8
+Every number comes from `python -m examples.lm.tools.plan`'s reading of the compiled step
+(`examples/lm/tools/plan.py`, `examples/lm/tools/compiled.py`), compiled from abstract inputs on 8
 simulated CPU devices (nothing is allocated):
 
 1. `190m`, `380m`, `640m` (the paper's models) at their own micro-batch (the paper's 8 GPUs'
-   micro-batch of 2,048-token sequences; `python -m examples.lm.plan --paper` finds the one that
-   fits 16 GiB) on `fsdp 8`, `data 2 x fsdp 4` and `fsdp 4 x tensor 2`: per-device peak
+   micro-batch of 2,048-token sequences; `python -m examples.lm.tools.plan --paper` finds the
+   one that fits 16 GiB) on `fsdp 8`, `data 2 x fsdp 4` and `fsdp 4 x tensor 2`: per-device peak
    memory (arguments + outputs + temporaries - donated) against a 16 GiB chip, collective
    bytes per device (as partitioned: the element types an accelerator moves) against the
    parameter bytes, matmul FLOPs against the model's count (6N + attention), and the compile
@@ -42,7 +42,8 @@ import provenance  # noqa: E402  (beside this script)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.lm import configs, plan  # noqa: E402
+from examples.lm import configs  # noqa: E402
+from examples.lm.tools import plan  # noqa: E402
 
 BLOCK = "lm-plan"
 MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}

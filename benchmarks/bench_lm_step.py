@@ -1,7 +1,7 @@
 """The example's CPU train step with and without the chunked loss, timed side by side.
 
 One process, one CPU device, the `cpu-tiny` and `cpu-small` configs: the jitted, donated train
-step (`examples/lm/trainer.py`) of each variant (`--model.loss_chunk` none, i.e. all the logits
+step (`examples/lm/train.py`) of each variant (`--model.loss_chunk` none, i.e. all the logits
 at once, against the configs' chunk and others) applied to its own previous state on the same
 batch, the variants interleaved round after round, the best of the rounds kept. Ratios are the
 variant's best time over the unchunked one's.
@@ -25,8 +25,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.lm import configs  # noqa: E402
-from examples.lm import mesh as mesh_lib  # noqa: E402
-from examples.lm.trainer import Trainer  # noqa: E402
+from examples.lm import sharding as mesh_lib  # noqa: E402
+from examples.lm.train import Trainer  # noqa: E402
 
 BLOCK = "lm-step"
 CHUNKS = (None, 64, 32, 16)

@@ -5,7 +5,7 @@ nothing is allocated), so the numbers are the compiled program's, not timings:
 
 - **collectives**: the bytes of every cross-device collective in `compiled.as_text()`
   (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute; the larger of result
-  and operands, loop bodies by their trip counts: `examples/lm/compiled.py`), per device,
+  and operands, loop bodies by their trip counts: `examples/lm/tools/compiled.py`), per device,
   divided by the *full hidden group*: the bytes of every hidden (Muon) matrix, unsharded;
 - **FLOPs**: `compiled.cost_analysis()["flops"]` per device, divided by the same update compiled
   for one device (ideal with 8 devices: 0.125);
@@ -18,14 +18,14 @@ Workloads:
    LM (`examples/lm`: the `190m` and `640m` configs, and a GPT-2-small-shaped one: 12 blocks,
    d 768, MLP 3072, V 50304, untied head). Layouts: *per-block* (the example's NNX model, a list
    of blocks, from `nnx.eval_shape`, with its sharding annotations fitted by
-   `examples/lm/mesh.py`), *scanned* (MaxText-style: every block leaf stacked on a leading layer
+   `examples/lm/sharding.py`), *scanned* (MaxText-style: every block leaf stacked on a leading layer
    axis and sharded like the block's leaf, so `(L, d, f)` is split on `d`) and, on the 1-D mesh,
    *per-block, first axis* (plain FSDP: every matrix split along its first axis). Meshes: FSDP
    over 8 devices, `data` x `fsdp` (2 x 4) and `fsdp` x `tensor` (4 x 2). Optimizer state is
-   sharded like its parameter (`examples/lm/mesh.py`'s `state_shardings`).
+   sharded like its parameter (`examples/lm/sharding.py`'s `state_shardings`).
 2. Fewer matrices than devices: `muon_orthogonalize` on 1, 2, 4, 8 split `(768, 3072)` matrices
    and on one `(768, 50304)` Muon head, with and without `shard_matrices`.
-The example's whole training step is `benchmarks/bench_lm_plan.py`'s (`examples.lm.plan`).
+The example's whole training step is `benchmarks/bench_lm_plan.py`'s (`examples.lm.tools.plan`).
 
 Run: `python benchmarks/bench_sharded_optimizer.py` (`--quick`: small trees; `--docs`: rewrite
 its generated block of docs/benchmarks.md, with the run's provenance; `--json PATH`: the raw
@@ -59,9 +59,9 @@ sys.path.insert(0, str(ROOT))
 
 import rowgeom  # noqa: E402
 from examples.lm import configs, sharding  # noqa: E402
-from examples.lm import mesh as mesh_lib  # noqa: E402
 from examples.lm import model as model_lib  # noqa: E402
-from examples.lm.compiled import analyse_hlo  # noqa: E402
+from examples.lm import sharding as mesh_lib  # noqa: E402
+from examples.lm.tools.compiled import analyse_hlo  # noqa: E402
 
 BLOCK = "sharded-optimizer"  # the generated block of docs/benchmarks.md
 COMMAND = "python benchmarks/bench_sharded_optimizer.py"
@@ -149,7 +149,7 @@ def supports_shard_matrices(fn) -> bool:
 def compile_update(tx, params, mesh=None):
     """`tx.update(grads, state, params)` compiled for `params` (abstract, maybe sharded), the
     optimizer state sharded like the example trainer shards it (moments like their parameter,
-    `examples/lm/mesh.py`'s `state_shardings`)."""
+    `examples/lm/sharding.py`'s `state_shardings`)."""
     state = jax.eval_shape(tx.init, params)
     if mesh is None:
         return read(jax.jit(tx.update).lower(params, state, params).compile())

@@ -1,7 +1,7 @@
 """The example's train step compiled for TPU and GPU targets by their own compilers, on a CPU host.
 
-Every number is `python -m examples.lm.topology`'s reading of the compiled step
-(`examples/lm/topology.py`): the paper's configs `190m`, `380m` and `640m` (256 x 2,048 per
+Every number is `python -m examples.lm.tools.topology`'s reading of the compiled step
+(`examples/lm/tools/topology.py`): the paper's configs `190m`, `380m` and `640m` (256 x 2,048 per
 update; `configs.paper_config`), FSDP over the target's devices, compiled by libtpu for a v5e-8
 slice and by XLA:GPU for a node of eight H200s (compile-only devices: nothing is allocated,
 nothing runs). Where the paper's micro-batch does not fit, the first micro-batch /
@@ -35,7 +35,8 @@ import provenance  # noqa: E402  (beside this script)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.lm import configs, topology  # noqa: E402
+from examples.lm import configs  # noqa: E402
+from examples.lm.tools import topology  # noqa: E402
 
 BLOCK = "targets"
 COMMAND = "python benchmarks/bench_targets.py"

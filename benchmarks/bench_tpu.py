@@ -1,7 +1,7 @@
 """rowgeom's operations as the TPU compiler builds them, on a host with no TPU: its estimates.
 
 Compiles with libtpu (the `tpu` extra) for compile-only Cloud TPU devices
-(`examples/lm/topology.py`) and reads each program's `cost_analysis()`: the bytes it accesses,
+(`examples/lm/tools/topology.py`) and reads each program's `cost_analysis()`: the bytes it accesses,
 its FLOPs and XLA's `optimal_seconds` estimate. These are the TPU compiler's estimates, not
 timings; nothing runs. Three tables:
 
@@ -52,10 +52,11 @@ import rowgeom  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.lm import compiled as compiled_lib  # noqa: E402
-from examples.lm import configs, topology  # noqa: E402
-from examples.lm import mesh as mesh_lib  # noqa: E402
+from examples.lm import configs  # noqa: E402
 from examples.lm import optimizer as optimizer_lib  # noqa: E402
+from examples.lm import sharding as mesh_lib  # noqa: E402
+from examples.lm.tools import compiled as compiled_lib  # noqa: E402
+from examples.lm.tools import topology  # noqa: E402
 
 BLOCK = "tpu"  # the generated block of docs/benchmarks.md
 COMMAND = "python benchmarks/bench_tpu.py"
@@ -148,7 +149,7 @@ def muon(chip: str = "v5e-1") -> list[dict]:
 
 def optimizers(config: str = "190m", target_name: str = "v5e-8") -> list[dict]:
     """`lm_optimizer` vs `optax.adamw`: one update of the `config` tree, FSDP over the target."""
-    from examples.lm.trainer import Trainer  # noqa: PLC0415
+    from examples.lm.train import Trainer  # noqa: PLC0415
 
     target = topology.get_target(target_name)
     cfg = topology.for_target(configs.override(configs.get_config(config),

@@ -1,7 +1,7 @@
 """The paper's Table 3 from training runs: `python -m studies.paper_table RUN_DIR...`.
 
 Each RUN_DIR is a workdir of `examples/lm/train.py` (for the paper's runs, one of the 18 that
-`examples/lm/paper_runs.py` launches). A run is identified by the config saved in its newest
+`examples/lm/tools/paper_runs.py` launches). A run is identified by the config saved in its newest
 checkpoint (model shape, head, seed), never by its directory name, and read from its
 `metrics.jsonl` at the final update:
 

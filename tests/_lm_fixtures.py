@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from examples.lm import checkpointing, configs, metrics, train
-from examples.lm import mesh as mesh_lib
+from examples.lm import sharding as mesh_lib
 
 # A small real corpus: the standard library's `json` package (5 files, ~50 KB) tokenizes in well
 # under a second, where the whole standard library would take several.

@@ -137,7 +137,7 @@ def _final_checkpoint(workdir, steps: int):
     """The example's checkpoint of step `steps` in `workdir`, restored onto the first device
     (asserting it is the latest one), as host arrays, with its metadata."""
     from examples.lm import checkpointing, configs, train
-    from examples.lm import mesh as mesh_lib
+    from examples.lm import sharding as mesh_lib
 
     cfg = configs.override(configs.get_config("test"), {"steps": steps})
     trainer = train.Trainer(cfg, mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))

@@ -3,7 +3,7 @@
 One nested, frozen `Config`: the model (`model.ModelConfig` itself), the data, the optimizer,
 evaluation, checkpoints and the mesh, plus the run-level fields `steps`, `head`, `seed` and
 `log_every`. A field has one name, its dotted path (`model.d_model`, `optim.grad_clip`, `steps`),
-which is also its command-line flag (`--model.d_model`, see flags.py) and its spelling in every
+which is also its command-line flag (`--model.d_model`; `parser` below) and its spelling in every
 error message. `override(cfg, {path: value})` changes fields; `flatten` and `from_dict` go to and
 from the flat and nested dict forms (a checkpoint stores `dataclasses.asdict(cfg)`).
 
@@ -21,13 +21,14 @@ Named configs (`get_config`):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from examples.lm import mesh as mesh_lib
+from examples.lm import sharding
 from examples.lm.model import REMAT_POLICIES, ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
@@ -39,8 +40,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
            "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
            "optim.muon_scale": MUON_SCALES, "optim.head_impl": HEAD_IMPLS}
-# The padded vocabulary of a --data.tokenizer run is a multiple of this (lane- and shard-friendly).
+# A padded vocabulary (a --data.tokenizer run, the paper's GPT-2 one) is a multiple of this
+# (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(num_tokens: int) -> int:
+    """`num_tokens` rounded up to a multiple of VOCAB_MULTIPLE: the model's `vocab_size` for a
+    vocabulary of `num_tokens` real tokens (its `valid_vocab_size`; the rest are padding rows)."""
+    return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +96,7 @@ class OptimConfig:
     head_eps: float | None = None
     # Which formulation the head's O(Vd) ops trace (rowgeom.HeadOptions.impl): "auto" decides by
     # where the head lives; "xla" is what accelerators and meshes run (compiling for a TPU or GPU
-    # target from a one-CPU host needs it said: examples/lm/topology.py).
+    # target from a one-CPU host needs it said: examples/lm/tools/topology.py).
     head_impl: str = "auto"
 
 
@@ -195,7 +203,7 @@ class Config:
             raise ValueError(f"--optim.head_eps must be > 0 or none, got {self.optim.head_eps}")
         if self.eval.tokens is not None and self.eval.tokens < 1:
             raise ValueError(f"--eval.tokens must be >= 1 or none, got {self.eval.tokens}")
-        mesh_lib.check_sizes(self.mesh.data, self.mesh.fsdp, self.mesh.tensor)
+        sharding.check_sizes(self.mesh.data, self.mesh.fsdp, self.mesh.tensor)
         return self
 
     def effective_warmup(self) -> int:
@@ -244,8 +252,8 @@ def override(cfg: Config, changes: Mapping[str, Any]) -> Config:
     if unknown:
         raise ValueError(f"unknown config field --{unknown[0]}")
     changes = dict(changes)
-    if any(changes.get(f"mesh.{axis}") == -1 for axis in mesh_lib.AXES):
-        for axis in mesh_lib.AXES:
+    if any(changes.get(f"mesh.{axis}") == -1 for axis in sharding.AXES):
+        for axis in sharding.AXES:
             if f"mesh.{axis}" not in changes and getattr(cfg.mesh, axis) == -1:
                 changes[f"mesh.{axis}"] = 1
     groups: dict[str, dict[str, Any]] = {}
@@ -357,12 +365,12 @@ def paper_config(size: str, head: str = "rownorm") -> Config:
     d = p.d_model
     micro = 8 * p.micro_batch_per_gpu  # global micro-batch: the paper's per-GPU one on 8 GPUs
     model = ModelConfig(
-        vocab_size=-(-PAPER_VOCAB // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        vocab_size=padded_vocab(PAPER_VOCAB),
         valid_vocab_size=PAPER_VOCAB, d_model=d, num_layers=32, num_heads=d // 64,
         mlp_dim=4 * d, max_seq_len=2048, rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True,
         norm_gain=False, init_std=0.02, compute_dtype="bfloat16", param_dtype="float32",
         # Scanned blocks (compile time independent of depth); "dots" keeps the weight matmuls'
-        # outputs and recomputes attention (python -m examples.lm.plan --paper); a loss that
+        # outputs and recomputes attention (python -m examples.lm.tools.plan --paper); a loss that
         # holds one (B, 128, V) chunk of logits at a time.
         scan_layers=True, remat="dots", loss_chunk=128)
     rownorm = head == "rownorm"
@@ -411,3 +419,176 @@ def get_config(name: str, *, head: str | None = None) -> Config:
     if name in PAPER_MODELS:
         return paper_config(name, head)
     return override(CONFIGS[name], {"head": head})
+
+
+# ----------------------------------------------------------------------------- resuming
+# A checkpoint's metadata holds the whole config of its run. A resumed run follows it: the
+# schedule horizon (`steps`), learning rates, data, model and every other field that defines
+# what is trained or measured. Fields in `RUNTIME_FIELDS` (cadence, placement) follow the command
+# line. A command line that sets a run-defining field to another value is refused with the field
+# named, except `steps` with `change_horizon` (an explicit request to re-time the schedule).
+
+# Cadence and placement, which do not change what is trained: a resumed run takes them from its
+# command line. Every other field defines the run and is followed from the checkpoint. The
+# recomputation policy and the loss's chunking trade memory for time and change neither the
+# checkpoint nor (beyond float32 rounding) the step; the layer layout (model.scan_layers) is the
+# checkpoint's layout and is followed.
+RUNTIME_FIELDS = frozenset({
+    "data.dir", "checkpoint.dir", "checkpoint.keep", "checkpoint.every", "log_every",
+    "eval.every", "eval.probe_last_steps", "eval.exact_diameter_max_elements", "mesh.data",
+    "mesh.fsdp", "mesh.tensor", "model.remat", "model.loss_chunk"})
+# Fields added after checkpoints were first written: a checkpoint without one was written with
+# this value (every earlier checkpoint stores its blocks unrolled).
+_LEGACY_VALUES = {"model.scan_layers": False}
+# Runtime fields that belong to the machine rather than the run: never taken from a checkpoint.
+_MACHINE_FIELDS = frozenset({"data.dir", "checkpoint.dir", "mesh.data", "mesh.fsdp",
+                             "mesh.tensor"})
+
+
+def resolve_config(cfg: Config, meta: dict, *, explicit=None,
+                   change_horizon: bool = False) -> tuple[Config, dict]:
+    """(config, changes): the config a resumed run follows — the checkpoint's, with runtime
+    fields from `cfg` — and the `{dotted path: (saved, now)}` it changed.
+
+    explicit: fields (dotted paths) the command line set (None: all of them). Those that differ
+    from the checkpoint raise a ValueError if they define the run, except `steps` with
+    `change_horizon` (the schedule is then rebuilt for the new horizon). Fields not set
+    explicitly are taken from the checkpoint, so `--workdir DIR` alone resumes any run.
+    """
+    saved = meta.get("config")
+    if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
+        raise ValueError("cannot resume: the checkpoint's metadata has no config and step "
+                         f"(not written by this trainer?): {str(meta)[:200]}")
+    now_flat = flatten(cfg)
+    saved_given = _LEGACY_VALUES | flatten(saved)
+    try:
+        saved_flat = flatten(override(cfg, saved_given))
+    except ValueError as e:
+        raise ValueError(f"cannot resume: the checkpoint's config does not fit this trainer: "
+                         f"{e}") from None
+    explicit = set(now_flat) if explicit is None else set(explicit)
+    merged, conflicts, changed = {}, {}, {}
+    for name, now in now_flat.items():
+        was = saved_flat[name]
+        if name in _MACHINE_FIELDS or (name in explicit and now != was and (
+                name in RUNTIME_FIELDS or (name == "steps" and change_horizon))):
+            merged[name] = now
+            if now != was and name not in _MACHINE_FIELDS:
+                changed[name] = (was, now)
+        elif name in explicit and now != was:
+            conflicts[name] = (was, now)
+        else:
+            merged[name] = was
+    if conflicts:
+        hint = " (or add --change_horizon to change --steps)" if "steps" in conflicts else ""
+        if "model.scan_layers" in conflicts:
+            hint += (" (scanned and unrolled blocks are stored in different layouts, "
+                     "layers/<name> of shape (L, ...) against layers/<i>/<name>: a checkpoint "
+                     "restores only into the layout it was written in)")
+        listed = "; ".join(f"--{name} saved {was!r}, now {now!r}"
+                           for name, (was, now) in sorted(conflicts.items()))
+        raise ValueError(
+            f"cannot resume: these fields differ from the checkpoint's: {listed}; rerun with the "
+            f"saved values{hint}, or start fresh with --overwrite or a new --workdir")
+    return override(cfg, merged), dict(sorted(changed.items()))
+
+
+# ----------------------------------------------------------------------------- the command line
+# One flag per config field, named by its dotted path: `--model.d_model 256` (or
+# `--model.d_model=256`), parsed by the field's type (`none` for an optional field); the run-level
+# fields are short (`--steps 100 --head adamw --seed 1`), and `--config NAME` picks the named
+# config they override. Next to them are the options of an invocation that are not part of the
+# run's config: `--workdir`, `--overwrite`, `--change_horizon`, `--distributed`, `--no-progress`
+# and `--benchmark`.
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `train.py: error: ...` and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def _metavar(path: str) -> str:
+    typ, optional = field_types()[path]
+    text = ("{" + ",".join(CHOICES[path]) + "}" if path in CHOICES
+            else typ.__name__.upper())
+    return text + ("|none" if optional else "")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `--config` and one `--<dotted path>` option per Config field.
+
+    The field options default to None ("not given"), so `explicit_fields` can tell which ones the
+    command line set; --help shows each field's type, choices and value in the default config.
+    """
+    parser.add_argument("--config", default=None, choices=sorted(CONFIGS),
+                        help=f"named configuration (default: {DEFAULT_CONFIG})")
+    group = parser.add_argument_group("config fields (each overrides the named config)")
+    defaults = flatten(get_config(DEFAULT_CONFIG))
+    for path in field_types():
+        group.add_argument(f"--{path}", dest=f"field__{path}", default=None,
+                           metavar=_metavar(path),
+                           help=f"(default: {defaults[path]!r} in {DEFAULT_CONFIG})")
+
+
+def parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The trainer's parser: the config flags and the invocation's own options."""
+    out = Parser(prog="train.py", description=description, allow_abbrev=False,
+                  epilog="Resuming: rerunning a command on a workdir with checkpoints resumes "
+                         "the run from the latest complete one, following its saved config.")
+    out.add_argument("--workdir", default=None, metavar="PATH",
+                     help="metrics, TensorBoard, plot, data cache, checkpoints; local or remote, "
+                          "e.g. gs://bucket/run (default: runs/<config>)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="delete the workdir's checkpoints and metrics and start fresh")
+    out.add_argument("--change_horizon", action="store_true",
+                     help="on resume, accept a --steps different from the checkpoint's and "
+                          "rebuild the learning-rate schedule for it (the rate jumps)")
+    out.add_argument("--distributed", choices=("auto", "on", "off"), default="auto",
+                     help="jax.distributed.initialize(): auto-detect multi-process launches "
+                          "(default: auto)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument("--benchmark", type=int, default=0, metavar="N",
+                     help="instead of training, time N steps with and without the optimizer")
+    add_config_arguments(out)
+    return out
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    overrides = {}
+    for path in field_types():
+        text = getattr(args, f"field__{path}")
+        if text is not None:
+            overrides[path] = parse_value(path, text)
+    return overrides
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The named config with the command line's `--<dotted path>` overrides applied.
+
+    `--head` picks the named config's version for that head first (a paper config's head rate
+    and decay are the head's, `paper_config`), then every override applies."""
+    overrides = _overrides(args)
+    base = get_config(args.config or DEFAULT_CONFIG, head=overrides.get("head"))
+    return override(base, overrides)
+
+
+def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
+    """Config fields (dotted paths) the command line set: every field when `--config` is given,
+    else the overrides. A resumed run takes the others from its checkpoint."""
+    if args.config is not None:
+        return frozenset(field_types())
+    return frozenset(_overrides(args))
+
+
+def parse_config(argv: Sequence[str]) -> Config:
+    """Parse only config options (for tests and notebooks); errors raise ValueError."""
+    config_parser = _RaisingParser(allow_abbrev=False)
+    add_config_arguments(config_parser)
+    return config_from_args(config_parser.parse_args(list(argv)))

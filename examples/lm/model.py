@@ -126,6 +126,11 @@ class ModelConfig:
         """Number of real (predictable) tokens."""
         return self.vocab_size if self.valid_vocab_size is None else self.valid_vocab_size
 
+    @property
+    def num_valid(self) -> int | None:
+        """`num_tokens` when some ids are padding, else None: what the loss masks by."""
+        return self.num_tokens if self.num_tokens < self.vocab_size else None
+
 
 def _zero_padding(init, num_tokens: int, vocab_axis: int):
     """`init` with the rows >= num_tokens along `vocab_axis` set to zero."""
@@ -362,8 +367,6 @@ class Transformer(nnx.Module):
         kernel_DV = self.lm_head.kernel[...].astype(self.cfg.compute_dtype)
         return constrain(kernel_DV, "activation_embed", "activation_vocab"), 1
 
-    def _num_valid(self) -> int | None:
-        return self.cfg.num_tokens if self.cfg.num_tokens < self.cfg.vocab_size else None
 
     def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
         """Logits (B, T, V) in float32; with `return_hidden`, also the final normed hidden state
@@ -371,7 +374,7 @@ class Transformer(nnx.Module):
         h_BTD = self.hidden(tokens_BT)
         head, vocab_axis = self.head()
         logits_BTV = constrain(loss_lib.logits(h_BTD, head, vocab_axis=vocab_axis,
-                                               num_valid=self._num_valid()), *_BTV)
+                                               num_valid=self.cfg.num_valid), *_BTV)
         return (logits_BTV, h_BTD) if return_hidden else logits_BTV
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -383,7 +386,7 @@ class Transformer(nnx.Module):
         groups = num_shards(tokens_BT.shape[0], "activation_batch")
         return loss_lib.cross_entropy(
             self.hidden(tokens_BT), head, targets_BT, vocab_axis=vocab_axis,
-            num_valid=self._num_valid(), chunk_size=self.cfg.loss_chunk, batch_groups=groups,
+            num_valid=self.cfg.num_valid, chunk_size=self.cfg.loss_chunk, batch_groups=groups,
             constrain_logits=lambda z: constrain(z, *_BTV))
 
 

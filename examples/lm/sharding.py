@@ -1,9 +1,14 @@
-"""Logical axis names and the one table that maps them onto the mesh.
+"""The device mesh and where every array lives on it: parameters, optimizer state, batches.
+
+The mesh has three axes: `data` (pure data parallelism, parameters replicated), `fsdp` (data
+parallelism with parameters and optimizer state sharded, ZeRO-3 style) and `tensor` (tensor
+parallelism: the vocabulary axis of the head and embedding, MLP width, heads). One code path
+serves 1 device, simulated devices, GPUs and TPU pods.
 
 The model names the axes of every parameter and activation by what they mean (`"embed"`,
 `"mlp"`, `"activation_batch"`, ...), never by mesh axis; `RULES` says which mesh axes each name
-is split over, in the style of MaxText's `logical_axis_rules` and flax's logical partitioning.
-Parameters and activations read the same table, so changing a row moves both.
+is split over, in the style of MaxText's `logical_axis_rules`. Parameters and activations read the
+same table, so changing a row moves both.
 
 - Parameters (`param_spec`): FSDP splits each matrix along its model-width axis (`"embed"`) over
   `"fsdp"`; tensor parallelism splits heads, MLP width and vocabulary over `"tensor"` (Megatron
@@ -12,20 +17,200 @@ Parameters and activations read the same table, so changing a row moves both.
   over `"tensor"`, the residual stream's model axis unsplit. Without these constraints the
   partitioner follows the parameters' FSDP sharding into the activations and then all-reduces
   and all-gathers whole global-batch activations.
+- Optimizer state (`state_shardings`): read from the state's own structure, not from names.
+- Batches (`global_batch`): rows over `("data", "fsdp")`.
 
-A mesh axis that does not divide a dimension is dropped for that dimension (`mesh.fit_spec`), so
-a small model or an odd vocabulary still runs on a large mesh (that dimension is then replicated).
+A mesh axis that does not divide a dimension is dropped for that dimension (`fit_spec`), so a
+small model or an odd vocabulary still runs on a large mesh (that dimension is then replicated).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from examples.lm import mesh as mesh_lib
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def _multi_process_environment() -> bool:
+    """True when a launcher describes several processes (Cloud TPU pod, SLURM, MPI, explicit)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if len([h for h in hosts.split(",") if h.strip()]) > 1:
+        return True
+    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES"):
+        if int(os.environ.get(var, "1") or 1) > 1:
+            return True
+    return False
+
+
+def maybe_initialize_distributed(mode: str = "auto") -> bool:
+    """Call `jax.distributed.initialize()` when running multi-process.
+
+    mode "on" always initializes (arguments come from the environment: on Cloud TPU and SLURM JAX
+    detects them itself), "off" never, "auto" when the environment describes several processes.
+    Must run before any other JAX call touches the backend. Returns whether it initialized.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"--distributed must be 'auto', 'on' or 'off', got {mode!r}")
+    if mode == "off" or (mode == "auto" and not _multi_process_environment()):
+        return False
+    jax.distributed.initialize()
+    return True
+
+
+_FLAGS = "--mesh.data/--mesh.fsdp/--mesh.tensor"
+
+
+def check_sizes(data: int, fsdp: int, tensor: int) -> None:
+    """Raise ValueError unless every size is positive or -1, and at most one is -1."""
+    sizes = (data, fsdp, tensor)
+    if any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"{_FLAGS} must be positive or -1, got {sizes}")
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one of {_FLAGS} may be -1 (the axis that takes the remaining "
+                         f"devices), got {sizes}")
+
+
+def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+    """Resolve at most one -1 entry to the remaining devices and check the product."""
+    check_sizes(data, fsdp, tensor)
+    sizes = [data, fsdp, tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ValueError(f"{_FLAGS} = {tuple(sizes)}: {num_devices} devices are not "
+                             f"divisible by {known}")
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ValueError(f"{_FLAGS} = {tuple(sizes)} need {math.prod(sizes)} devices, but "
+                         f"{num_devices} are available")
+    return tuple(sizes)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes (jax.make_mesh would default to Explicit).
+
+    Devices of several TPU slices (multi-slice, `slice_index`) get a hybrid mesh: `data` is
+    split across the slices first (the data-center network carries only the gradients' data-
+    parallel reductions), the rest within each slice."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(data, fsdp, tensor, len(devices))
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        if shape[0] % slices:
+            raise ValueError(f"{_FLAGS} = {shape}: with {slices} slices --mesh.data must be a "
+                             "multiple of the number of slices (only data parallelism crosses "
+                             "slices)")
+        from jax.experimental import mesh_utils  # noqa: PLC0415
+
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (shape[0] // slices, shape[1], shape[2]), (slices, 1, 1), devices)
+        return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def fit_spec(shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
+    """`spec` with every mesh axis removed from the dimensions it does not divide."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    fitted = []
+    for dim, entry in zip(shape, entries, strict=True):
+        names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        kept, size = [], 1
+        for name in names:
+            if dim % (size * mesh.shape[name]) == 0:
+                kept.append(name)
+                size *= mesh.shape[name]
+        fitted.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*fitted)
+
+
+def fit_sharding(shape: tuple[int, ...], spec: P, mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, fit_spec(shape, spec, mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Token batches (B, T): rows split over the data-parallel axes."""
+    return NamedSharding(mesh, P(BATCH_AXES, None))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_batch(batch_size: int, mesh: Mesh) -> None:
+    """Raise ValueError unless the global batch splits evenly over the data-parallel devices and
+    the processes (each feeds its own rows)."""
+    dp = data_parallel_size(mesh)
+    if batch_size % dp or batch_size % jax.process_count():
+        raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
+                         f"parallel size --mesh.data x --mesh.fsdp ({dp}) and by the process "
+                         f"count ({jax.process_count()})")
+
+
+def global_batch(local: np.ndarray, mesh: Mesh, *, replicated_rows: bool = False) -> jax.Array:
+    """The global (B, T) array from this process's rows (every process passes its share), split
+    over the data-parallel axes; with `replicated_rows`, the whole array on every device (every
+    process then passes all of it)."""
+    target = replicated(mesh) if replicated_rows else batch_sharding(mesh)
+    return jax.make_array_from_process_local_data(target, local)
+
+
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def state_shardings(abstract: dict, param_shardings, mesh: Mesh) -> dict:
+    """Shardings of the whole train state `{params, opt_state, ...}` for `mesh`.
+
+    Parameters use `param_shardings`. The optimizer state is read by its structure, as
+    `optax.tree_utils.tree_map_params` does: every subtree laid out like the parameters (a
+    momentum, Adam's moments, `MultiSteps`' accumulator; under `optax.partition` a group's copy,
+    with `MaskedNode` where another group owns the parameter) takes the parameters' shardings
+    leaf for leaf, where the leaf has its parameter's shape. `tree_map_params` itself cannot be
+    used: it initialises the optimizer on a placeholder, and `rowgeom.lm_optimizer` labels the
+    parameters by their paths first. Everything else (counts, the head tracker's scalars) is
+    replicated.
+    """
+    repl = replicated(mesh)
+    params = abstract["params"]
+    layout = jax.tree.structure(params)
+
+    def like_params(tree) -> bool:
+        return (not isinstance(tree, jax.ShapeDtypeStruct | jax.Array)
+                and jax.tree.structure(tree, is_leaf=_masked) == layout)
+
+    def place(tree):
+        if not like_params(tree):
+            return repl
+        return jax.tree.map(
+            lambda leaf, p, s: leaf if _masked(leaf) else (s if leaf.shape == p.shape else repl),
+            tree, params, param_shardings, is_leaf=_masked)
+
+    out = {k: jax.tree.map(lambda _: repl, v) for k, v in abstract.items()}
+    out["params"] = param_shardings
+    out["opt_state"] = jax.tree.map(place, abstract["opt_state"], is_leaf=like_params)
+    return out
+
+
+def describe(mesh: Mesh) -> str:
+    shape = ", ".join(f"{a}={mesh.shape[a]}" for a in AXES)
+    return (f"mesh({shape}) on {mesh.devices.size} {jax.devices()[0].platform} devices, "
+            f"{jax.process_count()} process(es)")
+
 
 # logical name -> mesh axes (None: not split). Every name the model uses must be here.
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -58,7 +243,7 @@ def mesh_axes(names: Sequence[str | None]) -> P:
 
 def param_spec(shape: Sequence[int], names: Sequence[str | None], mesh) -> P:
     """A parameter's PartitionSpec on `mesh` from its logical axis names."""
-    return mesh_lib.fit_spec(tuple(shape), mesh_axes(names), mesh)
+    return fit_spec(tuple(shape), mesh_axes(names), mesh)
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
@@ -73,7 +258,7 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, mesh_lib.fit_spec(x.shape, mesh_axes(names), mesh))
+    return jax.lax.with_sharding_constraint(x, fit_spec(x.shape, mesh_axes(names), mesh))
 
 
 def num_shards(dim: int, name: str) -> int:
@@ -82,6 +267,6 @@ def num_shards(dim: int, name: str) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1
-    entry = mesh_lib.fit_spec((dim,), mesh_axes((name,)), mesh)[0]
+    entry = fit_spec((dim,), mesh_axes((name,)), mesh)[0]
     axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
     return math.prod(mesh.shape[a] for a in axes)

@@ -8,11 +8,23 @@ Run from the repository root, as a module:
     python -m examples.lm.train --config 190m --mesh.fsdp 8 --workdir gs://bucket/run
     python -m examples.lm.train --data.source 'fineweb10B/*.bin' --data.tokenizer gpt2/tok.json
 
-Every config field is a flag named by its dotted path (`--model.d_model 64`; configs.py, flags.py).
-`train(cfg, workdir)` is the loop: `run.start` (config, checkpoint, mesh, data) -> restore or init
--> `_Loop.step` (train, evaluate, probe the head, log, save) -> the plot and a summary line. A run
-is preemption-safe: SIGTERM saves a checkpoint at the current step and exits 0, and the same
-command resumes it, following the run's saved config. `main` is the command line.
+Every config field is a flag named by its dotted path (`--model.d_model 64`; configs.py). This
+file is the whole training program, top to bottom:
+
+- `Trainer`: the train state `{params, rest, opt_state, micro_step, rng}`, its shardings and the
+  jitted step (one micro-batch: forward, backward, `optax` update), evaluation and head probe.
+- `start`: what a run resolves before its first step: resume or fresh (the checkpoint's config,
+  `configs.resolve_config`), the mesh, the data (`data.prepare_tokens`) and the validation set.
+- `train`: the loop: `start` -> restore or init -> `_Loop.step` (train, evaluate, probe the head,
+  log with throughput, save) -> the plot and a summary line. SIGTERM saves a checkpoint at the
+  current step and exits 0 (`PreemptionWatcher`); the same command resumes it.
+- `benchmark`: `--benchmark N`, the step timed with and without the optimizer update.
+- `main`: the command line.
+
+The forward pass sees the parameters cast to `model.compute_dtype` while they are still sharded
+(`Trainer.compute_params`), so FSDP all-gathers bf16 weights, not the float32 master copies, and
+the gradients come back reduce-scattered in that dtype before the optimizer, which runs in
+float32 on each device's shard.
 """
 
 from __future__ import annotations
@@ -24,20 +36,355 @@ if __package__ in (None, ""):  # `python examples/lm/train.py`: the package is n
           "python -m examples.lm.train ...", file=sys.stderr)
     raise SystemExit(2)
 
+import dataclasses
+import math
 import os
+import signal
+import threading
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
-from examples.lm import batches, configs, evaluate, flags, metrics, resume, run, throughput
-from examples.lm import mesh as mesh_lib
+import rowgeom
+from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding, tokenization
 from examples.lm import model as model_lib
-from examples.lm.benchmark import benchmark
-from examples.lm.optimizer import lr_schedule
-from examples.lm.run import UsageError
-from examples.lm.trainer import Trainer
+from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
+
+# ----------------------------------------------------------------------------- state and step
+
+
+class Trainer:
+    """Model, optimizer, jitted functions and shardings for one config on one mesh.
+
+    `init()` builds the state in place on the mesh; `abstract_state` (shapes, dtypes and target
+    shardings) is what a checkpoint is restored onto. `train_step(state, inputs, targets)`
+    applies one micro-batch; `grad_step` is the same forward and backward pass without the
+    optimizer (for timing); `val_loss` and `head_probe` evaluate (evaluate.py).
+    """
+
+    def __init__(self, cfg: configs.Config, mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.tx = build_optimizer(cfg)
+        # The group that trains the head (rowgeom's rule: "embedding" for a tied table): the head
+        # step's rate, decay and momentum, for the probes.
+        self.head_group = head_group(cfg)
+        self.head_lr = lr_schedule(self.head_group.learning_rate, cfg)
+        self.head_wd = self.head_group.weight_decay
+        mc, tx, seed = cfg.model, self.tx, cfg.seed
+
+        def init_state():
+            model = model_lib.Transformer(mc, rngs=nnx.Rngs(seed))
+            _, params, rest = nnx.split(model, nnx.Param, ...)
+            params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+            return {"params": params, "rest": rest, "opt_state": tx.init(params),
+                    "micro_step": jnp.zeros((), jnp.int32),
+                    "rng": jax.random.key_data(jax.random.key(seed))}
+
+        # Outside the mesh: flax would turn the logical names into (mesh) shardings itself.
+        abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(mc, rngs=nnx.Rngs(seed)))
+        self.graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
+        names = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
+        param_shardings = jax.tree.map(
+            lambda a, n: jax.NamedSharding(mesh, sharding.param_spec(a.shape, n, mesh)),
+            nnx.to_pure_dict(abs_params), names,
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        with jax.set_mesh(mesh):
+            abstract = jax.eval_shape(init_state)
+        self.shardings = sharding.state_shardings(abstract, param_shardings, mesh)
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+            self.shardings)
+        self._init = jax.jit(init_state, out_shardings=self.shardings)
+        self._build_functions()
+
+    def _build_functions(self):
+        gd, tx = self.graphdef, self.tx
+        batch = sharding.batch_sharding(self.mesh)
+        repl = sharding.replicated(self.mesh)
+        compute = self.compute_params
+
+        def loss_fn(params, rest, inputs, targets):
+            return nnx.merge(gd, compute(params), rest).loss(inputs, targets)
+
+        def train_step(state, inputs, targets):
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"], state["rest"], inputs,
+                                                      targets)
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            return {**state, "params": params, "opt_state": opt_state,
+                    "micro_step": state["micro_step"] + 1}, loss
+
+        def grad_step(state, inputs, targets):  # for timing: the step without the optimizer
+            return jax.value_and_grad(loss_fn)(state["params"], state["rest"], inputs, targets)
+
+        self.train_step = jax.jit(
+            train_step, in_shardings=(self.shardings, batch, batch),
+            out_shardings=(self.shardings, repl), donate_argnums=0)
+        self.grad_step = jax.jit(
+            grad_step, in_shardings=(self.shardings, batch, batch),
+            out_shardings=(repl, self.shardings["params"]))
+        self.val_loss = jax.jit(loss_fn, out_shardings=repl)
+        # A fresh copy of the head (jit outputs never alias donated inputs).
+        head_of = lambda p, r: model_lib.head_matrix(nnx.merge(gd, p, r))[0] + 0
+        self.head_of = jax.jit(head_of)
+        head_shape = jax.eval_shape(head_of, self.abstract_state["params"],
+                                    self.abstract_state["rest"]).shape
+        self.exact_diameter = math.prod(head_shape) <= self.cfg.eval.exact_diameter_max_elements
+        self.head_probe = evaluate.make_head_probe(
+            gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
+        self.step_diameter = evaluate.make_step_diameter(
+            gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
+        # With eval.centring, a RowNorm head's step against the uncentred one
+        # (evaluate.centring_diagnostics): where the optimizer state holds the head's EMA moment.
+        self.centring_probe = None
+        full_head = self.abstract_state["params"]["lm_head"]["kernel"].shape if (
+            "lm_head" in self.abstract_state["params"]) else None
+        rownorm = optimizer_options(self.cfg)["head"].optimizer == "rownorm"
+        if (self.cfg.eval.centring and rownorm and full_head is not None
+                and evaluate.head_ema(self.abstract_state["opt_state"], full_head) is not None):
+            o = self.cfg.optim
+            self.centring_probe = evaluate.make_centring_probe(
+                gd, model_lib.head_matrix, full_head, momentum=self.head_group.momentum,
+                debias=o.head_bias_correction, eps=1e-8 if o.head_eps is None else o.head_eps,
+                exact=self.exact_diameter, out_sharding=repl)
+
+    def compute_params(self, params):
+        """`params` in the model's compute dtype, each kept on its own sharding (so the cast runs
+        on the shards and FSDP gathers the narrow copy)."""
+        dtype = jnp.dtype(self.cfg.model.compute_dtype)
+        if dtype == jnp.dtype(self.cfg.model.param_dtype):
+            return params
+        shardings = self.shardings["params"]
+        return jax.tree.map(
+            lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params, shardings)
+
+    def init(self):
+        """A fresh train state, created in place with its shardings."""
+        with jax.set_mesh(self.mesh):
+            return self._init()
+
+
+# ----------------------------------------------------------------------------- run setup
+
+
+class UsageError(ValueError):
+    """A problem with the command line, the data or the work directory, explained in one line."""
+
+
+class Run(NamedTuple):
+    """What `start` resolves before the first step."""
+
+    cfg: configs.Config
+    mesh: jax.sharding.Mesh
+    ckpt: checkpointing.Checkpointer
+    latest: int | None  # the checkpoint to resume from
+    tokens: data.TokenSplits
+    val_set: data.ValidationSet
+
+
+def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool = False,
+          change_horizon: bool = False, out=print) -> Run:
+    """Resolve `cfg` against `workdir`'s checkpoints, then build the mesh and load the data.
+
+    explicit, change_horizon: see `configs.resolve_config`. overwrite: delete the checkpoints and
+    start fresh. `out` prints what was decided (one line each).
+    """
+    try:
+        return _start(cfg, workdir, explicit=explicit, overwrite=overwrite,
+                      change_horizon=change_horizon, out=out)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from e
+
+
+def _start(cfg, workdir, *, explicit, overwrite, change_horizon, out) -> Run:
+    cfg = with_tokenizer_vocab(cfg.validate())
+    ckpt = checkpointing.Checkpointer(
+        cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
+        keep=cfg.checkpoint.keep)
+    latest = ckpt.latest_step()
+    if latest is not None and overwrite:
+        out(f"--overwrite: deleting checkpoints {ckpt.all_steps()} in {ckpt.directory}")
+        ckpt.delete_all()
+        latest = None
+    if latest is not None:
+        meta = ckpt.restore_meta(latest)
+        cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
+                                             change_horizon=change_horizon)
+        _report_changes(changed, meta["step"], cfg, out)
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    sharding.check_batch(cfg.data.batch_size, mesh)
+    if cfg.effective_warmup() != cfg.optim.warmup_steps:
+        out(f"--optim.warmup_steps {cfg.optim.warmup_steps} does not fit --steps {cfg.steps}: "
+            f"warming up over {cfg.effective_warmup()} steps instead")
+    tokens = data.prepare_tokens(source=cfg.data.source,
+                                 workdir=cfg.data.dir or _default_data_dir(workdir),
+                                 vocab_size=cfg.model.vocab_size, tokenizer=cfg.data.tokenizer)
+    if tokens.vocab_size > cfg.model.num_tokens:
+        raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model has "
+                         f"{cfg.model.num_tokens} (--model.vocab_size / "
+                         "--model.valid_vocab_size)")
+    need = cfg.data.batch_size * cfg.seq_len + 1
+    if len(tokens.train) < need:
+        raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
+                         f"batch of batch_size x seq_len + 1 = {need}; use more data or a "
+                         "smaller --data.batch_size / --model.max_seq_len")
+    val_set = data.ValidationSet(
+        tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
+        eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
+        process_count=jax.process_count(), vocab_size=cfg.model.num_tokens)
+    return Run(cfg, mesh, ckpt, latest, tokens, val_set)
+
+
+def with_tokenizer_vocab(cfg: configs.Config) -> configs.Config:
+    """With `data.tokenizer`: model.vocab_size = the tokenizer's size rounded up to a multiple of
+    128 and model.valid_vocab_size = the tokenizer's size (the rest is padding)."""
+    if cfg.data.tokenizer is None:
+        return cfg
+    n = tokenization.vocab_size(tokenization.load_tokenizer(cfg.data.tokenizer))
+    return configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
+                                  "model.valid_vocab_size": n})
+
+
+def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:
+    if "steps" in changed:
+        old = dataclasses.replace(cfg, steps=changed["steps"][0])
+        before = _scalar(lr_schedule(cfg.optim.learning_rate, old)(step))
+        after = _scalar(lr_schedule(cfg.optim.learning_rate, cfg)(step))
+        out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; the "
+            f"learning rate of update {step + 1} changes from {before:.6g} to {after:.6g}")
+    if changed:
+        listed = ", ".join(f"--{name} {was!r} -> {now!r}" for name, (was, now) in changed.items())
+        out(f"resuming with changed settings: {listed}")
+
+
+def _default_data_dir(workdir: str) -> str:
+    if checkpointing.is_remote(workdir):  # the token cache is memory-mapped: keep it local
+        return str(Path("~/.cache/rowgeom/lm-data").expanduser())
+    return str(Path(workdir) / "data")
+
+
+def restore_or_init(setup: Run, trainer: Trainer, out=print):
+    """The train state: restored from `setup.latest` onto the trainer's shardings, or fresh."""
+    with jax.set_mesh(setup.mesh):
+        if setup.latest is not None:
+            state, _ = setup.ckpt.restore(setup.latest, trainer.abstract_state)
+            out(f"resumed from step {setup.latest} ({setup.ckpt.directory})")
+        else:
+            state = trainer.init()
+            out(f"no checkpoint in {setup.ckpt.directory}: starting fresh")
+    return state
+
+
+def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
+    """Print the mesh, the head, the parameter count, the data, and each parameter's label,
+    geometry, peak learning rate and decay (`rowgeom.describe`)."""
+    cfg, tokens = setup.cfg, setup.tokens
+    head = ("tied head (trained as the embedding)" if cfg.model.tied_embeddings
+            else f"{cfg.head} head")
+    out(f"{sharding.describe(setup.mesh)}; {head}; "
+        f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} parameters; "
+        f"{'exact' if trainer.exact_diameter else 'bracketed'} head diameter; data: "
+        f"{tokens.format}, {len(tokens.train):,} train / {len(tokens.val):,} validation tokens, "
+        f"{setup.val_set.num_tokens:,} evaluated")
+    out(str(rowgeom.describe(state["params"], cfg.optim.learning_rate,
+                             **optimizer_options(cfg))))
+
+
+def checkpoint_meta(cfg: configs.Config, step: int, mesh) -> dict:
+    """The JSON saved next to the state. `config` is the whole run definition (the schedule
+    horizon included): a resumed run follows it."""
+    return {"step": step, "data_position": step * cfg.optim.grad_accum_steps,
+            "config": dataclasses.asdict(cfg),
+            "mesh": {a: int(mesh.shape[a]) for a in sharding.AXES},
+            "process_count": jax.process_count()}
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+class PreemptionWatcher:
+    """Whether to save and stop after a step because the machine is going away.
+
+    One process: SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) sets a flag
+    that the loop checks after each step. Several processes: JAX's preemption notifier (started by
+    `jax.distributed.initialize`) receives the SIGTERM, and orbax's `reached_preemption` tells
+    every host the same step at which to save; no Python handler is installed then, as it would
+    replace JAX's.
+    """
+
+    def __init__(self, ckpt):
+        self.ckpt, self.signalled, self._previous = ckpt, False, None
+        if (jax.process_count() == 1
+                and threading.current_thread() is threading.main_thread()):
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signalled = True
+
+    def reached(self, step: int) -> bool:
+        if jax.process_count() > 1 and self.ckpt.reached_preemption(step):
+            return True
+        return self.signalled
+
+    def close(self):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+# ----------------------------------------------------------------------------- throughput
+# MFU = (training FLOPs per token, `model.flops_per_token`) x (tokens/s) / (peak FLOP/s of all
+# devices). Peaks are dense bf16 matrix-multiply rates from the vendors' data sheets, looked up by
+# `jax.Device.device_kind`; for an unknown device (a CPU, a new chip) MFU is not reported rather
+# than guessed.
+
+# device_kind prefix (lower case) -> peak dense bf16 FLOP/s per device (one chip / one GPU).
+PEAK_FLOPS = {
+    "tpu v4": 275e12,
+    "tpu v5 lite": 197e12,  # v5e
+    "tpu v5e": 197e12,
+    "tpu v5p": 459e12,
+    "tpu v5": 459e12,
+    "tpu v6 lite": 918e12,  # v6e (Trillium)
+    "tpu v6e": 918e12,
+    "tpu7x": 2307e12,
+    "nvidia h200": 989e12,
+    "nvidia h100": 989e12,  # SXM; PCIe parts are lower
+    "nvidia gh200": 989e12,
+    "nvidia b200": 2250e12,
+    "nvidia a100": 312e12,
+    "nvidia l4": 121e12,
+    "nvidia a10g": 125e12,
+}
+
+
+def peak_flops(device=None) -> float | None:
+    """Peak bf16 FLOP/s of `device` (default: the first device), or None when unknown."""
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    # Longest prefix first, so "tpu v5 lite" wins over "tpu v5".
+    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if kind.startswith(prefix):
+            return PEAK_FLOPS[prefix]
+    return None
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, *, num_devices: int | None = None,
+        peak: float | None = None) -> float | None:
+    """Model-FLOPs utilisation in [0, 1], or None when the device's peak is unknown."""
+    peak = peak_flops() if peak is None else peak
+    if peak is None:
+        return None
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    return tokens_per_sec * flops_per_token / (peak * num_devices)
+
+
+# ----------------------------------------------------------------------------- the loop
 
 # The head probe's validation sequences use a fixed seed, independent of the training seed, so
 # runs are comparable (the validation set itself is the start of the validation split).
@@ -50,9 +397,9 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
 
     A workdir with checkpoints is resumed from the latest complete one, following the run's
-    saved config (see `resume.resolve_config`; `explicit` names the fields the caller set, as
+    saved config (see `configs.resolve_config`; `explicit` names the fields the caller set, as
     dotted paths, None = all). overwrite: delete the checkpoints and metrics and start fresh.
-    change_horizon: accept a new `steps` on resume. stop_after: stop after this many optimizer
+    change_horizon: accept a new `steps` on  stop_after: stop after this many optimizer
     steps without a final save, as if interrupted (the schedule still follows `cfg.steps`); for
     tests of exact resumption. On SIGTERM the run saves a checkpoint at the current step and
     returns. Problems with the config, the data or the workdir raise `UsageError`.
@@ -60,24 +407,24 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
     out = print_fn if lead else (lambda *a, **k: None)
-    setup = run.start(cfg, workdir, explicit=explicit, overwrite=overwrite,
+    setup = start(cfg, workdir, explicit=explicit, overwrite=overwrite,
                       change_horizon=change_horizon, out=out)
     cfg = setup.cfg
     trainer = Trainer(cfg, setup.mesh)
     writer = metrics.MetricsWriter(workdir, enabled=lead)
     if overwrite:
         writer.clear()
-    state = run.restore_or_init(setup, trainer, out)
-    start = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
-    writer.truncate_after(start)
-    run.describe(setup, trainer, state, out)
+    state = restore_or_init(setup, trainer, out)
+    done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
+    writer.truncate_after(done)
+    describe(setup, trainer, state, out)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     loop = _Loop(setup, trainer, writer)
-    bar = _progress(total=cfg.steps, initial=start, enabled=progress and lead)
-    preemption = resume.PreemptionWatcher(setup.ckpt)
+    bar = _progress(total=cfg.steps, initial=done, enabled=progress and lead)
+    preemption = PreemptionWatcher(setup.ckpt)
     try:
         with jax.set_mesh(setup.mesh):
-            for step in range(start + 1, end + 1):
+            for step in range(done + 1, end + 1):
                 state, record = loop.step(state, step)
                 if record:
                     bar.set_postfix(loss=f"{record['train_loss']:.4f}",
@@ -98,23 +445,21 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
 
 
 class _Batches:
-    """Global batches from a BatchSampler or ValidationSet, sharded over the mesh's data axes."""
+    """Global batches of a BatchSampler or ValidationSet on the mesh (`sharding.global_batch`)."""
 
     def __init__(self, source, mesh, *, replicated=False):
-        self.source, self.mesh = source, mesh
-        self.sharding = (mesh_lib.replicated(mesh) if replicated
-                         else mesh_lib.batch_sharding(mesh))
+        self.source, self.mesh, self.replicated = source, mesh, replicated
 
     def get(self, index):
-        put = lambda x: jax.make_array_from_process_local_data(self.sharding, x)
-        return tuple(put(x) for x in self.source.get(index))
+        return tuple(sharding.global_batch(x, self.mesh, replicated_rows=self.replicated)
+                     for x in self.source.get(index))
 
 
 def _sampler(tokens, cfg, *, batch_size, seed, replicated=False):
     share = (0, 1) if replicated else (jax.process_index(), jax.process_count())
-    return batches.BatchSampler(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed,
-                                process_index=share[0], process_count=share[1],
-                                vocab_size=cfg.model.num_tokens)
+    return data.BatchSampler(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed,
+                             process_index=share[0], process_count=share[1],
+                             vocab_size=cfg.model.num_tokens)
 
 
 def _scalar(x) -> float:
@@ -124,7 +469,7 @@ def _scalar(x) -> float:
 class _Loop:
     """One optimizer step after another: train, probe the head, evaluate, log, save."""
 
-    def __init__(self, setup: run.Run, trainer: Trainer, writer: metrics.MetricsWriter):
+    def __init__(self, setup: Run, trainer: Trainer, writer: metrics.MetricsWriter):
         cfg, mesh = setup.cfg, setup.mesh
         self.setup, self.cfg, self.trainer, self.writer = setup, cfg, trainer, writer
         self.accum = cfg.optim.grad_accum_steps
@@ -137,7 +482,7 @@ class _Loop:
                      seed=PROBE_SEED, replicated=True), mesh, replicated=True).get(0)[0]
         self.tokens_per_step = cfg.data.batch_size * cfg.seq_len * self.accum
         self.flops_per_token = model_lib.flops_per_token(cfg.model)
-        self.peak_flops = throughput.peak_flops()
+        self.peak_flops = peak_flops()
         self.lr = lr_schedule(cfg.optim.learning_rate, cfg)
         self.last_eval: dict = {}
         self.window_start, self.window_steps = time.perf_counter(), 0
@@ -214,7 +559,7 @@ class _Loop:
         elapsed = time.perf_counter() - self.window_start
         speed = self.window_steps * self.tokens_per_step / elapsed
         out = {"tokens_per_sec": speed, "sec_per_step": elapsed / self.window_steps}
-        utilisation = throughput.mfu(speed, self.flops_per_token, peak=self.peak_flops)
+        utilisation = mfu(speed, self.flops_per_token, peak=self.peak_flops)
         if utilisation is not None:
             out["mfu"] = utilisation
         self.window_start, self.window_steps = time.perf_counter(), 0
@@ -223,13 +568,13 @@ class _Loop:
     def maybe_save(self, state, step: int) -> bool:
         if step % self.cfg.checkpoint.every and step != self.cfg.steps:
             return False
-        self.setup.ckpt.save(step, state, run.checkpoint_meta(self.cfg, step, self.setup.mesh))
+        self.setup.ckpt.save(step, state, checkpoint_meta(self.cfg, step, self.setup.mesh))
         return True
 
     def save_on_preemption(self, state, step: int, saved: bool, out) -> None:
         ckpt = self.setup.ckpt
         if not saved:
-            ckpt.save(step, state, run.checkpoint_meta(self.cfg, step, self.setup.mesh))
+            ckpt.save(step, state, checkpoint_meta(self.cfg, step, self.setup.mesh))
         ckpt.wait()
         out(f"preempted (SIGTERM): saved a checkpoint at step {step} in {ckpt.directory}; "
             "rerun the same command to resume")
@@ -264,16 +609,53 @@ def _progress(*, total, initial, enabled):
                 disable=not enabled)
 
 
+def benchmark(cfg: configs.Config, *, steps: int = 20, print_fn=print) -> dict:
+    """Time the jitted step with and without the optimizer update, interleaved, on one batch.
+
+    Both variants run the forward and backward pass on the same batch; the difference is the
+    optimizer (rowgeom.lm_optimizer + clipping) and the parameter update. Timings alternate
+    between the two so machine noise hits both alike; medians are reported.
+    """
+    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    trainer = Trainer(cfg, mesh)
+    rng = np.random.default_rng(0)
+    local = rng.integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.seq_len + 1),
+                         dtype=np.int32)
+    with jax.set_mesh(mesh):
+        inputs = sharding.global_batch(local[:, :-1], mesh)
+        targets = sharding.global_batch(local[:, 1:], mesh)
+        state = trainer.init()
+        full, grad_only = [], []
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            state, loss = trainer.train_step(state, inputs, targets)
+            loss.block_until_ready()
+            t1 = time.perf_counter()
+            jax.block_until_ready(trainer.grad_step(state, inputs, targets))
+            t2 = time.perf_counter()
+            if i >= 2:  # the first two include compilation
+                full.append(t1 - t0)
+                grad_only.append(t2 - t1)
+    full_s, grad_s = float(np.median(full)), float(np.median(grad_only))
+    result = {"step_s": full_s, "grad_only_s": grad_s,
+              "optimizer_share": (full_s - grad_s) / full_s,
+              "tokens_per_sec": cfg.data.batch_size * cfg.seq_len / full_s}
+    print_fn(f"step {full_s * 1e3:.1f} ms, forward+backward only {grad_s * 1e3:.1f} ms "
+             f"(median of {steps}, interleaved): optimizer share {result['optimizer_share']:.1%}, "
+             f"{result['tokens_per_sec']:.0f} tokens/s")
+    return result
+
+
 def main(argv=None) -> dict:
-    """The command line (flags.py): train, or time the step with `--benchmark N`. A user error
+    """The command line (configs.py): train, or time the step with `--benchmark N`. A user error
     prints one line, `train.py: error: ...`, and exits with status 2."""
-    parser = flags.parser(description=__doc__.split("\n\n")[0])
+    parser = configs.parser(description=__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
     try:
-        cfg, explicit = flags.config_from_args(args), flags.explicit_fields(args)
+        cfg, explicit = configs.config_from_args(args), configs.explicit_fields(args)
     except ValueError as e:
         parser.error(str(e))
-    mesh_lib.maybe_initialize_distributed(args.distributed)
+    sharding.maybe_initialize_distributed(args.distributed)
     if args.benchmark:
         return benchmark(cfg, steps=args.benchmark)
     workdir = args.workdir or f"runs/{args.config or configs.DEFAULT_CONFIG}"

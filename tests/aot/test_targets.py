@@ -1,5 +1,5 @@
 """Compiling the example's step for TPU and GPU targets on a host with neither
-(`examples/lm/topology.py`).
+(`examples/lm/tools/topology.py`).
 
 The target names need nothing installed. Compiling needs the target's compiler: libtpu (the
 `tpu` extra) for TPUs, jax's CUDA plugin and ptxas (the `gpu-aot` extra, installed as
@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from examples.lm import topology
+from examples.lm.tools import topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -57,7 +57,8 @@ def test_split_candidates_keep_the_paper_update():
     update, cheapest recomputation and largest micro-batch first; the config's own split is
     skipped when it was already compiled. (The paper's `190m` fitting v5e-8 is not asserted
     here: its TPU compile takes about four minutes on a 2-core host; see bench_targets.py.)"""
-    from examples.lm import configs, plan
+    from examples.lm import configs
+    from examples.lm.tools import plan
 
     cfg = configs.paper_config("640m")  # 8 per GPU x 4 accumulation, dots
     splits = [(c.model.remat, c.data.batch_size // 8, c.optim.grad_accum_steps)
@@ -97,13 +98,13 @@ needs_gpu = pytest.mark.skipif(
 
 @pytest.mark.skipif(HAS_TPU, reason="libtpu is installed")
 def test_without_the_compiler_the_cli_says_what_to_install(tmp_path):
-    proc = _run(["-m", "examples.lm.topology", "--config", "test", "--topology", "v5e-8"])
+    proc = _run(["-m", "examples.lm.tools.topology", "--config", "test", "--topology", "v5e-8"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert 'pip install -e ".[tpu]"' in proc.stderr
 
 
 def test_plan_hands_a_topology_to_the_target_compiler(capsys):
-    from examples.lm import plan
+    from examples.lm.tools import plan
 
     with pytest.raises(SystemExit) as e:
         plan.main(["--config", "test", "--topology", "v9z-3"])
@@ -120,7 +121,7 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, check=False)
 
 
-def _step(target: str, tmp_path, module: str = "examples.lm.topology") -> dict:
+def _step(target: str, tmp_path, module: str = "examples.lm.tools.topology") -> dict:
     out = tmp_path / "plan.json"
     proc = _run(["-m", module, "--config", "test", "--topology", target,
                  "--json", str(out)])
@@ -156,12 +157,13 @@ def test_two_slices_split_data_parallelism_across_them(tmp_path):
 @needs_gpu
 def test_test_config_step_compiles_and_fits_on_h200_8(tmp_path):
     # through the plan's --topology, which hands the same flags to topology.py
-    _check_step(_step("h200-8", tmp_path, module="examples.lm.plan"), "gpu")
+    _check_step(_step("h200-8", tmp_path, module="examples.lm.tools.plan"), "gpu")
 
 
 _UPDATE = """
 import json, re, sys
-from examples.lm import configs, topology
+from examples.lm import configs
+from examples.lm.tools import topology
 target = topology.get_target(sys.argv[1])
 topology.prepare(target.platform)
 r = topology.compile_optimizer_update(configs.get_config("test"), target)
@@ -230,7 +232,7 @@ def test_tpu_hlo_convolutions_and_windowed_loops_are_counted():
     """The TPU compiler writes matmuls as convolutions (a batched one with its batch axis as a
     window over a dilated input: one real tap per output), and its bidirectional windowed-einsum
     loops step their counter by 2: `counter < 4` runs twice."""
-    from examples.lm import compiled
+    from examples.lm.tools import compiled
 
     figures = compiled.analyse_hlo(_WINDOWED)
     assert figures["loops_known"]

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 from _lm_fixtures import deterministic_records
 
-from examples.lm import checkpointing, configs, data, metrics, resume
+from examples.lm import checkpointing, configs, data, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 WRAPPER = Path(__file__).with_name("_crash_trainer.py")
@@ -222,7 +222,7 @@ def test_damaged_checkpoints_give_a_clear_error(tmp_path, damage):
         if damage == "foreign metadata":  # valid JSON, but not the trainer's
             cfg = configs.get_config("test")
             with pytest.raises(ValueError, match="not written by this trainer"):
-                resume.resolve_config(cfg, ckpt.restore_meta(1))
+                configs.resolve_config(cfg, ckpt.restore_meta(1))
         elif damage == "garbage metadata":
             with pytest.raises(ValueError, match=r"checkpoint 1 in .*ck cannot be read"):
                 ckpt.restore_meta(1)

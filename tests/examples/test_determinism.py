@@ -19,8 +19,6 @@ from _lm_fixtures import config_on, deterministic_records
 import rowgeom
 from examples.lm import train
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, small_corpus):

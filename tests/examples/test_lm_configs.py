@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.lm import configs, flags, resume
+from examples.lm import configs
 
 
 @pytest.mark.parametrize("name", sorted(configs.CONFIGS))
@@ -21,16 +21,16 @@ def test_named_configs_round_trip_through_every_form(name):
     assert set(flat) == set(configs.field_types())
     assert configs.override(configs.Config(), flat) == cfg
     argv = [f"--{path}={'none' if value is None else value}" for path, value in flat.items()]
-    assert flags.parse_config(argv) == cfg
+    assert configs.parse_config(argv) == cfg
 
 
 def test_saved_configs_read_back_and_resume_follows_them():
     cfg = configs.override(configs.get_config("test"), {"model.d_model": 48, "steps": 5})
     assert configs.from_dict(dataclasses.asdict(cfg)) == cfg
     meta = {"step": 3, "config": dataclasses.asdict(cfg)}
-    assert resume.resolve_config(configs.get_config("test"), meta, explicit=())[0] == cfg
+    assert configs.resolve_config(configs.get_config("test"), meta, explicit=())[0] == cfg
     with pytest.raises(ValueError, match=r"cannot resume: .*--model.d_model saved 48, now 32"):
-        resume.resolve_config(configs.get_config("test"), meta, explicit={"model.d_model"})
+        configs.resolve_config(configs.get_config("test"), meta, explicit={"model.d_model"})
     with pytest.raises(ValueError, match=r"unknown config field --d_model"):
         configs.from_dict({"d_model": 48})
 
@@ -58,7 +58,7 @@ def _parser():
     import argparse
 
     parser = argparse.ArgumentParser()
-    flags.add_config_arguments(parser)
+    configs.add_config_arguments(parser)
     return parser
 
 
@@ -71,11 +71,11 @@ def test_a_mesh_axis_set_to_minus_one_takes_every_device():
                        (["--mesh.tensor", "-1", "--mesh.fsdp", "2"], (1, 2, -1)),
                        (["--mesh.fsdp", "-1", "--mesh.data", "2"], (2, -1, 1)),
                        (["--mesh.fsdp", "4"], (-1, 4, 1))):
-        mesh = flags.parse_config(["--config", "380m", *argv]).mesh
+        mesh = configs.parse_config(["--config", "380m", *argv]).mesh
         assert (mesh.data, mesh.fsdp, mesh.tensor) == want, argv
     assert configs.override(gpu, {"mesh.fsdp": -1}).mesh == configs.MeshConfig(1, -1, 1)
     with pytest.raises(ValueError, match=r"^at most one of --mesh.data/--mesh.fsdp/--mesh.tensor"):
-        flags.parse_config(["--mesh.data", "-1", "--mesh.fsdp", "-1"])
+        configs.parse_config(["--mesh.data", "-1", "--mesh.fsdp", "-1"])
 
 
 def test_the_script_form_names_the_module_form():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from _lm_fixtures import JSON_PACKAGE, copy_json_package
 
-from examples.lm import batches, data, formats, tokenization
-from examples.lm import corpus as corpus_lib
+from examples.lm import data, formats, tokenization
+from examples.lm import data as corpus_lib
 
 VOCAB = 320
 
@@ -244,7 +244,7 @@ def test_shard_directory_is_memory_mapped_and_validated(tmp_path, rng):
 
 def test_batch_sampler_is_a_pure_function_of_seed_and_step():
     tokens = np.arange(10_000, dtype=np.uint16)
-    sampler = batches.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
+    sampler = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
     inputs, targets = sampler.get(5)
     assert inputs.shape == targets.shape == (8, 16)
     assert inputs.dtype == targets.dtype == np.int32
@@ -252,17 +252,17 @@ def test_batch_sampler_is_a_pure_function_of_seed_and_step():
     np.testing.assert_array_equal(np.diff(inputs, axis=1), 1)
     np.testing.assert_array_equal(targets, inputs + 1)
     assert inputs.min() >= 0 and targets.max() <= 9_999
-    fresh = batches.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
+    fresh = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
     np.testing.assert_array_equal(fresh.get(5)[0], inputs)  # resuming replays the same batch
     assert not np.array_equal(sampler.get(6)[0], inputs)
-    assert not np.array_equal(batches.BatchSampler(tokens, batch_size=8, seq_len=16,
+    assert not np.array_equal(data.BatchSampler(tokens, batch_size=8, seq_len=16,
                                                 seed=4).get(5)[0], inputs)
 
 
 def test_process_shares_partition_the_global_batch(rng):
     tokens = rng.integers(0, 500, size=5_000).astype(np.uint16)
-    full = batches.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0).get(2)
-    shares = [batches.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0, process_index=i,
+    full = data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0).get(2)
+    shares = [data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0, process_index=i,
                                 process_count=3).get(2) for i in range(3)]
     assert all(s[0].shape == (4, 8) for s in shares)
     for k in (0, 1):
@@ -273,8 +273,8 @@ def test_batch_sampler_reads_sharded_tokens_like_the_concatenation(tmp_path, rng
     parts = [rng.integers(0, 500, size=n) for n in (30, 5, 40)]
     shards = [formats.read_shard(formats.write_shard(tmp_path / f"t{i}.bin", p))
               for i, p in enumerate(parts)]
-    a = batches.BatchSampler(formats.ShardedTokens(shards), batch_size=16, seq_len=9, seed=1).get(0)
-    b = batches.BatchSampler(np.concatenate(parts), batch_size=16, seq_len=9, seed=1).get(0)
+    a = data.BatchSampler(formats.ShardedTokens(shards), batch_size=16, seq_len=9, seed=1).get(0)
+    b = data.BatchSampler(np.concatenate(parts), batch_size=16, seq_len=9, seed=1).get(0)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
 
@@ -282,15 +282,15 @@ def test_batch_sampler_reads_sharded_tokens_like_the_concatenation(tmp_path, rng
 def test_batch_sampler_validation():
     tokens = np.arange(100)
     with pytest.raises(ValueError, match="not divisible by process_count"):
-        batches.BatchSampler(tokens, batch_size=6, seq_len=4, seed=0, process_count=4)
+        data.BatchSampler(tokens, batch_size=6, seq_len=4, seed=0, process_count=4)
     with pytest.raises(ValueError, match="process_index 2 is not in"):
-        batches.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, process_index=2,
+        data.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, process_index=2,
                           process_count=2)
     with pytest.raises(ValueError, match="fewer than seq_len"):
-        batches.BatchSampler(tokens, batch_size=4, seq_len=100, seed=0)
+        data.BatchSampler(tokens, batch_size=4, seq_len=100, seed=0)
     with pytest.raises(ValueError, match="process_count must be >= 1"):
-        batches.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, process_count=0)
-    sampler = batches.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, vocab_size=50)
+        data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, process_count=0)
+    sampler = data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, vocab_size=50)
     with pytest.raises(ValueError, match="vocabulary size 50"):
         [sampler.get(step) for step in range(5)]  # ids reach 99
 

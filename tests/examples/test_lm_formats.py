@@ -16,7 +16,8 @@ from _lm_fixtures import (
     write_nanogpt_split,
 )
 
-from examples.lm import batches, data, formats, prepare
+from examples.lm import data, formats
+from examples.lm.tools import prepare
 
 # --------------------------------------------------------------------------- llm.c
 
@@ -77,7 +78,7 @@ def test_out_of_vocabulary_ids_name_the_file(tmp_path):
     write_llmc_shard(tmp_path / "d_train_1.bin", tokens)
     write_llmc_shard(tmp_path / "d_val_0.bin", np.arange(100))
     splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
-    sampler = batches.BatchSampler(splits.train, batch_size=64, seq_len=16, seed=0, vocab_size=512)
+    sampler = data.BatchSampler(splits.train, batch_size=64, seq_len=16, seed=0, vocab_size=512)
     with pytest.raises(ValueError, match=r"token id 700 at .*d_train_1\.bin, token 150 is not "
                                          r"below the model's vocabulary size 512"):
         for step in range(50):
@@ -105,19 +106,19 @@ def test_nanogpt_train_and_val_bin(tmp_path, rng):
 
 def test_validation_set_is_the_start_of_the_split_whatever_the_seed():
     tokens = np.arange(1000, dtype=np.uint16)
-    val = batches.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100)
+    val = data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100)
     assert (val.num_batches, val.num_tokens) == (2, 80)  # whole batches of 40 tokens
     inputs = np.concatenate([val.get(i)[0] for i in range(val.num_batches)])
     targets = np.concatenate([val.get(i)[1] for i in range(val.num_batches)])
     np.testing.assert_array_equal(inputs.ravel(), np.arange(80))  # consecutive, no overlap
     np.testing.assert_array_equal(targets, inputs + 1)
-    halves = [batches.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100,
+    halves = [data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100,
                                  process_index=i, process_count=2).get(1) for i in range(2)]
     np.testing.assert_array_equal(np.concatenate([h[0] for h in halves]), val.get(1)[0])
-    assert batches.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=10**9).num_batches \
+    assert data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=10**9).num_batches \
         == 24  # capped by the split: (1000 - 1) // 40
     with pytest.raises(ValueError, match="fewer than one batch of batch_size x seq_len"):
-        batches.ValidationSet(tokens[:40], batch_size=4, seq_len=10, eval_tokens=100)
+        data.ValidationSet(tokens[:40], batch_size=4, seq_len=10, eval_tokens=100)
 
 
 # --------------------------------------------------------------------------- text, jsonl, tokenizer

@@ -12,8 +12,8 @@
 - the head probe's "step without decay" is `new - old + lr wd old` (its diameter against float64
   numpy), and within projected RowNorm's radius in the loop's evaluations.
 
-The runs use the `test` model on `small_corpus`'s token cache, with XLA's optimizations off
-(`fast_compile`); every Trainer of one config is built (and compiled) once for the module.
+The runs use the `test` model on `small_corpus`'s token cache; every Trainer of one config is
+built (and compiled) once for the module.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from _lm_fixtures import config_on, deterministic_records, restore_on_one_device
 
-from examples.lm import batches, checkpointing, metrics, train
-from examples.lm import mesh as mesh_lib
+from examples.lm import checkpointing, data, metrics, train
+from examples.lm import sharding as mesh_lib
 
 STEPS, EVERY, ACCUM, MICRO_BATCH = 3, 2, 2, 4
 
-pytestmark = pytest.mark.usefixtures("fast_compile", "no_plot")
+pytestmark = pytest.mark.usefixtures("no_plot")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def micro_batches():
     real = train._Batches.get
 
     def get(self, index):
-        if isinstance(self.source, batches.BatchSampler) and self.source.seed != train.PROBE_SEED:
+        if isinstance(self.source, data.BatchSampler) and self.source.seed != train.PROBE_SEED:
             calls.append(index)
         return real(self, index)
 

@@ -1,21 +1,17 @@
 """The example's memory-lean cross-entropy (examples/lm/loss.py): the chunked custom VJP against
 the plain loss and an independent float64 reference, both head layouts, padding ids, a sequence
 that is not a multiple of the chunk, jit / remat / scan, the compiled program's memory, bad
-arguments, and (one subprocess, slow) the sharded loss on 8 simulated devices."""
+arguments. The sharded loss on 8 devices is test_lm_sharded.py's."""
 
 from __future__ import annotations
 
 import functools
-import os
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _subprocess import ModuleSubprocess
 from flax import nnx
 
 from examples.lm import loss as loss_lib
@@ -287,112 +283,4 @@ def test_bad_arguments_raise_naming_the_parameter(case):
     with pytest.raises(ValueError, match=name):
         _bad(**BAD[case])
 
-
-# --- 8 simulated devices (one subprocess for the module) ----------------------------------------
-
-SHARDED_SCRIPT = textwrap.dedent("""
-    import json, re
-    import jax, jax.numpy as jnp, numpy as np
-    jax.config.update("jax_num_cpu_devices", 8)
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from examples.lm import loss as L
-
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
-                         axis_types=(AxisType.Auto,) * 3)
-    BATCH, GROUPS = ("data", "fsdp"), 4  # the batch over 2 x 2 devices: 4 groups of rows
-    pin = lambda z: jax.lax.with_sharding_constraint(
-        z, NamedSharding(mesh, P(BATCH, None, "tensor")))
-    head_spec = lambda va: P("fsdp", "tensor") if va else P("tensor", "fsdp")  # the model's
-
-    def value_and_grad(va, num_valid, chunk, groups, constrain):
-        f = lambda h, w, t: L.cross_entropy(h, w, t, vocab_axis=va, num_valid=num_valid,
-                                            chunk_size=chunk, batch_groups=groups,
-                                            constrain_logits=constrain)
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
-
-    out = {"equal": {}, "memory": {}, "loop_collectives": {}}
-    B, T, D, V, NV, C = 8, 20, 16, 64, 60, 8  # T not a multiple of C
-    rng = np.random.default_rng(0)
-    for va in (1, 0):
-        h = rng.standard_normal((B, T, D)).astype(np.float32)
-        w = (rng.standard_normal((D, V) if va else (V, D)) / 2).astype(np.float32)
-        t = rng.integers(0, NV, (B, T)).astype(np.int32)
-        want = value_and_grad(va, NV, None, 1, None)(h, w, t)
-        placed = (jax.device_put(h, NamedSharding(mesh, P(BATCH))),
-                  jax.device_put(w, NamedSharding(mesh, head_spec(va))),
-                  jax.device_put(t, NamedSharding(mesh, P(BATCH))))
-        for chunk in (None, C):
-            value, (dh, dw) = value_and_grad(va, NV, chunk, GROUPS, pin)(*placed)
-            out["equal"][f"{va}/{chunk}"] = {
-                "value": float(abs(value - want[0]) / abs(want[0])),
-                "hidden": float(np.abs(dh - want[1][0]).max() / np.abs(want[1][0]).max()),
-                "head": float(np.abs(dw - want[1][1]).max() / np.abs(want[1][1]).max()),
-                "hidden_spec": str(dh.sharding.spec)}
-
-    # Abstract inputs, nothing allocated: per-device temporaries and the collectives inside the
-    # scans' while bodies.
-    B, T, D, V, C = 16, 1024, 64, 8192, 32
-    out["full_logits_per_device"] = B * T * V * 4 // 8
-    out["head_shard_elements"] = D * V // 2
-    # Per device: 3 logits chunks (B/4, C, V/2), 4 float32 heads, 4 float32 (B/4, T, D).
-    out["lean_bound"] = 3 * (B // 4) * C * (V // 2) * 4 + 4 * D * V * 4 + 4 * (B // 4) * T * D * 4
-    for va in (1, 0):
-        args = (jax.ShapeDtypeStruct((B, T, D), jnp.bfloat16,
-                                     sharding=NamedSharding(mesh, P(BATCH))),
-                jax.ShapeDtypeStruct((D, V) if va else (V, D), jnp.bfloat16,
-                                     sharding=NamedSharding(mesh, head_spec(va))),
-                jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P(BATCH))))
-        for chunk, groups in ((None, 1), (C, GROUPS), (C, 1)):
-            compiled = value_and_grad(va, None, chunk, groups, pin).lower(*args).compile()
-            key = f"{va}/{chunk}/{groups}"
-            out["memory"][key] = compiled.memory_analysis().temp_size_in_bytes
-            bodies = set(re.findall(r"while\\(.*body=(%?[\\w.\\-]+)", compiled.as_text()))
-            sizes, current = [], None
-            for line in compiled.as_text().splitlines():
-                if line and not line[0].isspace() and line.rstrip().endswith("{"):
-                    current = line.split("(")[0].split()[-1]
-                m = re.search(r"= \\(?([a-z0-9]+)\\[([0-9,]*)\\].*? (all-reduce|all-gather|"
-                              r"reduce-scatter|all-to-all|collective-permute)(-start)?\\(", line)
-                if m and current in bodies:
-                    sizes.append(int(np.prod([int(s) for s in m.group(2).split(",") if s])))
-            out["loop_collectives"][key] = sizes
-    print(json.dumps(out))
-""")
-
-
-@pytest.fixture(scope="module")
-def sharded():
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
-    proc = ModuleSubprocess([sys.executable, "-c", SHARDED_SCRIPT], env=env)
-    yield proc
-    proc.close()
-
-
-@pytest.mark.slow
-def test_sharded_loss_equals_one_device(sharded):
-    """Batch over ("data", "fsdp"), head as the model shards it, logits chunks pinned to batch
-    and vocabulary shards: the one-device value and gradients, the hidden gradient batch-sharded."""
-    results = sharded.json()["equal"]
-    assert set(results) == {"1/None", "1/8", "0/None", "0/8"}
-    for key, r in results.items():
-        assert r["value"] <= 1e-6 and r["hidden"] <= 1e-6 and r["head"] <= 1e-6, (key, r)
-        assert r["hidden_spec"] == "P(('data', 'fsdp'),)", (key, r)
-
-
-@pytest.mark.slow
-def test_sharded_chunked_program_is_lean(sharded):
-    """Per device: the plain program's temporaries exceed the device's share of the full logits,
-    the chunked one's stay within three logits chunks plus a few float32 head- and hidden-sized
-    buffers (under a third of that share), and with batch_groups = the batch shards no
-    collective inside the scans moves a head-sized buffer (batch_groups = 1 all-reduces the
-    head's gradient in every chunk: the check can fail)."""
-    out = sharded.json()
-    full, head = out["full_logits_per_device"], out["head_shard_elements"]
-    for va in (1, 0):
-        assert out["memory"][f"{va}/None/1"] >= full, out["memory"]
-        assert out["lean_bound"] < full / 3 and out["memory"][f"{va}/32/4"] <= out["lean_bound"], (
-            out["memory"], out["lean_bound"])
-        assert out["loop_collectives"][f"{va}/32/4"], out["loop_collectives"]  # lse, d hidden
-        assert max(out["loop_collectives"][f"{va}/32/4"]) < head / 4, out["loop_collectives"]
-        assert max(out["loop_collectives"][f"{va}/32/1"]) >= head, out["loop_collectives"]
 

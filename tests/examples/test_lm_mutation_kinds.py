@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples.lm import configs, plan, train
+from examples.lm import configs, train
 from examples.lm import loss as loss_lib
-from examples.lm import mesh as mesh_lib
 from examples.lm import model as model_lib
-from examples.lm import trainer as trainer_lib
+from examples.lm import sharding as mesh_lib
+from examples.lm import train as trainer_lib
+from examples.lm.tools import plan
 
 CFG = model_lib.ModelConfig(vocab_size=61, d_model=32, num_layers=1, num_heads=4, mlp_dim=48,
                             max_seq_len=16)

@@ -1,74 +1,15 @@
-"""The example at pod scale: the sharded step equals the one-device step in every layout, the
-paper config fits a 16 GiB chip, the plan reads compiled programs right, and a checkpoint
-restores only into the layer layout it was written in.
-
-The 8-device checks run in one subprocess (`_scale_checks.py`, which prints one JSON object);
-run it alone with `python tests/examples/_scale_checks.py`.
-"""
+"""The example at pod scale, on one device: the plan reads compiled programs right, and a
+checkpoint restores only into the layer layout it was written in. The 8-device checks (the
+sharded step, the 190m plan, the plan command) are test_lm_sharded.py's."""
 
 import dataclasses
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from _subprocess import ModuleSubprocess
 
-from examples.lm import compiled, configs, plan, resume
-
-SCRIPT = pathlib.Path(__file__).with_name("_scale_checks.py")
-ROOT = SCRIPT.parents[2]
-VARIANTS = ["unrolled, remat none", "scanned, remat block, chunked loss",
-            "unrolled, remat dots, chunked loss"]
-MESHES = ["fsdp 8", "data 2 x fsdp 4", "fsdp 4 x tensor 2"]
-
-
-@pytest.fixture(scope="module")
-def checks():
-    proc = ModuleSubprocess.script(SCRIPT, timeout_s=420)
-    yield proc
-    proc.close()
-
-
-CASES = [(v, m) for v in VARIANTS[:2] for m in MESHES] + [(VARIANTS[2], MESHES[2])]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(480)  # the first test waits for the whole script (its own limit: 420 s)
-@pytest.mark.parametrize("variant,mesh", CASES)
-def test_sharded_steps_match_one_device(checks, variant, mesh):
-    case = checks.json()["steps"][f"{variant} / {mesh}"]
-    assert case["split"], "the blocks' kernels were not split over the mesh"
-    assert case["loss"] < 1e-5, case  # two steps' losses, relative
-    assert case["params"] < 1e-4, case  # every final parameter, relative to its largest entry
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(480)
-def test_190m_fits_a_16_gib_chip_at_4_sequences_per_chip_on_fsdp_8(checks):
-    result = checks.json()["plan"]
-    assert result["loops_known"]
-    assert result["peak_over_16gib"] <= 1.0, result
-    assert result["collectives_over_params"] <= 4.0, result
-    assert result["flops_over_model"] <= 1.5, result
-    assert "bf16" in result["gather_dtypes"], result  # the blocks' weights gather in bf16
-
-
-@pytest.mark.slow
-def test_plan_command_says_when_the_step_does_not_fit(tmp_path):
-    command = [sys.executable, "-m", "examples.lm.plan", "--config", "test", "--mesh.data", "1",
-               "--mesh.fsdp", "8", "--device-memory", "64KiB", "--json",
-               str(tmp_path / "plan.json")]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240, check=False)
-    assert done.returncode == 1, done.stderr[-2000:]
-    assert "does NOT fit" in done.stdout, done.stdout
-    assert "on 8 cpu devices" in done.stdout and "as partitioned" in done.stdout, done.stdout
-    assert (tmp_path / "plan.json").exists()
+from examples.lm import configs
+from examples.lm.tools import compiled, plan
 
 
 def test_parse_size_reads_binary_and_decimal_units():
@@ -140,17 +81,17 @@ def test_a_checkpoint_restores_only_into_its_layer_layout():
     meta = {"step": 10, "config": dataclasses.asdict(unrolled)}
     with pytest.raises(ValueError, match=r"--model.scan_layers saved False, now True.*"
                                          r"restores only into the layout it was written in"):
-        resume.resolve_config(scanned, meta)
+        configs.resolve_config(scanned, meta)
     # Not given on the command line: the checkpoint's layout is followed.
-    cfg, _ = resume.resolve_config(scanned, meta, explicit=set())
+    cfg, _ = configs.resolve_config(scanned, meta, explicit=set())
     assert not cfg.model.scan_layers
     # A checkpoint from before the field existed stored its blocks unrolled.
     del meta["config"]["model"]["scan_layers"]
-    cfg, _ = resume.resolve_config(scanned, meta, explicit=set())
+    cfg, _ = configs.resolve_config(scanned, meta, explicit=set())
     assert not cfg.model.scan_layers
     # The recomputation policy and the loss's chunking follow the command line.
     changed = configs.override(scanned, {"model.remat": "none", "model.loss_chunk": 256})
-    cfg, changes = resume.resolve_config(
+    cfg, changes = configs.resolve_config(
         changed, {"step": 10, "config": dataclasses.asdict(scanned)})
     assert (cfg.model.remat, cfg.model.loss_chunk) == ("none", 256)
     assert set(changes) == {"model.remat", "model.loss_chunk"}

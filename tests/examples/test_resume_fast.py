@@ -21,8 +21,6 @@ from examples.lm import checkpointing, configs, metrics, train
 
 STEPS, SAVE_EVERY, RESUME_FROM = 4, 2, 2
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
-
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, small_corpus):

@@ -9,13 +9,10 @@ import optax
 import pytest
 
 import rowgeom
-from examples.lm import configs, flags, optimizer
+from examples.lm import configs, optimizer
 from studies import compare_heads, oracle_table
 
 HEADS = ("adamw", "rownorm-rescaled")
-
-
-pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +115,7 @@ def test_quick_study_resumes_without_training(quick, monkeypatch):
 
 
 def test_configs_accept_rescaled_head_and_probe_window():
-    cfg = flags.parse_config(["--config", "test", "--head", "rownorm-rescaled"])
+    cfg = configs.parse_config(["--config", "test", "--head", "rownorm-rescaled"])
     assert optimizer.head_group(cfg).learning_rate == 5 * cfg.optim.learning_rate
     with pytest.raises(ValueError, match="eval.probe_last_steps"):
         configs.override(configs.get_config("test"), {"eval.probe_last_steps": 9})

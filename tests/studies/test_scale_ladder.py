@@ -129,7 +129,6 @@ def test_empty_report_says_nothing_was_measured(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # trains the example at several scales
-@pytest.mark.usefixtures("fast_compile")
 def test_quick_ladder_end_to_end(tmp_path, small_corpus):
     """Two points, two heads, every protocol: records, the matched-rate rescale, resumption and
     the report (measured numbers equal the run records)."""

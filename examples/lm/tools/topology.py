@@ -1,7 +1,7 @@
 """Compile the train step for a Cloud TPU slice or a GPU node on a host that has neither.
 
-    python -m examples.lm.topology --config 190m --topology v5e-8
-    python -m examples.lm.topology --config 190m --topology h200-8 --json plan.json
+    python -m examples.lm.tools.topology --config 190m --topology v5e-8
+    python -m examples.lm.tools.topology --config 190m --topology h200-8 --json plan.json
 
 The target's own compiler does the work: libtpu for TPUs (the `tpu` extra), jax's CUDA plugin
 and ptxas for NVIDIA GPUs (the `gpu-aot` extra; docs/guides/targets.md says how to install it).
@@ -15,7 +15,7 @@ Targets are named as Cloud TPU names its slices and as one names a GPU node:
 - `v5e-N`, `v6e-N` (N chips, one TensorCore each), `v5p-N`, `v4-N` (N TensorCores, two per
   chip: `v5p-8` is four chips); `2xv5e-256` is two slices (multi-slice, over DCN);
 - `h100-N`, `h200-N`: N GPUs, eight per host (`h200-16` is two hosts), from the target
-  descriptions in `examples/lm/targets/`.
+  descriptions in `examples/lm/tools/targets/`.
 
 A TPU chip's whole HBM is the budget; on a GPU, JAX preallocates 75% of the device memory
 (`XLA_PYTHON_CLIENT_MEM_FRACTION`), and that is the budget the step must fit in. The exit status
@@ -224,7 +224,7 @@ def compile_train_step(cfg, target: Target, *, step: str = "train_step") -> dict
     (`refused`: the compiler's message; `peak_bytes`: the memory it said it needs, at least)."""
     import jax  # noqa: PLC0415
 
-    from examples.lm import plan  # noqa: PLC0415
+    from examples.lm.tools import plan  # noqa: PLC0415
 
     cfg = for_target(_mesh_for(cfg, target))
     start = time.perf_counter()
@@ -259,7 +259,7 @@ def fit_train_step(cfg, target: Target, *, fit: bool = True, step: str = "train_
     update) that does (`plan.fit_split`). The result's `split` says which was compiled
     (`chosen`: found by the search; `tried`: how many compiles), `as_configured` holds the
     config's own result when the search replaced it."""
-    from examples.lm import plan  # noqa: PLC0415
+    from examples.lm.tools import plan  # noqa: PLC0415
 
     result = compile_train_step(cfg, target, step=step)
     ranks = _ranks(cfg, target)
@@ -301,9 +301,9 @@ def compile_optimizer_update(cfg, target: Target) -> dict:
     import jax  # noqa: PLC0415
     import optax  # noqa: PLC0415
 
-    from examples.lm import compiled as compiled_lib  # noqa: PLC0415
-    from examples.lm import mesh as mesh_lib  # noqa: PLC0415
-    from examples.lm.trainer import Trainer  # noqa: PLC0415
+    from examples.lm import sharding as mesh_lib  # noqa: PLC0415
+    from examples.lm.tools import compiled as compiled_lib  # noqa: PLC0415
+    from examples.lm.train import Trainer  # noqa: PLC0415
 
     cfg = for_target(_mesh_for(cfg, target))
     mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
@@ -336,7 +336,7 @@ def _gib(n: float) -> str:
 
 def format_report(result: dict, *, name: str) -> str:
     """The compiled step's figures for its target as a few lines of text."""
-    from examples.lm import plan  # noqa: PLC0415
+    from examples.lm.tools import plan  # noqa: PLC0415
 
     split = result.get("split")
     if "refused" in result:
@@ -374,9 +374,9 @@ def format_report(result: dict, *, name: str) -> str:
 
 
 def main(argv=None) -> int:
-    from examples.lm import configs, flags  # noqa: PLC0415
+    from examples.lm import configs  # noqa: PLC0415
 
-    parser = flags.Parser(prog="topology.py", description=__doc__.split("\n\n")[0])
+    parser = configs.Parser(prog="topology.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", required=True, metavar="NAME",
                         help="v5e-8, v6e-8, v5p-8, v4-8, 2xv5e-256, h100-8, h200-8, ...")
     parser.add_argument("--step", choices=("train_step", "grad_step"), default="train_step",
@@ -387,11 +387,11 @@ def main(argv=None) -> int:
                              "(plan.SPLIT_CANDIDATES); off: compile the config's own, e.g. as "
                              "--data.batch_size/--optim.grad_accum_steps/--model.remat set it")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
-    flags.add_config_arguments(parser)
+    configs.add_config_arguments(parser)
     args = parser.parse_args(argv)
     try:
         target = get_target(args.topology)
-        cfg = flags.config_from_args(args)
+        cfg = configs.config_from_args(args)
         prepare(target.platform)
         result = fit_train_step(cfg, target, fit=args.fit == "auto", step=args.step,
                                 print_fn=lambda line: print(line, flush=True))

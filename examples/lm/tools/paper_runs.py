@@ -1,10 +1,10 @@
 """Launch the paper's 18 runs (arXiv 2608.22253, Table 3), or any subset, one after another on
 one node.
 
-    python -m examples.lm.paper_runs --data.source /data/fineweb10B --root runs/paper
-    python -m examples.lm.paper_runs --sizes 190m --heads adamw rownorm --seeds 0 \
+    python -m examples.lm.tools.paper_runs --data.source /data/fineweb10B --root runs/paper
+    python -m examples.lm.tools.paper_runs --sizes 190m --heads adamw rownorm --seeds 0 \
         --data.source /data/fineweb10B --root runs/paper
-    python -m examples.lm.paper_runs --dry-run --root runs/paper     # print the commands only
+    python -m examples.lm.tools.paper_runs --dry-run --root runs/paper     # print the commands only
 
 Each run is `python -m examples.lm.train --config SIZE --head HEAD --seed SEED --workdir
 ROOT/SIZE-HEAD-seedSEED --data.source DATA --no-progress` in a process of its own, using every

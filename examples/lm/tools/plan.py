@@ -1,7 +1,7 @@
 """Will the train step fit? Compile it ahead of time for a mesh and read the compiled program.
 
-    python -m examples.lm.plan --config 190m --mesh.fsdp 8 --device-memory 16GiB
-    python -m examples.lm.plan --config 640m --mesh.fsdp 4 --mesh.tensor 2 --json plan.json
+    python -m examples.lm.tools.plan --config 190m --mesh.fsdp 8 --device-memory 16GiB
+    python -m examples.lm.tools.plan --config 640m --mesh.fsdp 4 --mesh.tensor 2 --json plan.json
 
 Like MaxText's `train_compile.py`, this compiles the trainer's jitted step on abstract inputs
 (`jax.ShapeDtypeStruct`s carrying the target shardings; nothing is allocated) for the mesh the
@@ -13,8 +13,8 @@ bytes (the HLO text), and whether the step fits `--device-memory`; it exits with
 does not. Every config flag of the trainer applies (`--model.remat`, `--data.batch_size`, ...);
 with `--optim.grad_accum_steps` the figures are those of one micro-batch step.
 
-    python -m examples.lm.plan --paper                  # every paper config (configs.PAPER_MODELS)
-    python -m examples.lm.plan --paper --config 190m --head adamw
+    python -m examples.lm.tools.plan --paper      # every paper config (configs.PAPER_MODELS)
+    python -m examples.lm.tools.plan --paper --config 190m --head adamw
 
 `--paper` plans each paper config where the paper ran it: 256 x 2,048 per update on 8 devices,
 data parallel, at the paper's micro-batch and accumulation (`configs.paper_config`). It prints
@@ -41,10 +41,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from examples.lm import compiled as compiled_lib
-from examples.lm import configs, flags
-from examples.lm import mesh as mesh_lib
+from examples.lm import configs
 from examples.lm import model as model_lib
+from examples.lm import sharding as mesh_lib
+from examples.lm.tools import compiled as compiled_lib
 
 GIB = 2**30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
@@ -74,7 +74,7 @@ def devices_for(cfg: configs.Config, count: int | None):
     cpus = jax.devices("cpu")
     if len(cpus) < total:
         raise ValueError(f"the mesh needs {total} devices but {len(cpus)} CPU devices exist: "
-                         "run `python -m examples.lm.plan` in a fresh process")
+                         "run `python -m examples.lm.tools.plan` in a fresh process")
     return cpus[:total], True
 
 
@@ -84,26 +84,27 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     the model's FLOP count and the parameter bytes to compare against. `step="grad_step"`: the
     same forward and backward pass without the optimizer update.
 
-    `dump_dir`: where `prepare_backend` asked XLA to dump the step right after SPMD partitioning.
-    Its collectives (`partitioned`) have the element types the partitioner chose; XLA:CPU later
+    The step is also dumped right after SPMD partitioning (into `dump_dir`, default a temporary
+    directory; the compile's own debug options, so no process-wide XLA_FLAGS are needed). Its
+    collectives (`partitioned`) have the element types the partitioner chose; XLA:CPU later
     widens bf16 collectives to float32 (it has no bf16 collectives), which the final program's
     `collectives` then show.
     """
-    from examples.lm.trainer import Trainer  # noqa: PLC0415  (pulls in rowgeom and flax)
+    from examples.lm.train import Trainer  # noqa: PLC0415  (pulls in rowgeom and flax)
 
     mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-    dp, batch = mesh_lib.data_parallel_size(mesh), cfg.data.batch_size
-    if batch % dp:
-        raise ValueError(f"--data.batch_size ({batch}) must be divisible by the data-parallel "
-                         f"size --mesh.data x --mesh.fsdp ({dp})")
-    if dump_dir:
-        shutil.rmtree(dump_dir, ignore_errors=True)
+    batch = cfg.data.batch_size
+    mesh_lib.check_batch(batch, mesh)
+    dump_dir = dump_dir or tempfile.mkdtemp(prefix="rowgeom-plan-")
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
     start = time.perf_counter()
     trainer = Trainer(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32,
                                   sharding=mesh_lib.batch_sharding(mesh))
     with jax.set_mesh(mesh):
-        compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens).compile()
+        compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens).compile(
+            compiler_options=dump)
     params = jax.tree.leaves(trainer.abstract_state["params"])
     out = compiled_lib.read_compiled(compiled)
     out.update(
@@ -148,7 +149,7 @@ def fit_split(cfg: configs.Config, ranks: int, compile_fn, budget: int, *, print
     """(config, result) of the first of `split_configs(cfg, ranks)` whose `compile_fn(config)`
     (a dict with `peak_bytes`) fits `budget` bytes, or (None, None) when none does. Every
     candidate tried is printed with `print_fn`. The one owner of the search: `--paper` (v5e on
-    simulated CPU devices) and `examples.lm.topology` (the target's compiler) both use it."""
+    simulated CPU devices) and `examples.lm.tools.topology` (the target's compiler) both use it."""
     for candidate in split_configs(cfg, ranks, skip_own=skip_own):
         result = compile_fn(candidate)
         fits = result["peak_bytes"] <= budget
@@ -169,7 +170,7 @@ def split_text(cfg: configs.Config, ranks: int) -> str:
 def diameter_flops(cfg: configs.Config, devices) -> float:
     """Matmul FLOPs per device of the exact head-step diameter program (the trainer's
     `step_diameter`, compiled for `cfg` on `devices`)."""
-    from examples.lm.trainer import Trainer  # noqa: PLC0415
+    from examples.lm.train import Trainer  # noqa: PLC0415
 
     mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     trainer = Trainer(cfg, mesh)
@@ -290,17 +291,18 @@ def report(result: dict, *, name: str, device_memory: int | None) -> str:
     return "\n".join(lines)
 
 
-def prepare_backend(cpu_devices: int, dump_dir: str) -> None:
+def prepare_backend(cpu_devices: int) -> None:
     """Before JAX starts its backends: ask for `cpu_devices` CPU devices (simulated when no
-    accelerator is present) and for the train step's HLO after SPMD partitioning in `dump_dir`."""
-    jax.config.update("jax_num_cpu_devices", max(cpu_devices, 1))
-    dump = (f"--xla_dump_to={dump_dir} --xla_dump_hlo_pass_re=spmd-partitioning "
-            "--xla_dump_hlo_module_re=.*_step.*")
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {dump}".strip()
+    accelerator is present). Where the backends have already started (a test process, a notebook)
+    the devices are those there are, and `devices_for` says when they are too few."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(cpu_devices, 1))
+    except RuntimeError:
+        pass
 
 
 def main(argv=None) -> int:
-    parser = flags.Parser(prog="plan.py", description=__doc__.split("\n\n")[0])
+    parser = configs.Parser(prog="plan.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device-memory", type=parse_size, default=None, metavar="SIZE",
                         help="per-device memory to check against, e.g. 16GiB (TPU v5e) or 80GB "
                              "(H100); exit status 1 if the step does not fit")
@@ -315,12 +317,12 @@ def main(argv=None) -> int:
     parser.add_argument("--topology", default=None, metavar="NAME",
                         help="compile with the target's own compiler instead of simulated CPU "
                              "devices: v5e-8, v6e-8, h100-8, h200-8, ... (python -m "
-                             "examples.lm.topology; needs the `tpu` or `gpu-aot` extra)")
+                             "examples.lm.tools.topology; needs the `tpu` or `gpu-aot` extra)")
     parser.add_argument("--fit", choices=("auto", "off"), default=None,
                         help="with --topology: auto (default) compiles the first micro-batch / "
                              "accumulation / remat that fits when the config's does not; off "
                              "compiles the config's own")
-    flags.add_config_arguments(parser)
+    configs.add_config_arguments(parser)
     args = parser.parse_args(argv)
     if args.fit is not None and args.topology is None:
         parser.error("--fit applies with --topology")
@@ -328,23 +330,20 @@ def main(argv=None) -> int:
         if args.paper or args.devices is not None or args.device_memory is not None:
             parser.error("--topology sets the devices and their memory: drop --paper, "
                          "--devices and --device-memory")
-        from examples.lm import topology
+        from examples.lm.tools import topology
 
         argv = list(sys.argv[1:] if argv is None else argv)
         return topology.main(argv)
     if args.paper:
         return _main_paper(parser, args)
-    dump_dir = tempfile.mkdtemp(prefix="rowgeom-plan-")
     try:
-        cfg = flags.config_from_args(args)
+        cfg = configs.config_from_args(args)
         sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-        prepare_backend(args.devices or math.prod(s for s in sizes if s > 0), dump_dir)
+        prepare_backend(args.devices or math.prod(s for s in sizes if s > 0))
         devices, _ = devices_for(cfg, args.devices)
-        result = plan(cfg, devices, dump_dir=dump_dir)
+        result = plan(cfg, devices)
     except ValueError as e:
         parser.error(str(e))
-    finally:
-        shutil.rmtree(dump_dir, ignore_errors=True)
     print(report(result, name=args.config or configs.DEFAULT_CONFIG,
                  device_memory=args.device_memory))
     if args.json:
@@ -359,8 +358,8 @@ def _main_paper(parser, args) -> int:
         parser.error(f"--paper plans the paper configs {sorted(configs.PAPER_MODELS)}, got "
                      f"--config {args.config}")
     sizes = [args.config] if args.config else list(configs.PAPER_MODELS)
-    head = flags.config_from_args(args).head if args.field__head else "rownorm"
-    jax.config.update("jax_num_cpu_devices", 8)
+    head = configs.config_from_args(args).head if args.field__head else "rownorm"
+    prepare_backend(8)
     devices = (jax.devices()[:8] if jax.default_backend() != "cpu" and jax.device_count() >= 8
                else jax.devices("cpu")[:8])
     results = [paper_plan(size, head, devices) for size in sizes]

@@ -1,12 +1,12 @@
 """Tokenize text / jsonl files into rowgeom token shards that the trainer memory-maps.
 
-    python -m examples.lm.prepare corpus/ --out shards --tokenizer gpt2/tokenizer.json
-    python -m examples.lm.prepare 'docs/*.jsonl' --out shards --vocab_size 8192
+    python -m examples.lm.tools.prepare corpus/ --out shards --tokenizer gpt2/tokenizer.json
+    python -m examples.lm.tools.prepare 'docs/*.jsonl' --out shards --vocab_size 8192
     python -m examples.lm.train --data.source shards --data.tokenizer shards/tokenizer.json
 
 Sources are text files, `.jsonl` files (one JSON object with a "text" field per line, each a
 document) and directories or globs of them. Several files are split into train and validation by
-file (`corpus.split_files`), a single file by its last lines / records. Documents are separated by
+file (`data.split_files`), a single file by its last lines / records. Documents are separated by
 the tokenizer's end-of-document token. With `--tokenizer` the given `tokenizer.json` encodes;
 without it a byte-level BPE of `--vocab_size` is trained on the train split. The tokenizer used is
 saved as OUT/tokenizer.json.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import sys
 
-if __package__ in (None, ""):  # `python examples/lm/prepare.py`: the package is not importable
+if __package__ in (None, ""):  # run as a file: the package is not importable
     print("prepare.py: error: run it as a module from the repository root: "
-          "python -m examples.lm.prepare ...", file=sys.stderr)
+          "python -m examples.lm.tools.prepare ...", file=sys.stderr)
     raise SystemExit(2)
 
 import argparse
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from examples.lm import corpus, formats, tokenization
+from examples.lm import data, formats, tokenization
 
 _GROUP_CHARS = 8 << 20  # text encoded per encode_batch call (parallel inside)
 
@@ -41,7 +41,7 @@ def _source_files(sources) -> list[Path]:
     for source in sources:
         if formats.find_token_files(source) is not None:
             raise ValueError(f"{source} holds token files already; train.py reads them directly")
-        files.extend(corpus.text_files(source)[1])
+        files.extend(data.text_files(source)[1])
     if not files:
         raise ValueError("no input files")
     return sorted(set(files))
@@ -89,7 +89,7 @@ def _groups(documents):
 
 def _file_documents(files):
     for f in files:
-        yield from corpus.read_documents([f])
+        yield from data.read_documents([f])
 
 
 def prepare(sources, out, *, tokenizer=None, vocab_size: int = 4096, val_fraction: float = 0.05,
@@ -106,16 +106,16 @@ def prepare(sources, out, *, tokenizer=None, vocab_size: int = 4096, val_fractio
     if any(out.glob("*.bin")):
         raise ValueError(f"{out} already holds .bin files; use an empty directory")
     if len(files) > 1:
-        train_files, val_files = corpus.split_files(files, val_fraction=val_fraction)
+        train_files, val_files = data.split_files(files, val_fraction=val_fraction)
         splits = {"train": (train_files, None), "val": (val_files, None)}
     else:
-        train_docs, val_docs = corpus.split_documents(files, val_fraction=val_fraction)
+        train_docs, val_docs = data.split_documents(files, val_fraction=val_fraction)
         splits = {"train": (files, train_docs), "val": (files, val_docs)}
     if tokenizer is not None:
         tok = tokenization.load_tokenizer(tokenizer)
     else:  # the BPE needs the whole train split at once
         train_files, train_docs = splits["train"]
-        tok = tokenization.train_bpe(train_docs or corpus.read_documents(train_files),
+        tok = tokenization.train_bpe(train_docs or data.read_documents(train_files),
                                      vocab_size)
     vocab = tokenization.vocab_size(tok)
     dtype = formats.token_dtype(vocab)
