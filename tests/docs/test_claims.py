@@ -24,7 +24,6 @@ import rowgeom.testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MDN = rowgeom.MuonDimensionNumbers
-pytestmark = pytest.mark.usefixtures("fast_compile")  # cheaper XLA compiles, same semantics
 
 
 def _rownorm(g, **options) -> np.ndarray:

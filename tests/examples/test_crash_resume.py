@@ -78,7 +78,7 @@ def root(tmp_path_factory, small_corpus):
 def _env(root, kill=None):
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", _crash_trainer.KILL_ENV)}
-    env |= {"JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+    env |= {"JAX_PLATFORMS": "cpu",
             "PYTHONUNBUFFERED": "1",  # the resume message must reach the log before a kill
             "JAX_COMPILATION_CACHE_DIR": str(root / "xla_cache"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

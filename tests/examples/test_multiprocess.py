@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 def _env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+    return {**env, "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": str(REPO)}
 
 
