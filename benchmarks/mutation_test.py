@@ -370,11 +370,11 @@ def check_imports(tree: Path, env: dict) -> None:
 
 
 def run_pytest(tree: Path, env: dict, tests, exclude, timeout: float) -> dict:
-    """The fast subset, then (if it passed) its 8-device tests; a selection without sharded
-    tests (exit status 5 there) is decided by the first run alone."""
+    """The fast subset, then (if it passed, or selected nothing) its 8-device tests; a selection
+    without sharded tests (exit status 5 there) is decided by the first run alone."""
     start = time.perf_counter()
     res = _run_pytest(tree, env, PYTEST, tests, exclude, timeout)
-    if res["status"] == "survived":
+    if res["status"] == "survived" or res["rc"] == 5:
         left = timeout - (time.perf_counter() - start)
         sharded = _run_pytest(tree, env, SHARDED_PYTEST, tests, exclude, left)
         if sharded["rc"] != 5:

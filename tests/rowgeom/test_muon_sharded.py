@@ -219,11 +219,16 @@ def check(name, tree_fn, mesh_name, axis_type, mode, *, kind="muon", steps=(5, 8
         fn = step_fn(n_steps)
         run = fn if mode == "eager" else jax.jit(fn, **jit_kwargs)
         with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
-            if i == 0:
-                got = run(grads, grads)
             if mode == "eager":
+                if i == 0:
+                    got = run(grads, grads)
                 continue
-            found = collectives(run.lower(grads, grads).compile().as_text())
+            # One compile serves the result and the HLO (a call, then lower().compile(), would
+            # compile the same program twice).
+            compiled = run.lower(grads, grads).compile()
+            if i == 0:
+                got = compiled(grads, grads)
+            found = collectives(compiled.as_text())
         counts.append(len(found))
         if i == 0:
             out["collectives"] = sorted(set(found))

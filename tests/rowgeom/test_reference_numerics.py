@@ -443,9 +443,9 @@ def _mesh_errors(axis_type, inside: bool):
             np.abs(norms - np.minimum(np.concatenate([MESH_NORMS, MESH_NORMS]), 1.0)).max())
 
         s = t(clusters)
-        with context():
-            diameter = rowgeom.row_diameter(shard(s), vocab_axis=vocab_axis, block_size=16)
-            brackets = {k: rowgeom.row_diameter_bounds(shard(s), vocab_axis=vocab_axis, sweeps=k)
+        with context():  # jitted: eagerly, each operation would compile for the 8 devices
+            diameter = row_diameter(shard(s), vocab_axis=vocab_axis, block_size=16)
+            brackets = {k: row_diameter_bounds(shard(s), vocab_axis=vocab_axis, sweeps=k)
                         for k in (0, 2)}
             tracker = rowgeom.track_row_diameter(vocab_axis=vocab_axis)
             _, state = jax.jit(tracker.update)(shard(s), tracker.init(shard(s)))
