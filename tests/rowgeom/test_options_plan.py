@@ -304,7 +304,9 @@ def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
     tx = rowgeom.lm_optimizer(LR)
     want = jax.jit(lambda g, p: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))(
         ones, arrays)
-    assert_trees_equal(after, want)
+    # Two compiled programs (nnx.jit's and jax.jit's): equal to float32 rounding.
+    for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)
 
 
 def test_the_plan_memo_keeps_no_arrays():
