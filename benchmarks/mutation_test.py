@@ -4,8 +4,9 @@ Each mutant below is one exact text replacement in one file of the library or th
 small semantic bug (a wrong eps rule, a missing transpose, an off-by-one). For each, the working
 tree is copied to a temporary directory (without .git and caches), the mutant is applied to the
 copy, and the fast subset ``python -m pytest -q -x -m "not slow" -p no:cacheprovider`` runs there
-with a timeout. A mutant is *killed* when a test fails, *survives* when every test passes, and
-*timed out* when the run does not finish in time. The score is killed / (killed + survived);
+with a timeout, then (if it passed) its 8-device tests, ``-m "sharded and not slow"``. A
+mutant is *killed* when a test fails, *survives* when every test passes, and *timed out*
+when the run does not finish in time. The score is killed / (killed + survived);
 timed-out mutants are listed apart. Before the mutants, the same selection runs once on the
 unmutated copy (a failing baseline would make every kill meaningless).
 
@@ -46,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 IGNORED = (".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis",
            "*.egg-info", "site", "runs", ".venv", "venv")
 PYTEST = ("-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider")
+# The fast 8-device tests, in a process of their own (tests/conftest.py), after the above passed.
+SHARDED_PYTEST = ("-m", "pytest", "-q", "-x", "-m", "sharded and not slow", "-p",
+                  "no:cacheprovider")
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ NS_TESTS = ("tests/rowgeom/test_newton_schulz.py", "tests/rowgeom/test_muon.py")
 LABEL_TESTS = ("tests/rowgeom/test_labels.py",) + RECIPE_TESTS
 MUON_TESTS = ("tests/rowgeom/test_muon.py",) + RECIPE_TESTS
 RESUME_TESTS = ("tests/examples/test_lm_train.py", "tests/examples/test_resume_fast.py")
-SHARDED_TESTS = ("tests/rowgeom/test_muon_sharded_fast.py",)
+SHARDED_TESTS = ("tests/rowgeom/test_muon_sharded.py",)
 LOOP_TESTS = ("tests/examples/test_lm_loop.py",)
 KIND_TESTS = ("tests/examples/test_lm_mutation_kinds.py",)
 ROWGEOM_KIND_TESTS = ("tests/rowgeom/test_mutation_kinds.py",)
@@ -366,12 +370,26 @@ def check_imports(tree: Path, env: dict) -> None:
 
 
 def run_pytest(tree: Path, env: dict, tests, exclude, timeout: float) -> dict:
-    argv = [sys.executable, *PYTEST, *tests, *(f"--ignore={p}" for p in exclude)]
+    """The fast subset, then (if it passed, or selected nothing) its 8-device tests; a selection
+    without sharded tests (exit status 5 there) is decided by the first run alone."""
+    start = time.perf_counter()
+    res = _run_pytest(tree, env, PYTEST, tests, exclude, timeout)
+    if res["status"] == "survived" or res["rc"] == 5:
+        left = timeout - (time.perf_counter() - start)
+        sharded = _run_pytest(tree, env, SHARDED_PYTEST, tests, exclude, left)
+        if sharded["rc"] != 5:
+            res = dict(sharded, output=res["output"] + sharded["output"])
+    res["seconds"] = time.perf_counter() - start
+    return res
+
+
+def _run_pytest(tree: Path, env: dict, pytest_args, tests, exclude, timeout: float) -> dict:
+    argv = [sys.executable, *pytest_args, *tests, *(f"--ignore={p}" for p in exclude)]
     start = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=max(timeout, 1.0))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything it started
         out, _ = proc.communicate()

@@ -1,49 +1,34 @@
 """Strict test configuration shared by every test module.
 
 - Rank promotion raises, so a silently broadcast axis is a test failure.
-- Hypothesis: a `ci` profile (few examples, few shapes: JIT compiles dominate the suite's time)
-  and a `thorough` profile (>= 1000 examples per property), chosen with HYPOTHESIS_PROFILE.
-- Markers are strict; `slow` marks end-to-end, subprocess and long tests, which
-  `python -m pytest -q -m "not slow"` skips (CI runs everything; see CONTRIBUTING.md).
-- Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml);
-  scripts that need their own process (8 simulated devices) run once per module through
-  `_subprocess.ModuleSubprocess`, with a shorter timeout of their own.
-- Cheaper XLA:CPU compiles, since compiling dominates the suite: `--xla_cpu_use_fusion_emitters=
-  false` is appended to XLA_FLAGS (before jax starts its backend; subprocesses inherit it: the
-  older loop emitters compile about a third faster), and this process compiles with
-  `jax_disable_most_optimizations` (LLVM's expensive passes off; another third). The HLO the
-  tests read (fusions, collectives) comes from the same HLO passes, and results are compared
-  with float64 references, not with bits. Subprocesses that read memory or collectives from a
-  compiled program compile with XLA's optimizations. Many tests build the same small programs
-  from fresh closures (jit's own cache keys on the function), so this process also keeps
-  jax's persistent compilation cache, keyed on the program itself, in a temporary directory of
-  its own (empty at the start, removed at exit: every program is still compiled once per run).
-  `ROWGEOM_TEST_XLA_DEFAULTS=1` keeps every default (CI's minimum-versions step runs that way).
+- Tests compile with XLA's defaults: the program users run. `ROWGEOM_TEST_CHEAP_COMPILES=1`
+  opts into cheaper compiles for local runs (`jax_disable_most_optimizations` and XLA:CPU's
+  older loop emitters: about a third faster each; numbers change within float32 rounding); CI
+  never sets it.
+- Hypothesis: a `ci` profile (few examples) and a `thorough` profile (>= 1000 examples per
+  property), chosen with HYPOTHESIS_PROFILE.
+- Markers are strict. `slow` marks end-to-end and long tests, which `-m "not slow"` skips.
+  `sharded` marks the 8-device tests: they run only in a process of their own, selected with
+  `-m sharded` (see `_SHARDED`); every other invocation deselects them, and a `sharded`
+  invocation deselects everything else (jax's device count is fixed once its backend starts).
+- Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml).
 """
 
-import atexit
+import itertools
 import os
-import shutil
-import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-_CHEAP_COMPILES = os.environ.get("ROWGEOM_TEST_XLA_DEFAULTS") != "1"
-if _CHEAP_COMPILES:
+if os.environ.get("ROWGEOM_TEST_CHEAP_COMPILES") == "1":
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-if _CHEAP_COMPILES:
+if os.environ.get("ROWGEOM_TEST_CHEAP_COMPILES") == "1":
     jax.config.update("jax_disable_most_optimizations", True)
-    _CACHE = tempfile.mkdtemp(prefix="rowgeom-tests-xla-cache-")
-    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True,
@@ -53,30 +38,51 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-
-def _mapped_regions() -> tuple[int, int]:
-    """(memory mappings this process holds, the most it may hold), or (0, 1) off Linux."""
-    try:
-        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
-            return sum(1 for _ in maps), int(limit.read())
-    except OSError:
-        return 0, 1
+SHARDED_DEVICES = 8
+_SHARDED = False  # whether this process runs the sharded tests (set in pytest_configure)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-    """Drops jax's compiled programs after a module once the process holds half the memory
-    mappings it may. Every XLA:CPU executable keeps a few mappings, and a process may hold only
-    `vm.max_map_count` (65530 by default): the whole suite in one process compiles more than
-    ten thousand programs, and the compiler then crashes (SIGSEGV or SIGABRT) in whichever test
-    comes next."""
-    yield
-    held, limit = _mapped_regions()
-    if held > limit // 2:
-        import gc
+def _selects_sharded(markexpr: str) -> bool:
+    """Whether the `-m` expression asks for sharded tests: it selects a test marked `sharded`
+    (with or without `slow`) that it would not select without that marker. (`-m "not slow"`
+    selects every marker set alike: the fast subset, not sharded.)"""
+    if not markexpr:
+        return False
+    from _pytest.mark.expression import Expression
 
-        jax.clear_caches()
-        gc.collect()
+    expression = Expression.compile(markexpr)
+    selects = lambda marks: expression.evaluate(lambda name: name in marks)
+    return any(selects({"sharded", *extra}) and not selects(set(extra))
+               for n in range(2) for extra in itertools.combinations(["slow"], n))
+
+
+def pytest_configure(config):
+    """A `-m` that selects sharded tests gives this process (and xdist's workers, which parse
+    the same options) 8 CPU devices, before anything starts jax's backend."""
+    global _SHARDED
+    _SHARDED = _selects_sharded(config.getoption("markexpr", ""))
+    if _SHARDED:
+        jax.config.update("jax_num_cpu_devices", SHARDED_DEVICES)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Sharded tests only in a sharded process, and only sharded tests there."""
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("sharded") is not None) == _SHARDED else drop).append(
+            item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def sharded_devices():
+    """The 8 CPU devices of a sharded process (a sharded test that runs elsewhere fails)."""
+    devices = jax.devices()
+    assert len(devices) == SHARDED_DEVICES, (
+        f"sharded tests need {SHARDED_DEVICES} devices (run them with -m sharded): {devices}")
+    return devices
 
 
 @pytest.fixture
@@ -85,15 +91,6 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(0)
-
-
-@pytest.fixture(scope="module")
-def fast_compile():
-    """Cheaper XLA compiles for modules that train the example (numbers change, not semantics)."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 @pytest.fixture(scope="session")

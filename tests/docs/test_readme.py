@@ -14,10 +14,15 @@ def _readme_test_command() -> str:
 
 
 def test_ci_runs_readme_test_command():
+    """Each pytest invocation of README's `a && b` runs in .ci/run as a line of its own, and
+    the second is the 8-device (`sharded`) one."""
     ci = (ROOT / ".ci" / "run").read_text()
-    command = _readme_test_command()
-    assert command.startswith("python -m pytest")
-    assert re.search(rf"^{re.escape(command)}$", ci, re.M), f"{command!r} not run by .ci/run"
+    commands = _readme_test_command().split(" && ")
+    assert len(commands) == 2 and "-m sharded" in commands[1], commands
+    for command in commands:
+        assert command.startswith("python -m pytest")
+        assert re.search(rf"^{re.escape(command)}$", ci, re.M), f"{command!r} not run by .ci/run"
+    assert '[ "$rc" -eq 5 ]' in ci  # no tests collected fails each invocation
 
 
 def test_ci_installs_from_project_files():

@@ -1,7 +1,7 @@
 """The public transforms the battery (test_transform_battery.py) runs, and their inputs.
 
 One entry per public ``GradientTransformation`` configuration, in the spirit of optax's
-``contrib/_common_test.py``. Shared with the 8-device subprocess (_battery_sharded.py), so this
+``contrib/_common_test.py``. Shared with the 8-device tests (`sharded`), so this
 module only builds trees and transforms; it never sets up devices. Public API only.
 """
 

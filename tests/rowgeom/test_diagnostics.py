@@ -107,10 +107,11 @@ def test_read_row_diameter_gives_plain_arrays_by_head_path_through_wrappers(wrap
             self.layers = nnx.List([nnx.Linear(4, 4, use_bias=False, rngs=rngs)])
             self.lm_head = nnx.Linear(4, 12, use_bias=False, rngs=rngs)
 
-    model = Lm(nnx.Rngs(0))
+    model = nnx.jit(lambda: Lm(nnx.Rngs(0)))()  # one compile for every initializer
     params = nnx.state(model, nnx.Param)
-    grads_state = jax.tree.map(lambda p: jnp.ones(p.shape) + jnp.arange(p.size).reshape(
-        p.shape) % 3, params)  # an nnx.State of Variables, as nnx.grad returns
+    grads_state = jax.tree.map(lambda p: jnp.asarray(  # drawn on the host: no compile
+        (1 + np.arange(p.size).reshape(p.shape) % 3).astype(np.float32)),
+        params)  # an nnx.State of Variables, as nnx.grad returns
     grads = nnx.to_pure_dict(grads_state)
     make = {"plain": lambda: rowgeom.lm_optimizer(1e-2),
             "multi_steps": lambda: optax.MultiSteps(rowgeom.lm_optimizer(1e-2), 1),
@@ -120,13 +121,14 @@ def test_read_row_diameter_gives_plain_arrays_by_head_path_through_wrappers(wrap
     if wrapper == "nnx":
         optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
         before = np.array(model.lm_head.kernel[...])
-        optimizer.update(model, grads_state)
+        nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads_state)
         state = optimizer.opt_state
         step = np.asarray(model.lm_head.kernel[...]) - before
     else:
         tx = make()
         plain = nnx.to_pure_dict(params)
-        updates, state = tx.update(grads, tx.init(plain), plain)
+        # Jitted: one compile (eagerly, every operation of the recipe compiles on its own).
+        updates, state = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, plain)
         step = np.asarray(updates["lm_head"]["kernel"])
     stats = read_row_diameter(state)
     for field in stats:
@@ -144,11 +146,11 @@ def test_partial_vocab_axis_tree_leaves_unnamed_leaves_untouched(rng):
     grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
     for partial in ({"lm_head": 1}, {"lm_head": {"kernel": 1}}):
         tx = track_row_diameter(vocab_axis=partial)
-        updates, state = tx.update(grads, tx.init(params))
+        updates, state = jax.jit(lambda g, tx=tx: tx.update(g, tx.init(params)))(grads)
         assert state.lower["layers"]["w"] is None and state.lower["norm"] is None
         assert float(state.upper["lm_head"]["kernel"]) > 0
         rn = rowgeom.projected_rownorm(vocab_axis=partial)
-        out, _ = rn.update(grads, rn.init(params))
+        out, _ = jax.jit(lambda g, rn=rn: rn.update(g, rn.init(params)))(grads)
         chex.assert_trees_all_equal(out["layers"], grads["layers"])  # unnamed: untouched
         assert np.abs(np.asarray(out["lm_head"]["kernel"]).sum(axis=1)).max() < 1e-5
     with pytest.raises(ValueError, match=r"names \['lm_haed'\]"):  # a typo is never silent

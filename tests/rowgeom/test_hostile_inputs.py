@@ -67,6 +67,23 @@ MATRIX_FUNCTIONS = {  # functions of matrices without a vocabulary axis
 ALL = sorted(HEAD_FUNCTIONS)
 
 
+@functools.cache
+def _jitted(name, axis):
+    """A head function, jitted once per vocabulary axis (compiled once per shape and dtype):
+    called eagerly, each of its operations would be a compile of its own."""
+    return jax.jit(functools.partial(HEAD_FUNCTIONS[name][0], ax=axis))
+
+
+@functools.cache
+def _jitted_matrix(name):
+    return jax.jit(MATRIX_FUNCTIONS[name][0])
+
+
+def _call(name, x):
+    """The head (vocabulary axis 0) or matrix function `name` of `x`, jitted."""
+    return _jitted_matrix(name)(x) if name in MATRIX_FUNCTIONS else _jitted(name, 0)(x)
+
+
 def _leaves(out):
     return [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(out)]
 
@@ -210,8 +227,8 @@ def test_tied_head_without_a_policy_asks_for_one():
     for tied in ("embedding", "head"):  # with a policy it trains
         params = _lm_params(head=False)
         tx = rowgeom.lm_optimizer(1e-3, tied=tied)
-        grads = jax.tree.map(jnp.ones_like, params)
-        updates, _ = tx.update(grads, tx.init(params), params)
+        updates = jax.jit(lambda p, tx=tx: tx.update(  # one compile, not one per operation
+            jax.tree.map(jnp.ones_like, p), tx.init(p), p)[0])(params)
         assert all(np.all(np.isfinite(u)) for u in _leaves(updates))
 
 
@@ -264,10 +281,9 @@ def test_read_row_diameter_without_tracker_says_so():
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_is_computed_in_float32(name, dtype):
-    fn, _ = HEAD_FUNCTIONS[name]
-    x = jnp.asarray(GOOD).astype(dtype)
-    got = fn(x, 0)
-    want = fn(x.astype(jnp.float32), 0)
+    x = jnp.asarray(GOOD.astype(dtype))
+    got = _call(name, x)
+    want = _call(name, jnp.asarray(GOOD.astype(dtype).astype(np.float32)))
     for g, w, leaf in zip(_leaves(got), _leaves(want), jax.tree.leaves(got), strict=True):
         assert np.all(np.isfinite(g))
         if leaf.shape == x.shape:  # updates keep the input's dtype
@@ -282,10 +298,7 @@ def test_non_finite_input_gives_non_finite_output(name, bad):
     """Never a silently finite result from a NaN/inf leaf (docs/reliability.md)."""
     x = GOOD.copy()
     x[2, 1] = bad
-    if name in MATRIX_FUNCTIONS:
-        out = MATRIX_FUNCTIONS[name][0](jnp.asarray(x))
-    else:
-        out = HEAD_FUNCTIONS[name][0](jnp.asarray(x), 0)
+    out = _call(name, jnp.asarray(x))
     if name.startswith("track"):  # updates pass through; the statistics show it
         update, state = out
         np.testing.assert_array_equal(update, x)
@@ -298,8 +311,9 @@ def test_padding_rows_may_hold_anything(bad):
     """num_valid: padded rows are never read into a sum; they come out zero."""
     x = GOOD.copy()
     x[-2:] = bad
-    got = rowgeom.rownorm_direction(jnp.asarray(x), vocab_axis=0, num_valid=V - 2)
-    want = rowgeom.rownorm_direction(jnp.asarray(GOOD[:-2]), vocab_axis=0)
+    got = jax.jit(lambda u: rowgeom.rownorm_direction(u, vocab_axis=0, num_valid=V - 2))(
+        jnp.asarray(x))
+    want = _jitted("rownorm_direction", 0)(jnp.asarray(GOOD[:-2]))
     np.testing.assert_allclose(got[:-2], want, atol=1e-6)
     np.testing.assert_array_equal(got[-2:], 0.0)
 
@@ -310,10 +324,7 @@ def test_zeros_single_token_and_single_feature_are_finite(name, shape):
     """All-zero updates give zeros, V = 1 gives a zero step and diameter."""
     rng = np.random.default_rng(1)
     for x in (np.zeros(shape, np.float32), rng.standard_normal(shape).astype(np.float32)):
-        if name in MATRIX_FUNCTIONS:
-            out = MATRIX_FUNCTIONS[name][0](jnp.asarray(x))
-        else:
-            out = HEAD_FUNCTIONS[name][0](jnp.asarray(x), 0)
+        out = _call(name, jnp.asarray(x))
         leaves = _leaves(out)
         assert all(np.all(np.isfinite(leaf)) for leaf in leaves), (name, x, out)
         if not x.any() or (shape[0] == 1 and name not in MATRIX_FUNCTIONS and
@@ -327,11 +338,12 @@ def test_lm_optimizer_all_zero_and_tiny_gradients_are_finite():
     params = _lm_params()
     for head in ("rownorm", "adamw", "muon"):
         tx = rowgeom.lm_optimizer(1e-3, head=head)
-        state = tx.init(params)
+        state, update = tx.init(params), jax.jit(tx.update)
         for scale in (0.0, 1e-30, 1e15):
-            grads = jax.tree.map(lambda p, s=scale: jnp.full_like(p, s) * jnp.arange(
-                p.size, dtype=p.dtype).reshape(p.shape), params)
-            updates, state = tx.update(grads, state, params)
+            grads = jax.tree.map(lambda p, s=scale: jnp.asarray(
+                (s * np.arange(p.size, dtype=np.float32)).reshape(p.shape).astype(p.dtype)),
+                params)
+            updates, state = update(grads, state, params)
             assert all(np.all(np.isfinite(u)) for u in _leaves(updates)), (head, scale)
             assert all(np.all(np.isfinite(s)) for s in _leaves(state)), (head, scale)
 
@@ -408,11 +420,6 @@ def _no_nan(out):
     return leaves
 
 
-@functools.cache
-def _jitted(name, axis):
-    return jax.jit(functools.partial(HEAD_FUNCTIONS[name][0], ax=axis))
-
-
 @pytest.mark.slow
 @given(finite_arrays(), st.sampled_from([0, 1]))
 def test_property_diameters_finite_and_bracketed(x, axis):
@@ -440,7 +447,7 @@ def test_property_clip_is_finite_and_clips(x, axis):
         y = _no_nan(_jitted(name, axis)(jnp.asarray(x)))[0]
         assert np.isfinite(y).all()
         rounding = 2 * np.finfo(np.float32).eps * np.abs(y).max(initial=0.0) * np.sqrt(y.size)
-        assert float(rowgeom.row_diameter(y, vocab_axis=axis)) <= 0.5 * (1 + 1e-5) + rounding
+        assert float(_jitted("row_diameter", axis)(y)) <= 0.5 * (1 + 1e-5) + rounding
 
 
 def _representable(value):
@@ -478,7 +485,7 @@ def test_property_tracker_and_hilbert_are_finite(x, axis):
 @given(finite_arrays())
 def test_property_orthogonalizers_are_finite(x):
     for name in MATRIX_FUNCTIONS:
-        y = _no_nan(MATRIX_FUNCTIONS[name][0](jnp.asarray(x)))[0]
+        y = _no_nan(_jitted_matrix(name)(jnp.asarray(x)))[0]
         assert np.isfinite(y).all()
 
 

@@ -31,7 +31,9 @@ def randn(rng, *shape):
 
 
 def apply(tx, updates):
-    return tx.update(updates, tx.init(updates))[0]
+    """The first update from a fresh state, jitted: one compile (eagerly, every operation of
+    the Newton–Schulz iteration would compile on its own)."""
+    return jax.jit(lambda u: tx.update(u, tx.init(u))[0])(updates)
 
 
 @pytest.mark.parametrize("scale, factor", [
@@ -85,7 +87,9 @@ def test_grouping_equals_per_leaf(rng):
     grouped = jax.jit(tx.update)(g, tx.init(g))[0]
     for k, x in g.items():
         alone = muon_orthogonalize(scale="spectral", dimension_numbers=dims[k])
-        np.testing.assert_allclose(grouped[k], apply(alone, {k: x})[k], atol=2e-6)
+        # Two programs: float32 rounding, amplified by the iteration (a few 1e-6 where XLA's
+        # cheap-compile mode fuses them differently; ROWGEOM_TEST_CHEAP_COMPILES).
+        np.testing.assert_allclose(grouped[k], apply(alone, {k: x})[k], atol=5e-6)
     np.testing.assert_allclose(grouped["c"], math.sqrt(8 / 24) * ns_reference(g["c"]),
                                atol=1e-5)
 
@@ -294,7 +298,8 @@ def test_same_polar_factor_as_optax(rng):
     coeffs = jnp.asarray(ns_coefficients("keller", 1)[0])
     for shape in ((8, 24), (24, 8), (12, 12)):
         x = randn(rng, *shape)
-        theirs = optax_muon.orthogonalize_via_newton_schulz(x, coeffs, 5, eps=1e-7)
+        theirs = jax.jit(lambda x: optax_muon.orthogonalize_via_newton_schulz(
+            x, coeffs, 5, eps=1e-7))(x)
         ours = apply(muon_orthogonalize(scale=None), {"x": x})["x"]
         np.testing.assert_allclose(ours, theirs, atol=2e-6)
 
@@ -319,7 +324,7 @@ def test_coefficient_table_length_is_checked_where_optax_is_not(rng):
                                     weight_dimension_numbers=dims).init(g)
     eight = optax.contrib.scale_by_muon(ns_coeffs=table, ns_steps=8, beta=0.0, nesterov=False,
                                         eps=1e-7, weight_dimension_numbers=dims)
-    np.testing.assert_allclose(eight.update(g, eight.init(g))[0]["w"], five, atol=1e-5)
+    np.testing.assert_allclose(apply(eight, g)["w"], five, atol=1e-5)
 
 
 def test_stacked_matrices_are_scaled_each_on_its_own_unlike_optax_adaptive(rng):
@@ -331,7 +336,7 @@ def test_stacked_matrices_are_scaled_each_on_its_own_unlike_optax_adaptive(rng):
     theirs = optax.contrib.scale_by_muon(
             beta=0.0, nesterov=False, adaptive=True,
             weight_dimension_numbers={"w": optax.contrib.MuonDimensionNumbers(1, 2)})
-    layer0 = lambda tx, big: tx.update(stack(big), tx.init(stack(big)))[0]["w"][0]
+    layer0 = lambda tx, big: apply(tx, stack(big))["w"][0]
     coupled = float(jnp.linalg.norm(layer0(theirs, 10.0)) / jnp.linalg.norm(layer0(theirs, 1.0)))
     assert coupled > 5  # layer 1 grew 10x: optax's layer-0 step grew with it
     ours = muon_orthogonalize(dimension_numbers=MuonDimensionNumbers(1, 2))
@@ -355,8 +360,8 @@ def test_embedding_and_head_stay_off_muon_unlike_optax_default(rng):
     cosine = lambda a, b: float(jnp.sum(a * b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
     polar = lambda x: -ns_reference(x)  # a descent step along the polar factor
 
-    theirs = optax.contrib.muon(1e-3)
-    step = theirs.update(grads, theirs.init(params), params)[0]
+    first_step = lambda tx: jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
+    step = first_step(optax.contrib.muon(1e-3))
     for path in (("embed", "embedding"), ("lm_head", "kernel")):
         got, g = step[path[0]][path[1]], grads[path[0]][path[1]]
         assert cosine(got, polar(g)) > 0.99, path  # orthogonalized: Muon
@@ -365,8 +370,7 @@ def test_embedding_and_head_stay_off_muon_unlike_optax_default(rng):
             "embed": {"embedding": "embedding"}, "lm_head": {"kernel": "head"},
             "layers": {"0": {"attn": {"q_proj": {"kernel": "hidden"}},
                              "attn_norm": {"scale": "vector"}}}}
-    ours = rowgeom.lm_optimizer(1e-3, weight_decay=0.0)  # optax's default: no decay
-    step = ours.update(grads, ours.init(params), params)[0]
+    step = first_step(rowgeom.lm_optimizer(1e-3, weight_decay=0.0))  # optax's: no decay
     for path in (("embed", "embedding"), ("lm_head", "kernel")):
         got, g = step[path[0]][path[1]], grads[path[0]][path[1]]
         assert cosine(got, polar(g)) < 0.95, path

@@ -7,9 +7,11 @@ benchmarks/mutation_test.py:
   iterates on, read from the traced update under an abstract 8-device mesh (no devices needed);
 - masked RowNorm's overflow guard taking its scale from the padding rows too: huge valid rows
   (the guard's rescaled branch) beside padding rows holding inf or float32's largest values,
-  against a float64 reference of the valid rows alone, in both formulations and both layouts.
+  against a float64 reference of the valid rows alone, in both formulations and both layouts,
+  with and without the input centring (each takes the guard's scale in its own code).
 """
 
+import functools
 import re
 
 import jax
@@ -41,31 +43,41 @@ def test_sharded_muon_pads_only_up_to_a_multiple_of_the_devices(count):
         assert batches == {want}, (batches, want)
 
 
-def _reference(x: np.ndarray, num_valid: int, axis: int) -> np.ndarray:
+def _reference(x: np.ndarray, num_valid: int, axis: int, center_input: bool) -> np.ndarray:
     """Projected RowNorm of the first `num_valid` token rows in float64; padding rows zero."""
     rows = np.moveaxis(np.asarray(x, np.float64), axis, 0)[:num_valid]
-    centred = rows - rows.mean(0)
+    centred = rows - rows.mean(0) if center_input else rows
     y = centred / np.linalg.norm(centred, axis=1, keepdims=True)
     out = np.zeros((x.shape[axis],) + rows.shape[1:])
     out[:num_valid] = y - y.mean(0)
     return np.moveaxis(out, 0, axis)
 
 
+@functools.cache
+def _project(impl, vocab_axis, center_input, num_valid):
+    """One jitted program per formulation, layout and centring (both fills share it)."""
+    return jax.jit(lambda u: rownorm_direction(u, vocab_axis=vocab_axis, num_valid=num_valid,
+                                               center_input=center_input, impl=impl))
+
+
+@pytest.mark.parametrize("center_input", [True, False], ids=["centred", "uncentred"])
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
 @pytest.mark.parametrize("vocab_axis", [0, 1])
 @pytest.mark.parametrize("fill", [np.inf, 3e38], ids=["inf", "max"])
-def test_masked_overflow_guard_scales_by_the_valid_rows_only(impl, vocab_axis, fill):
+def test_masked_overflow_guard_scales_by_the_valid_rows_only(impl, vocab_axis, fill,
+                                                             center_input):
     """Valid entries near 2**60 (squared norms overflow float32: the guard rescales) and padding
     rows holding `fill`: the result is the valid rows' projection, padding zero. A scale taken
     from the padding too is 0 (inf) or about 2**-127 (float32's largest), which turns the valid
-    rows into NaN or denormals."""
+    rows into NaN or denormals. With and without the input centring: each takes its guard's
+    scale in its own code."""
     rng = np.random.default_rng(0)
     vocab, d, num_valid = 13, 6, 10
     x = rng.standard_normal((vocab, d)) * 2.0**60
     x[num_valid:] = fill
     x[num_valid:, 0] = -fill
     x = x if vocab_axis == 0 else x.T
-    project = jax.jit(lambda u: rownorm_direction(u, vocab_axis=vocab_axis, num_valid=num_valid,
-                                                  impl=impl))
-    got = np.asarray(project(jnp.asarray(x, jnp.float32)))
-    np.testing.assert_allclose(got, _reference(x, num_valid, vocab_axis), rtol=0, atol=1e-6)
+    got = np.asarray(_project(impl, vocab_axis, center_input, num_valid)(
+        jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(got, _reference(x, num_valid, vocab_axis, center_input),
+                               rtol=0, atol=1e-6)

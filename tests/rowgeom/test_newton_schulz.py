@@ -1,5 +1,7 @@
 """Newton–Schulz orthogonalization against numpy fp64 references (SVD, an in-order loop)."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -106,9 +108,21 @@ def test_singular_values_in_documented_band(rng, preset, shape):
                                atol=2e-5)
 
 
+@functools.cache
+def _ns_jit(**static):
+    return jax.jit(functools.partial(newton_schulz, **static))
+
+
+def ns(x, **static):
+    """`newton_schulz` jitted once per (hashable) options, compiled once per shape: eagerly,
+    each operation of the iteration would be a compile of its own (the transpose-identity
+    test keeps an eager call)."""
+    return _ns_jit(**static)(x)
+
+
 def test_custom_table_applied_in_order(rng):
     g = gaussian(rng, (16, 40))
-    out = np.asarray(newton_schulz(g, steps=5, coeffs=TABLE))
+    out = np.asarray(jax.jit(lambda x: newton_schulz(x, steps=5, coeffs=TABLE))(g))
     np.testing.assert_allclose(out, ns_reference(g, TABLE), atol=1e-5)
     # The order matters, so the check above would catch a reordering or a wrong slice.
     assert np.abs(ns_reference(g, TABLE[::-1]) - ns_reference(g, TABLE)).max() > 1e-2
@@ -116,16 +130,16 @@ def test_custom_table_applied_in_order(rng):
 
 def test_matches_optax_orthogonalize(rng):
     g = jnp.asarray(gaussian(rng, (2, 16, 40)))  # a batch of two matrices
-    ours = newton_schulz(g, coeffs="keller", eps=1e-7)
+    ours = ns(g, coeffs="keller", eps=1e-7)
     dims = optax_muon.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
-    theirs = optax_muon.orthogonalize_via_newton_schulz(
-            g, jnp.asarray(KELLER), 5, eps=1e-7, dimension_numbers=dims)
+    theirs = jax.jit(lambda x: optax_muon.orthogonalize_via_newton_schulz(
+            x, jnp.asarray(KELLER), 5, eps=1e-7, dimension_numbers=dims))(g)
     chex.assert_trees_all_close(ours, theirs, atol=2e-6)
     # Tall input goes through the transposed path in both.
     chex.assert_trees_all_close(
-            newton_schulz(g[0].T, coeffs=KELLER),
-            optax_muon.orthogonalize_via_newton_schulz(g[0].T, jnp.asarray(KELLER), 5,
-                                                       eps=1e-7),
+            ns(g[0].T, coeffs=KELLER),
+            jax.jit(lambda x: optax_muon.orthogonalize_via_newton_schulz(
+                x, jnp.asarray(KELLER), 5, eps=1e-7))(g[0].T),
             atol=2e-6)
 
 
@@ -139,7 +153,7 @@ def test_optax_028_table_length_handling(rng):
     def optax_update(ns_steps):
         tx = optax.contrib.scale_by_muon(ns_coeffs=rows, ns_steps=ns_steps, beta=0.0,
                                          nesterov=False, eps=1e-7, weight_dimension_numbers=dims)
-        return np.asarray(tx.update({"w": g}, tx.init({"w": g}))[0]["w"])
+        return np.asarray(jax.jit(lambda u: tx.update(u, tx.init(u))[0])({"w": g})["w"])
 
     # Matching length: rows in order, like ours.
     np.testing.assert_allclose(optax_update(5), ns_reference(g, TABLE), atol=1e-5)
@@ -158,7 +172,7 @@ def test_zero_sum_is_preserved_T9(rng, preset):
     for shape, tol in [((48, 16), 1e-5), ((16, 48), 1e-4)]:
         g = rng.standard_normal(shape)
         g = (g - g.mean(axis=0)).astype(np.float32)
-        out = np.asarray(newton_schulz(g, coeffs=preset), np.float64)
+        out = np.asarray(ns(g, coeffs=preset), np.float64)
         # V <= d: 1 spans a zero singular direction; its fp32 residual (~1e-7) is amplified by
         # the schedule's slope at 0 (about 5e2..1e3), hence the looser tolerance there.
         assert np.abs(out.sum(axis=0)).max() <= tol
@@ -169,11 +183,11 @@ def test_zero_sum_is_preserved_T9(rng, preset):
 
 def test_zero_input_gives_zero_not_nan(rng):
     for eps in (1e-7, 0.0):
-        z = newton_schulz(jnp.zeros((3, 5)), eps=eps)
+        z = ns(np.zeros((3, 5), np.float32), eps=eps)
         np.testing.assert_array_equal(z, 0.0)
     # A zero matrix in a batch does not disturb its neighbour.
     g = np.stack([np.zeros((6, 10), np.float32), gaussian(rng, (6, 10))])
-    out = np.asarray(newton_schulz(g))
+    out = np.asarray(ns(g))
     np.testing.assert_array_equal(out[0], 0.0)
     np.testing.assert_allclose(out[1], ns_reference(g[1], ns_coefficients("keller", 5)),
                                atol=1e-5)
@@ -181,7 +195,7 @@ def test_zero_input_gives_zero_not_nan(rng):
 
 def test_leading_axes_are_a_batch(rng):
     g = gaussian(rng, (2, 3, 8, 12))
-    out = np.asarray(newton_schulz(g))
+    out = np.asarray(ns(g))
     table = ns_coefficients("keller", 5)
     for i in range(2):
         for j in range(3):
@@ -190,13 +204,13 @@ def test_leading_axes_are_a_batch(rng):
 
 def test_bf16_compute_dtype(rng):
     g = jnp.asarray(gaussian(rng, (24, 64)))
-    ref = newton_schulz(g)
-    out = jax.jit(lambda x: newton_schulz(x, compute_dtype=jnp.bfloat16))(g)
+    ref = ns(g)
+    out = ns(g, compute_dtype=jnp.bfloat16)
     assert out.dtype == jnp.float32
     # bf16 keeps ~3 significant digits and 5 expanding steps amplify rounding: a few % relative.
     np.testing.assert_allclose(out, ref, atol=0.05)
     assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 0.05
-    out16 = newton_schulz(g.astype(jnp.bfloat16), compute_dtype=jnp.bfloat16)
+    out16 = ns(jnp.asarray(np.asarray(g).astype(jnp.bfloat16)), compute_dtype=jnp.bfloat16)
     assert out16.dtype == jnp.bfloat16
     np.testing.assert_allclose(out16.astype(jnp.float32), ref, atol=0.06)
 
@@ -293,7 +307,7 @@ def test_polar_factor_of_a_well_conditioned_matrix_against_svd(rng, preset, shap
     v = np.linalg.qr(rng.standard_normal((n, k)))[0]
     sigma = np.linspace(1.0, 2.0, k)
     x = (u * sigma) @ v.T
-    out = np.asarray(newton_schulz(jnp.asarray(x, jnp.float32), coeffs=preset), np.float64)
+    out = np.asarray(ns(jnp.asarray(x, jnp.float32), coeffs=preset), np.float64)
     table = ns_coefficients(preset, 5)
     norm = NORM_SCALE[preset] * np.linalg.norm(sigma) + 1e-7
     f = _scalar_schedule(sigma, table, norm)

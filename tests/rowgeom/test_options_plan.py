@@ -18,21 +18,29 @@ LR, V, D = 1e-3, 48, 16
 
 
 def tree(vocab=V, width=D, dtype=jnp.float32):
-    key = iter(jax.random.split(jax.random.key(0), 8))
-    normal = lambda *shape: jax.random.normal(next(key), shape, dtype)
+    """A small LM tree of device arrays, drawn on the host (placing arrays compiles nothing)."""
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(dtype))
     return {"embed": {"embedding": normal(vocab, width)},
             "layers": {"0": {"mlp": {"up": {"kernel": normal(width, 2 * width)}}}},
-            "norm": {"scale": jnp.ones(width, dtype)},
+            "norm": {"scale": jnp.asarray(np.ones(width, dtype))},
             "lm_head": {"kernel": normal(width, vocab)}}
 
 
+def abstract(params):
+    """The tree's shapes and dtypes: what the plan reads (tracing with them compiles nothing)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
 def grads_of(params, seed=1):
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
-    return jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype), params)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(p.dtype)), params)
 
 
 def step(tx, params, grads):
-    return jax.jit(tx.update)(grads, tx.init(params), params)[0]
+    """The first update from a fresh state (init and update: one compile)."""
+    return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
 
 
 def assert_trees_equal(a, b):
@@ -171,7 +179,7 @@ def test_a_group_momentum_override_reaches_its_chain():
     tx = rowgeom.lm_optimizer(LR, groups={"embedding": rowgeom.GroupOptions(momentum=0.5)})
     ref = optax.adamw(LR, b1=0.5, b2=0.95, weight_decay=0.1)
     got = step(tx, params, grads)["embed"]
-    want = ref.update(grads["embed"], ref.init(params["embed"]), params["embed"])[0]
+    want = step(ref, params["embed"], grads["embed"])
     np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-6)
 
 
@@ -182,8 +190,7 @@ def test_the_plan_is_memoised_on_paths_shapes_and_dtypes():
     """The same paths, shapes and dtypes (arrays or abstract) give the same plan object; another
     shape or dtype another plan."""
     params = tree()
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    assert rowgeom.make_plan(params) is rowgeom.make_plan(abstract)
+    assert rowgeom.make_plan(params) is rowgeom.make_plan(abstract(params))
     assert rowgeom.make_plan(tree(vocab=2 * V)) is not rowgeom.make_plan(params)
     assert rowgeom.make_plan(tree(dtype=jnp.bfloat16)) is not rowgeom.make_plan(params)
     assert rowgeom.make_plan(params, head="adamw") is not rowgeom.make_plan(params)
@@ -191,8 +198,8 @@ def test_the_plan_is_memoised_on_paths_shapes_and_dtypes():
 
 
 def test_init_and_update_use_one_plan(monkeypatch):
-    """init and eager updates on one tree read the plan of its paths, shapes and dtypes: the
-    same object every time."""
+    """init and updates on one tree read the plan of its paths, shapes and dtypes: the same
+    object every time (concrete arrays in init, tracers in the updates)."""
     seen = []
     real = _plan.plan_of
 
@@ -203,11 +210,11 @@ def test_init_and_update_use_one_plan(monkeypatch):
     from rowgeom import _recipe
     monkeypatch.setattr(_recipe, "plan_of", recording)
     params = tree()
-    grads = grads_of(params)
     tx = rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(track=False))
-    state = tx.init(params)
-    for _ in range(2):
-        tx.update(grads, state, params)
+    state = jax.eval_shape(tx.init, params)
+    for _ in range(2):  # a new function each time: jax's trace cache would skip the second
+        jax.eval_shape(lambda g, s, p: tx.update(g, s, p), abstract(params), state,
+                       abstract(params))
     assert len(seen) == 3 and all(plan is seen[0] for plan in seen)
 
 
@@ -226,7 +233,9 @@ def test_no_state_between_calls_each_tree_gets_its_own_plan():
     tx = rowgeom.lm_optimizer(LR)
     update = jax.jit(tx.update)  # retraced per shapes, as a training loop's jit would be
     small, large = tree(), tree(vocab=2 * V, width=D // 2)
-    alone = {id(p): step(rowgeom.lm_optimizer(LR), p, grads_of(p)) for p in (small, large)}
+    # The same program as `update` (bit for bit), from a fresh transform per model.
+    alone = {id(p): (lambda fresh: jax.jit(fresh.update)(grads_of(p), fresh.init(p), p)[0])(
+        rowgeom.lm_optimizer(LR)) for p in (small, large)}
     for params in (small, large, small):
         grads = grads_of(params)
         assert_trees_equal(update(grads, tx.init(params), params)[0], alone[id(params)])
@@ -256,7 +265,8 @@ def test_per_leaf_options_nested_and_flat_mean_the_same():
     nested = rowgeom.projected_rownorm(vocab_axis={"lm_head": {"kernel": 1}})
     flat = rowgeom.projected_rownorm(vocab_axis={"lm_head/kernel": 1})
     prefix = rowgeom.projected_rownorm(vocab_axis={"lm_head": 1})
-    outs = [tx.update(grads, tx.init(params), params)[0] for tx in (nested, flat, prefix)]
+    outs = jax.jit(lambda g, p: [tx.update(g, tx.init(p), p)[0]  # one compile for the three
+                                 for tx in (nested, flat, prefix)])(grads, params)
     assert_trees_equal(outs[0], outs[1])
     assert_trees_equal(outs[0], outs[2])
     assert_trees_equal(outs[0]["embed"], grads["embed"])  # uncovered leaves: untouched
@@ -280,18 +290,23 @@ def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
     seen = []
     real = _plan.plan_of
     monkeypatch.setattr(_recipe, "plan_of", lambda t, o: seen.append(real(t, o)) or seen[-1])
-    model = TinyLM(nnx.Rngs(0))
+    model = nnx.jit(lambda: TinyLM(nnx.Rngs(0)))()  # one compile for every initializer
     params = nnx.state(model, nnx.Param)
     arrays = jax.tree.map(lambda x: x, nnx.to_pure_dict(params))
-    grads = jax.tree.map(jnp.ones_like, params)
+    ones = jax.tree.map(lambda x: jnp.asarray(np.ones(x.shape, x.dtype)), arrays)
+    grads = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(grads, ones)
     optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(LR), wrt=nnx.Param)
-    optimizer.update(model, grads)
+    nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads)
     assert len(seen) == 2 and seen[0] is seen[1]
     assert rowgeom.make_plan(arrays) is seen[0]
     after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tx = rowgeom.lm_optimizer(LR)
-    updates = tx.update(jax.tree.map(jnp.ones_like, arrays), tx.init(arrays), arrays)[0]
-    assert_trees_equal(after, optax.apply_updates(arrays, updates))
+    want = jax.jit(lambda g, p: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))(
+        ones, arrays)
+    # Two compiled programs (nnx.jit's and jax.jit's): equal to float32 rounding.
+    for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)
 
 
 def test_the_plan_memo_keeps_no_arrays():

@@ -30,7 +30,8 @@ def flat(tree):
 @pytest.fixture(scope="module")
 def params():
     """The model's parameters as a plain dict of arrays."""
-    return nnx.to_pure_dict(nnx.state(TinyLM(nnx.Rngs(0)), nnx.Param))
+    model = nnx.jit(lambda: TinyLM(nnx.Rngs(0)))()  # one compile for every initializer
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def random_grads(params, seed):
@@ -317,14 +318,14 @@ def test_default_head_rates_come_from_group_options(params, head):
     tx = rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(optimizer=head, track=False),
                               weight_decay=0.0)
     grads = random_grads(params, seed=0)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
     step = np.asarray(updates["lm_head"]["kernel"], np.float64)
     if head == "adamw":  # first AdamW step: -lr * g / (|g| + eps), so max |step| = lr
         assert np.abs(step).max() == pytest.approx(rate, rel=1e-3)
     else:  # Muon of the first Nesterov momentum (1 + beta) g, times the rate
         g = grads["lm_head"]["kernel"]
         orth = rowgeom.muon_orthogonalize()
-        want, _ = orth.update((1 + BETA) * g, orth.init(g))
+        want, _ = jax.jit(lambda u: orth.update(u, orth.init(u)))((1 + BETA) * g)
         np.testing.assert_allclose(step, -rate * np.asarray(want), rtol=1e-4, atol=1e-8)
 
 

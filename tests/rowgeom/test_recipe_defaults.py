@@ -10,6 +10,8 @@ the reference with another value of the default differs from it, so a changed de
 assertion on a value here, never only an exception further down.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,9 +109,15 @@ def ref_rownorm(x, vocab_axis):
     return np.moveaxis(u - u.mean(axis=0), 0, vocab_axis)
 
 
+@functools.cache
+def _polar(steps, coeffs):
+    return jax.jit(functools.partial(rowgeom.newton_schulz, steps=steps, coeffs=coeffs))
+
+
 def ref_polar(x, *, steps=5, coeffs="keller"):
-    return np.asarray(rowgeom.newton_schulz(jnp.asarray(x, jnp.float32), steps=steps,
-                                            coeffs=coeffs), np.float64)
+    """The polar factor by `newton_schulz` (jitted once per options: eagerly, every operation
+    of the iteration would compile on its own)."""
+    return np.asarray(_polar(steps, coeffs)(jnp.asarray(x, jnp.float32)), np.float64)
 
 
 def ref_muon(grads, *, momentum=0.95, nesterov=True, steps=5, coeffs="keller", rms=0.2):

@@ -13,15 +13,17 @@ with each other. The references are written out below in numpy float64 from the 
   farthest-point sweeps the length of an actual pair of rows.
 """
 
+import contextlib
+import functools
 import itertools
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _subprocess import ModuleSubprocess
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import rowgeom
 
@@ -75,11 +77,19 @@ def centroid_stats(s, vocab_axis):
 # --- the transform, called as a user would -------------------------------------------------------
 
 
-def rownorm(u, vocab_axis, *, jit=False, **options):
-    """`projected_rownorm(vocab_axis=..., **options).update(u)` as float64 (a bare-array tree)."""
+@functools.cache
+def _jitted_update(vocab_axis, options):
+    tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis, **dict(options))
+    return jax.jit(tx.update)
+
+
+def rownorm(u, vocab_axis, *, jit=True, **options):
+    """`projected_rownorm(vocab_axis=..., **options).update(u)` as float64 (a bare-array tree):
+    jitted (one compile per options and shape, shared by the tests), or eagerly (each operation
+    compiled on its own: a few tests only)."""
     tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis, **options)
     u = jnp.asarray(u, jnp.float32)
-    update = jax.jit(tx.update) if jit else tx.update
+    update = _jitted_update(vocab_axis, tuple(sorted(options.items()))) if jit else tx.update
     out, _ = update(u, tx.init(u))
     assert out.shape == u.shape and out.dtype == jnp.float32
     return np.asarray(out, np.float64)
@@ -102,7 +112,8 @@ def gaussian(rng, shape, offset=0.5):
 def test_rownorm_matches_the_float64_reference_in_every_layout(rng, shape, vocab_axis):
     u = gaussian(rng, shape)
     want = ref_rownorm(u, vocab_axis)
-    for jit in (False, True):
+    # Eager calls too, on the rank-2 layouts (whose operations the other eager test shares).
+    for jit in (False, True) if len(shape) == 2 else (True,):
         got = rownorm(u, vocab_axis, jit=jit)
         np.testing.assert_allclose(got, want, atol=ATOL, err_msg=f"jit={jit}")
     # The wrong vocabulary axis is far from it (so the comparison above can tell them apart).
@@ -137,12 +148,10 @@ def test_rownorm_padding_rows_stay_out_of_the_means(rng, shape, vocab_axis):
     moved[num_valid:] = 1e3 * (1 + np.arange(moved.shape[0] - num_valid)).reshape(
         (-1,) + (1,) * (moved.ndim - 1))
     u = np.moveaxis(moved, 0, vocab_axis)
-    for jit in (False, True):
-        got = rownorm(u, vocab_axis, num_valid=num_valid, jit=jit)
-        np.testing.assert_allclose(got, ref_rownorm(u, vocab_axis, num_valid=num_valid),
-                                   atol=ATOL, err_msg=f"jit={jit}")
-        padding = np.moveaxis(got, vocab_axis, 0)[num_valid:]
-        np.testing.assert_array_equal(padding, 0.0)
+    got = rownorm(u, vocab_axis, num_valid=num_valid)
+    np.testing.assert_allclose(got, ref_rownorm(u, vocab_axis, num_valid=num_valid), atol=ATOL)
+    padding = np.moveaxis(got, vocab_axis, 0)[num_valid:]
+    np.testing.assert_array_equal(padding, 0.0)
     # The valid rows alone give the same valid rows.
     valid = np.take(u, np.arange(num_valid), axis=vocab_axis)
     np.testing.assert_allclose(np.take(got, np.arange(num_valid), axis=vocab_axis),
@@ -171,19 +180,18 @@ def test_eps_rule_near_the_row_norms(rng, vocab_axis):
     ``x / (||x|| + eps)`` is off by up to 0.5 here, where a default eps hides it."""
     rows = rows_with_norms(rng, NORMS, 6, EPS)
     u = rows if vocab_axis == 0 else rows.T
-    for jit in (False, True):
-        got = rownorm(u, vocab_axis, eps=EPS, jit=jit)
-        out_rows = got if vocab_axis == 0 else got.T
-        norms = np.linalg.norm(out_rows, axis=1)
-        expected = np.minimum(np.concatenate([NORMS, NORMS]), 1.0)
-        np.testing.assert_allclose(norms, expected, atol=1e-5, err_msg=f"jit={jit}")
-        np.testing.assert_allclose(got, ref_rownorm(u, vocab_axis, eps=EPS), atol=1e-5)
-        # Short rows keep their direction: exactly x / eps.
-        short = np.concatenate([NORMS, NORMS]) < 0.99
-        np.testing.assert_allclose(out_rows[short], rows[short] / EPS, atol=1e-5)
-        # The zero rows (norm 0, a +/- pair) stay (numerically) zero, never NaN.
-        assert np.all(np.isfinite(got))
-        np.testing.assert_allclose(out_rows[[0, len(NORMS)]], 0.0, atol=1e-5)
+    got = rownorm(u, vocab_axis, eps=EPS)
+    out_rows = got if vocab_axis == 0 else got.T
+    norms = np.linalg.norm(out_rows, axis=1)
+    expected = np.minimum(np.concatenate([NORMS, NORMS]), 1.0)
+    np.testing.assert_allclose(norms, expected, atol=1e-5)
+    np.testing.assert_allclose(got, ref_rownorm(u, vocab_axis, eps=EPS), atol=1e-5)
+    # Short rows keep their direction: exactly x / eps.
+    short = np.concatenate([NORMS, NORMS]) < 0.99
+    np.testing.assert_allclose(out_rows[short], rows[short] / EPS, atol=1e-5)
+    # The zero rows (norm 0, a +/- pair) stay (numerically) zero, never NaN.
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(out_rows[[0, len(NORMS)]], 0.0, atol=1e-5)
 
 
 def test_eps_rule_without_centring_is_exact_on_zero_rows(rng):
@@ -258,6 +266,20 @@ def test_rescale_modes_against_the_reference(rng, shape, vocab_axis):
 
 # --- the row diameter and its bracket ----------------------------------------------------------
 
+@functools.cache
+def _jitted(fn, **static):
+    return jax.jit(functools.partial(fn, **static))
+
+
+def row_diameter(s, **static):
+    """`rowgeom.row_diameter`, jitted once per options (and compiled once per shape)."""
+    return _jitted(rowgeom.row_diameter, **static)(s)
+
+
+def row_diameter_bounds(s, **static):
+    return _jitted(rowgeom.row_diameter_bounds, **static)(s)
+
+
 # Small arrays: (shape, vocab_axis), several sizes of V including 2 (where D = 2 r_c).
 DIAMETER_CASES = [((2, 3), 0), ((7, 5), 0), ((5, 7), 1), ((2, 9, 3), 1), ((1, 4), 0)]
 
@@ -297,13 +319,13 @@ def check_bracket(lower, upper, s, vocab_axis, *, sweeps):
 def test_diameter_and_bracket_against_brute_force(rng, shape, vocab_axis, kind):
     s = diameter_input(rng, shape, vocab_axis, kind)
     exact = brute_diameter(s, vocab_axis)
-    got = float(rowgeom.row_diameter(s, vocab_axis=vocab_axis))
+    got = float(row_diameter(s, vocab_axis=vocab_axis))
     assert got == pytest.approx(exact, rel=REL, abs=1e-7)
     if shape == (7, 5):  # blocks smaller than V: the scan over block pairs covers every pair
-        assert float(rowgeom.row_diameter(s, vocab_axis=vocab_axis, block_size=2)) == \
+        assert float(row_diameter(s, vocab_axis=vocab_axis, block_size=2)) == \
             pytest.approx(exact, rel=REL, abs=1e-7)
     for sweeps in (0, 2):
-        lower, upper = rowgeom.row_diameter_bounds(s, vocab_axis=vocab_axis, sweeps=sweeps)
+        lower, upper = row_diameter_bounds(s, vocab_axis=vocab_axis, sweeps=sweeps)
         assert lower.dtype == upper.dtype == jnp.float32
         check_bracket(lower, upper, s, vocab_axis, sweeps=sweeps)
 
@@ -319,10 +341,10 @@ def test_bracket_and_diameter_scale_with_the_input_near_float32_range(rng, shape
     scaled = (s.astype(np.float64) * 2.0**exponent).astype(np.float32)
     unit = 2.0**exponent
     exact = brute_diameter(s, vocab_axis)
-    got = float(rowgeom.row_diameter(scaled, vocab_axis=vocab_axis)) / unit
+    got = float(row_diameter(scaled, vocab_axis=vocab_axis)) / unit
     assert got == pytest.approx(exact, rel=REL)
     for sweeps in (0, 2):
-        lower, upper = rowgeom.row_diameter_bounds(scaled, vocab_axis=vocab_axis, sweeps=sweeps)
+        lower, upper = row_diameter_bounds(scaled, vocab_axis=vocab_axis, sweeps=sweeps)
         check_bracket(float(lower) / unit, float(upper) / unit, s, vocab_axis, sweeps=sweeps)
 
 
@@ -351,7 +373,7 @@ def test_tracker_of_a_projected_rownorm_step(rng):
     g = gaussian(rng, (12, 37))
     tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=1), optax.scale_by_learning_rate(lr),
                      rowgeom.track_row_diameter(vocab_axis=1))
-    step, state = tx.update(g, tx.init(g))
+    step, state = jax.jit(tx.update)(g, tx.init(g))
     np.testing.assert_allclose(step, -lr * ref_rownorm(g, 1), atol=lr * ATOL)
     stats = rowgeom.read_row_diameter(state)
     check_bracket(stats.lower, stats.upper, np.asarray(step), 1, sweeps=2)
@@ -361,28 +383,95 @@ def test_tracker_of_a_projected_rownorm_step(rng):
 
 # --- the same references on 8 simulated devices (the mesh formulation) -------------------------
 
-MESH_SCRIPT = pathlib.Path(__file__).with_name("_reference_mesh_checks.py")
 # check-name suffix -> tolerance (absolute for RowNorm entries and norms, relative otherwise)
 MESH_TOLERANCES = {"rownorm": ATOL, "rownorm_uncentred_input": ATOL, "rownorm_padded": ATOL,
                    "rownorm_eps": 1e-5, "rownorm_eps_norms": 1e-5, "diameter": REL,
                    "upper": REL, "lower": REL, "order": REL, "residual": REL}
+MESH_V, MESH_D, NUM_VALID = 40, 12, 30
+# 20 row norms (in units of eps) around eps: 40 rows in +/- pairs.
+MESH_NORMS = np.concatenate([NORMS, [0.1, 0.6, 0.75, 0.95, 1.05, 1.2, 2.0, 5.0, 7.0, 20.0]])
 
 
-@pytest.fixture(scope="module")
-def mesh_checks():
-    proc = ModuleSubprocess.script(MESH_SCRIPT)
-    yield proc
-    proc.close()
+def rel(a, b):
+    return abs(float(a) / float(b) - 1.0) if b else abs(float(a))
 
 
-@pytest.mark.slow
+def bracket_errors(lower, upper, s, vocab_axis, sweeps):
+    """Relative errors of the bracket against its float64 definition (0 when exact)."""
+    exact = brute_diameter(s, vocab_axis)
+    r_c, rms_c, vocab = centroid_stats(s, vocab_axis)
+    lower, upper = float(lower), float(upper)
+    errors = {"upper": rel(upper, 2 * r_c),
+              "order": max(lower / exact - 1.0, exact / upper - 1.0, 0.0)}
+    if sweeps == 0:
+        centroid = max(r_c, np.sqrt(2 * vocab / (vocab - 1)) * rms_c)
+        errors["lower"] = rel(lower, min(centroid, 2 * r_c))
+    else:  # an actual pair's length, never below r_c
+        errors["lower"] = max(np.abs(pair_distances(s, vocab_axis) - lower).min() / lower,
+                              max(1.0 - lower / r_c, 0.0))
+    return errors
+
+
+def _mesh_errors(axis_type, inside: bool):
+    mesh = jax.make_mesh((8,), ("vocab",), axis_types=(axis_type,))
+    rng = np.random.default_rng(0)
+    out = {}
+    context = (lambda: jax.set_mesh(mesh)) if inside else contextlib.nullcontext
+    table = gaussian(rng, (MESH_V, MESH_D))
+    padded = table.copy()
+    padded[NUM_VALID:] = 1e3
+    eps_rows = rows_with_norms(rng, MESH_NORMS, MESH_D, EPS)
+    clusters = diameter_input(rng, (MESH_V, MESH_D), 0, "clusters")
+    for name, vocab_axis, spec, t in (("table", 0, P("vocab", None), lambda a: a),
+                                      ("kernel", 1, P(None, "vocab"), lambda a: a.T)):
+        shard = lambda a, spec=spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
+        variants = {
+            "rownorm": (table, {}),
+            "rownorm_uncentred_input": (table, {"center_input": False}),
+            "rownorm_padded": (padded, {"num_valid": NUM_VALID}),
+            "rownorm_eps": (eps_rows, {"eps": EPS}),
+        }
+        for check, (x, options) in variants.items():
+            tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis, **options)
+            step = jax.jit(lambda u, tx=tx: tx.update(u, tx.init(u))[0])
+            with context():
+                got = np.asarray(step(shard(t(x))), np.float64)
+            want = ref_rownorm(t(x), vocab_axis, **options)
+            out[f"{name}_{check}"] = float(np.abs(got - want).max())
+        norms = np.linalg.norm(np.moveaxis(got, vocab_axis, 0), axis=1)
+        out[f"{name}_rownorm_eps_norms"] = float(
+            np.abs(norms - np.minimum(np.concatenate([MESH_NORMS, MESH_NORMS]), 1.0)).max())
+
+        s = t(clusters)
+        with context():  # jitted: eagerly, each operation would compile for the 8 devices
+            diameter = row_diameter(shard(s), vocab_axis=vocab_axis, block_size=16)
+            brackets = {k: row_diameter_bounds(shard(s), vocab_axis=vocab_axis, sweeps=k)
+                        for k in (0, 2)}
+            tracker = rowgeom.track_row_diameter(vocab_axis=vocab_axis)
+            _, state = jax.jit(tracker.update)(shard(s), tracker.init(shard(s)))
+        out[f"{name}_diameter"] = rel(diameter, brute_diameter(s, vocab_axis))
+        for k, (lower, upper) in brackets.items():
+            for part, err in bracket_errors(lower, upper, s, vocab_axis, k).items():
+                out[f"{name}_bracket{k}_{part}"] = err
+        for part, err in bracket_errors(state.lower, state.upper, s, vocab_axis, 2).items():
+            out[f"{name}_tracker_{part}"] = err
+        rows, _ = _token_rows(s, vocab_axis)
+        out[f"{name}_tracker_residual"] = rel(state.row_sum_residual,
+                                              np.linalg.norm(rows.sum(axis=0)))
+    return out
+
+
+
+@pytest.mark.sharded
+@pytest.mark.usefixtures("sharded_devices")
 @pytest.mark.parametrize("context", ["auto_mesh", "explicit_mesh", "auto_sharded_input"])
-def test_vocab_sharded_heads_match_the_references(mesh_checks, context):
+def test_vocab_sharded_heads_match_the_references(context):
     """Vocabulary-sharded (V, d) tables and (d, V) kernels on 8 devices, inside `jax.set_mesh`
     (Auto and Explicit axes) and as sharded inputs outside it: projected RowNorm (eps near the
     row norms, padding, flags), the bracket, the exact diameter and the tracker, each within
-    float32 rounding of its float64 reference (_reference_mesh_checks.py)."""
-    errors = mesh_checks.json()[context]
+    float32 rounding of its float64 reference."""
+    axis_type = AxisType.Explicit if context == "explicit_mesh" else AxisType.Auto
+    errors = _mesh_errors(axis_type, inside=context != "auto_sharded_input")
     assert len(errors) == 2 * 16, sorted(errors)  # every check ran, for both layouts
     for check, error in errors.items():
         suffix = check.split("_", 1)[1]

@@ -83,31 +83,73 @@ def step(g, r, **kw):
 # --- the reference, layouts, padding, dtypes ------------------------------------------------------
 
 
+FLAGS = [(True, True), (True, False), (False, True), (False, False)]
+REFERENCE_CASES = [((40, 6), 0), ((6, 40), 1), ((3, 40, 2), 1), ((3, 2, 40), -1), ((40, 2, 3), 0)]
+
+
+@functools.cache
+def _reference_grid(formulation):
+    """(inputs, outputs[flags][case][num_valid]) for every flag pair, layout and padding: one
+    jitted program per formulation (a program per combination would be 40 compiles)."""
+    rng = np.random.default_rng(0)
+    inputs = [rng.normal(size=shape) + 0.5 for shape, _ in REFERENCE_CASES]
+
+    def run(us):
+        out = {}
+        for ci, co in FLAGS:
+            opts = dict(eps=1e-8, center_input=ci, center_output=co)
+            for i, ((_, axis), u) in enumerate(zip(REFERENCE_CASES, us, strict=True)):
+                for num_valid in (None, 23):
+                    if formulation is None:
+                        y = rownorm_direction(u, vocab_axis=axis, num_valid=num_valid, **opts)
+                    else:
+                        a = axis % u.ndim
+                        y = _FNS[formulation](u, a, num_valid=num_valid or u.shape[a], **opts)
+                    out[ci, co, i, num_valid or 0] = y  # sortable pytree keys
+        return out
+
+    outputs = jax.jit(run)([jnp.asarray(u, jnp.float32) for u in inputs])
+    return inputs, jax.tree.map(lambda y: np.asarray(y, np.float64), outputs)
+
+
 @pytest.mark.parametrize("formulation", [None, *FORMULATIONS])
-@pytest.mark.parametrize("flags", [(True, True), (True, False), (False, True), (False, False)])
-def test_matches_float64_reference(rng, formulation, flags):
+@pytest.mark.parametrize("flags", FLAGS)
+def test_matches_float64_reference(formulation, flags):
     ci, co = flags
-    cases = [((40, 6), 0), ((6, 40), 1), ((3, 40, 2), 1), ((3, 2, 40), -1), ((40, 2, 3), 0)]
-    for shape, axis in cases:
-        u = rng.normal(size=shape) + 0.5
+    inputs, outputs = _reference_grid(formulation)
+    for i, ((shape, axis), u) in enumerate(zip(REFERENCE_CASES, inputs, strict=True)):
         for num_valid in (None, 23):
-            got = project(u, vocab_axis=axis, center_input=ci, center_output=co,
-                          num_valid=num_valid, formulation=formulation)
             want = np_project(u, axis, center_input=ci, center_output=co, num_valid=num_valid)
-            np.testing.assert_allclose(got, want, atol=2e-6,
+            np.testing.assert_allclose(outputs[ci, co, i, num_valid or 0], want, atol=2e-6,
                                        err_msg=f"{shape} axis={axis} num_valid={num_valid}")
 
 
-@pytest.mark.parametrize("block_rows", [1, 4, 7, 64])
+BLOCK_ROWS = [1, 4, 7, 64]
+
+
+@functools.cache
+def _cpu_blocks(num_valid):
+    """The XLA:CPU formulation at every block size, both layouts: one jitted program."""
+    u = np.random.default_rng(0).normal(size=(5, 37)).astype(np.float32)
+
+    def run(x):
+        return {(block_rows, axis): _cpu.rownorm(
+                    x if axis == 1 else x.T, axis, eps=1e-8, center_input=True,
+                    center_output=True, num_valid=num_valid, block_rows=block_rows)
+                for block_rows in BLOCK_ROWS for axis in (1, 0)}
+
+    return u, jax.jit(run)(jnp.asarray(u))
+
+
+@pytest.mark.parametrize("block_rows", BLOCK_ROWS)
 @pytest.mark.parametrize("num_valid", [37, 29, 1])
-def test_cpu_formulation_any_block_size(rng, block_rows, num_valid):
+def test_cpu_formulation_any_block_size(block_rows, num_valid):
     """Full blocks (of token rows, or of feature rows for a (d, V) kernel), a tail block, one
     block, and padding: the float64 reference's numbers, in both layouts."""
-    u = rng.normal(size=(5, 37)).astype(np.float32)
+    u, outputs = _cpu_blocks(num_valid)
     for x, axis in ((u, 1), (u.T, 0)):
-        got = _cpu.rownorm(jnp.asarray(x), axis, eps=1e-8, center_input=True,
-                           center_output=True, num_valid=num_valid, block_rows=block_rows)
-        np.testing.assert_allclose(np.asarray(got), np_project(x, axis, num_valid=num_valid),
+        np.testing.assert_allclose(np.asarray(outputs[block_rows, axis]),
+                                   np_project(x, axis, num_valid=num_valid),
                                    atol=2e-6, err_msg=f"vocab_axis={axis}")
 
 
@@ -198,7 +240,7 @@ def test_eps_below_the_float32_safe_minimum_is_rejected(eps):
         rownorm_direction(u, vocab_axis=0, eps=eps)
     with pytest.raises(ValueError, match="eps must be a finite float >= 9.09e-13"):
         projected_rownorm(vocab_axis=0, eps=eps)
-    y = np.asarray(rownorm_direction(u, vocab_axis=0, eps=MIN_EPS), np.float64)
+    y = np.asarray(jitted(vocab_axis=0, eps=MIN_EPS)(u), np.float64)
     assert np.linalg.norm(y, axis=1).max() <= 1.0  # rows far below eps: x / eps, tiny
 
 
@@ -249,7 +291,7 @@ def test_writes_in_place_over_a_donated_input(rng):
 
 def test_vmap_and_grad_agree_between_formulations(rng):
     u = jnp.asarray(rng.normal(size=(3, 30, 6)), jnp.float32)
-    got = jax.vmap(lambda x: rownorm_direction(x, vocab_axis=0))(u)
+    got = jax.jit(jax.vmap(lambda x: rownorm_direction(x, vocab_axis=0)))(u)
     for i in range(3):
         np.testing.assert_allclose(got[i], np_project(u[i], 0), atol=3e-6)
 
@@ -258,8 +300,8 @@ def test_vmap_and_grad_agree_between_formulations(rng):
         return lambda x: jnp.sum(jnp.sin(fn(x, 0, eps=1e-8, center_input=True,
                                             center_output=True, num_valid=30)))
 
-    np.testing.assert_allclose(jax.grad(loss("cpu"))(u[0]), jax.grad(loss("xla"))(u[0]),
-                               atol=1e-5)
+    grads = jax.jit(lambda x: (jax.grad(loss("cpu"))(x), jax.grad(loss("xla"))(x)))(u[0])
+    np.testing.assert_allclose(*grads, atol=1e-5)
 
 
 def test_impl_chooses_the_formulation_and_auto_follows_the_array(monkeypatch):
@@ -375,8 +417,9 @@ def test_t7_within_jungs_factor_of_the_exact_diameter_optimum(rng):
             np.testing.assert_allclose(decrease / opt, 1, rtol=1e-4)
         # Beyond the paper: S * rho / D(S) is still feasible and never worse.
         tx = projected_rownorm(vocab_axis=0, eps=MIN_EPS, rescale="exact")
-        s_big = -(rho / 2) * np.asarray(tx.update(jnp.asarray(g, jnp.float32), None)[0],
-                                        np.float64)
+        s_big = -(rho / 2) * np.asarray(
+            jax.jit(lambda u, tx=tx: tx.update(u, None)[0])(jnp.asarray(g, jnp.float32)),
+            np.float64)
         assert decrease * (1 - 1e-5) <= -(g * s_big).sum() <= opt * (1 + 1e-4)
         np.testing.assert_allclose(np_diameter(s_big), rho, rtol=1e-5)
 
@@ -557,11 +600,11 @@ def test_rescale(rng, mode):
         assert 1 - 1e-5 <= diameter <= 2 * (1 + 1e-5)
     padded = jnp.concatenate([g, jnp.full((5, 4), 7.0)], axis=1)
     tx_pad = projected_rownorm(vocab_axis=1, rescale=mode, num_valid=30)
-    out_pad = np.asarray(tx_pad.update(padded, None)[0], np.float64)
+    out_pad = np.asarray(jax.jit(lambda u: tx_pad.update(u, None)[0])(padded), np.float64)
     np.testing.assert_allclose(out_pad[:, :30], out, atol=1e-5)
     assert np.all(out_pad[:, 30:] == 0)
     constant = jnp.ones((5, 30), jnp.float32)  # D = 0: no 0/0
-    assert np.all(np.asarray(tx.update(constant, None)[0]) == 0)
+    assert np.all(np.asarray(jax.jit(tx.update)(constant, None)[0]) == 0)
 
 
 # --- bad input ------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ the diameter clip plain and exact, the tracker, Muon, and `lm_optimizer` with ea
 - it works under `optax.inject_hyperparams` (and a changed hyperparameter takes effect),
   `optax.MultiSteps` (k=2 equals one step on the mean gradient), `optax.apply_if_finite` (a
   NaN step is skipped, state untouched) and `nnx.Optimizer` on an NNX model;
-- on 8 simulated devices, sharded equals unsharded (`_battery_sharded.py`, one subprocess).
+- on 8 CPU devices (`sharded` tests: `python -m pytest -q -m sharded`), sharded equals
+  unsharded.
 
 And the RowNorm step's defining property on adversarial inputs: `D(step) <= 2 r` and equality
 with a float64 numpy reference. Public API only.
@@ -20,7 +21,6 @@ with a float64 numpy reference. Public API only.
 from __future__ import annotations
 
 import functools
-import pathlib
 
 import _battery_cases as bc
 import jax
@@ -28,18 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _subprocess import ModuleSubprocess
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import rowgeom
 
 CASES = pytest.mark.parametrize("case", bc.CASES, ids=bc.CASE_NAMES)
-pytestmark = pytest.mark.usefixtures("fast_compile")  # cheaper XLA compiles, same semantics
-SHARDED_SCRIPT = pathlib.Path(__file__).with_name("_battery_sharded.py")
-# The wait for it after the in-process tests (below pytest's per-test timeout, pyproject.toml).
-SHARDED_TIMEOUT_S = 240
 
 
 def _assert_trees_close(got, want, *, rtol=1e-5, what=""):
@@ -251,23 +248,101 @@ def test_nnx_optimizer_matches_plain_pytree(case):
 # --- 8 devices -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _sharded_process(request):
-    """The 8-device subprocess, run once for the module. It starts when the module starts, so
-    that it runs beside the in-process tests (its compiles take most of its time), unless no
-    selected test needs it (e.g. `-m "not slow"`); killed if still running at the end."""
-    proc = ModuleSubprocess.script(SHARDED_SCRIPT, timeout_s=SHARDED_TIMEOUT_S)
-    if any(getattr(item, "module", None) is request.module
-           and "sharded_results" in item.fixturenames for item in request.session.items):
-        proc.start()
-    yield proc
-    proc.close()
+AUTO = AxisType.Auto
+EXPLICIT = AxisType.Explicit
+# "8" and "2x4": Auto axes; "8-explicit": the 8-way layout with Explicit axes (what
+# jax.make_mesh gives by default), where sharding is part of every array's type.
 
 
-@pytest.fixture
-def sharded_results(_sharded_process):
-    """The subprocess's results (its stderr, once, if it fails; see tests/_subprocess.py)."""
-    return _sharded_process.json()
+def _spec(shape, layout):
+    """Where a leaf is split. The vocabulary axis (size V or VPAD) is sharded when the mesh axis
+    divides it; V = 100 does not divide by 8, so on the 8-way mesh such a head is split along
+    its feature axis instead (as FSDP does), and on the 2x4 mesh its vocabulary goes 4 ways."""
+    if len(shape) == 1:
+        return P("data") if layout == "2x4" else P("x")
+    vocab = next((i for i, n in enumerate(shape) if n in (bc.V, bc.VPAD)), 1)
+    other = 1 - vocab
+    spec = [None, None]
+    if layout == "2x4":
+        spec[vocab], spec[other] = "model", "data"
+    elif shape[vocab] % 8 == 0:
+        spec[vocab] = "x"
+    else:
+        spec[other] = "x"
+    return P(*spec)
+
+
+def _mesh(layout):
+    if layout == "2x4":
+        return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
+    return jax.make_mesh((8,), ("x",), axis_types=(EXPLICIT if "explicit" in layout else AUTO,))
+
+
+def _spec_str(x):
+    """The array's PartitionSpec without trailing Nones (P('x', None) and P('x') are equal)."""
+    spec = list(x.sharding.spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return str(P(*spec))
+
+
+def _two_steps(tx, params, grads):
+    step = bc.step(tx)
+    state = tx.init(params)
+    outs = []
+    for g in grads:
+        updates, state = step(g, state, params)
+        outs.append(updates)
+    return outs, state
+
+
+def _rel_diff(got, want):
+    """Max over leaves of max|got - want| / max|want| (each leaf on its own scale)."""
+    la, lb = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(la) == len(lb), (len(la), len(lb))
+    worst = 0.0
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.size:
+            scale = max(float(np.max(np.abs(y))), 1e-30)
+            worst = max(worst, float(np.max(np.abs(x - y))) / scale)
+    return worst
+
+
+def run_case(case, layout, want):
+    params = bc.params_for(case)
+    grads = [bc.grads_for(params, seed) for seed in (0, 10)]
+    tx = case.build()
+    mesh = _mesh(layout)
+
+    def place(tree):
+        return jax.tree.map(
+            lambda x: jax.device_put(x, NamedSharding(mesh, _spec(x.shape, layout))), tree)
+
+    with jax.set_mesh(mesh):
+        placed = place(params)
+        got_updates, got_state = _two_steps(tx, placed, [place(g) for g in grads])
+        placed_specs = [_spec_str(x) for x in jax.tree.leaves(placed)]
+        update_specs = [_spec_str(x) for x in jax.tree.leaves(got_updates[-1])]
+    return {"updates": _rel_diff(got_updates, want[0]), "state": _rel_diff(got_state, want[1]),
+            "param_specs": placed_specs,
+            # leaves whose update is not sharded like its parameter: (param spec, update spec)
+            "resharded": [(p, u) for p, u in zip(placed_specs, update_specs, strict=True)
+                          if p != u]}
+
+
+
+@functools.cache
+def _unsharded_two_steps(name):
+    case = bc.BY_NAME[name]
+    params = bc.params_for(case)
+    return _two_steps(case.build(), params, [bc.grads_for(params, seed) for seed in (0, 10)])
+
+
+@functools.cache
+def _sharded_case(layout, name):
+    """Two jitted steps on sharded params and gradients against the same steps unsharded."""
+    return run_case(bc.BY_NAME[name], layout, _unsharded_two_steps(name))
 
 
 LAYOUTS = ["8", "2x4", "8-explicit"]
@@ -277,27 +352,28 @@ LAYOUTS = ["8", "2x4", "8-explicit"]
 KNOWN_RESHARDED: dict[str, set[str]] = {}
 
 
-@pytest.mark.slow
+@pytest.mark.sharded
+@pytest.mark.usefixtures("sharded_devices")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @CASES
-def test_sharded_equals_unsharded(sharded_results, layout, case):
+def test_sharded_equals_unsharded(layout, case):
     """Two steps, params and gradients sharded: on 8 devices (a vocabulary of 100, not divisible
     by 8, is split along its feature axis; the padded 104 along its vocabulary), the same with
     Explicit axes, and on a 2x4 mesh (vocabulary 4 ways, features 2 ways)."""
-    res = sharded_results[layout][case.name]
-    assert "error" not in res, f"{case.name} on mesh {layout} raised:\n{res['error']}"
+    res = _sharded_case(layout, case.name)
     assert any("'" in s for s in res["param_specs"]), res["param_specs"]  # really split
     assert res["updates"] <= 1e-5, res
     assert res["state"] <= 1e-5, res
 
 
-@pytest.mark.slow
+@pytest.mark.sharded
+@pytest.mark.usefixtures("sharded_devices")
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_sharded_updates_keep_the_params_sharding(sharded_results, layout):
+def test_sharded_updates_keep_the_params_sharding(layout):
     """Every update leaf comes back sharded like its parameter (no silent all-gather), except
     the known cases of KNOWN_RESHARDED."""
-    resharded = {name: res.get("resharded") for name, res in sharded_results[layout].items()
-                 if res.get("resharded") or "error" in res}
+    resharded = {name: _sharded_case(layout, name)["resharded"] for name in bc.CASE_NAMES}
+    resharded = {name: moved for name, moved in resharded.items() if moved}
     known = KNOWN_RESHARDED.get(layout, set())
     assert set(resharded) == known, (
         f"resharded (param spec, update spec) per case: {resharded}; known: {known} (update "
