@@ -11,6 +11,10 @@
   `sharded` marks the 8-device tests: they run only in a process of their own, selected with
   `-m sharded` (see `_SHARDED`); every other invocation deselects them, and a `sharded`
   invocation deselects everything else (jax's device count is fixed once its backend starts).
+- `commands` marks the tests that run a whole command as written, end to end (README's
+  commands, the quick benchmark suite: minutes each on a CPU). Only a `-m` expression that names
+  `commands` runs them (`python -m pytest -m commands`; `.ci/run` runs them in a step of their
+  own): the suite's time stays the suite's.
 - Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml).
 """
 
@@ -66,11 +70,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Sharded tests only in a sharded process, and only sharded tests there."""
+    """Sharded tests only in a sharded process, and only sharded tests there; `commands` tests
+    only when the `-m` expression names them."""
+    commands = "commands" in config.getoption("markexpr", "")
     keep, drop = [], []
     for item in items:
-        (keep if (item.get_closest_marker("sharded") is not None) == _SHARDED else drop).append(
-            item)
+        wanted = ((item.get_closest_marker("sharded") is not None) == _SHARDED
+                  and (commands or item.get_closest_marker("commands") is None))
+        (keep if wanted else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

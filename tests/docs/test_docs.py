@@ -96,6 +96,7 @@ def test_every_public_symbol_has_a_docstring_with_an_example():
     assert not without_example, f"public symbols without a >>> example: {without_example}"
 
 
+@pytest.mark.commands
 @pytest.mark.slow
 @pytest.mark.timeout(660)  # its subprocess has 600 s
 def test_benchmark_suite_quick_mode(tmp_path):

@@ -111,6 +111,7 @@ def scratch(tmp_path_factory):
     return tmp_path_factory.mktemp("readme")
 
 
+@pytest.mark.commands
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.parametrize("line, argv", COMMANDS,

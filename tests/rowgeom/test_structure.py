@@ -1,4 +1,4 @@
-"""Every structure heuristic on its own (rowgeom._paths, rowgeom._structure, rowgeom._experts),
+"""Every structure heuristic on its own (rowgeom._structure),
 table-driven: each case a small tree of shapes, each heuristic with a positive and a negative
 case, checked by what the labels, the plan or the structure say about it."""
 
