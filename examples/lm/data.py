@@ -189,16 +189,17 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
     without `tokenizer`. tokenizer: a `tokenizer.json`; the vocabulary is then the tokenizer's.
     Text is tokenized once into `workdir/tokens/` (`tools.prepare.token_cache`).
     """
-    if tokenizer is not None or source is None or not token_files(source):
+    paths = [] if source is None else token_files(source)
+    if tokenizer is not None or not paths:
         from examples.lm.tools import prepare  # text and tokenizers: the tools' side
         from examples.lm.tools import tokenizer as bpe
 
         if tokenizer is not None:
             vocab_size = bpe.vocab_size(bpe.load_tokenizer(tokenizer))
-        if source is None or not token_files(source):
+        if not paths:
             return prepare.token_cache(source, workdir, vocab_size=vocab_size,
                                        val_fraction=val_fraction, tokenizer=tokenizer)
-    return open_splits(source, token_files(source), vocab_size)
+    return open_splits(source, paths, vocab_size)
 
 
 # ----------------------------------------------------------------------------- batches
