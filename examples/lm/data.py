@@ -1,192 +1,208 @@
-"""The trainer's token data: a data source turned into train and validation token arrays.
+"""The trainer's token data: token files, memory-mapped, and the batches the loop reads of them.
 
-`prepare_tokens(source=...)`:
+`prepare_tokens(source=...)` gives the train and validation splits:
 
-- None: the running interpreter's standard library `.py` sources (about 11 MiB on CPython 3.11,
-  tests excluded), split by file. No download.
-- Token files (a directory, a glob or a `.bin` file; see formats.py): rowgeom shards, llm.c /
-  modded-nanogpt shards, nanoGPT `train.bin` / `val.bin`. Memory-mapped as they are.
-- Text: a UTF-8 file, a `.jsonl` file (one JSON object with a "text" field per line, each a
-  document) or a directory or glob of them; several files are split into train and validation by
-  file (`split_files`), a single file by its last lines or records. Tokenized with a given
-  `tokenizer.json` or with a byte-level BPE trained on the train split (tokenization.py), and
-  cached under the work directory as rowgeom shards.
+- token files (a directory, a glob or a `.bin` file), memory-mapped as they are, split by name
+  (names containing `train` / `val`). `read_shard` reads one file in any of three layouts, told
+  apart by their first bytes, each a header (possibly empty) then little-endian token ids:
+  - **rowgeom** (written by `write_shard`: `tools/prepare.py` and the token cache): a 32-byte
+    header `struct("<8sIIQQ")` = (magic `b"RGTOKENS"`, version 1, dtype code 1 = uint16 /
+    2 = uint32, token count, largest token id);
+  - **llm.c / modded-nanogpt**: 256 int32 (`[0]` = magic 20240520, `[1]` = version 1,
+    `[2]` = token count), then uint16 (`dev/data/data_common.py` in karpathy/llm.c);
+  - **nanoGPT**: `train.bin` / `val.bin`, raw uint16, no header (recognised by these names).
+- text, or None (the running interpreter's standard library): tokenized once by
+  `tools/prepare.py` into rowgeom shards cached under the work directory, then read as above.
 
-Nothing here unpickles or evaluates: shards are a checked binary header plus raw little-endian
-integers, and the tokenizer and cache metadata are JSON.
-
-The loop reads the result through `BatchSampler` (random training windows) and `ValidationSet`
-(the fixed validation set): pure functions of `(seed, step)` and of the split, so a resumed run
-replays the same data, and each process reads only its share of every global batch. To train on
-other data, give `--data.source` token files or text; in code, `train.start` is the one place
-that calls `prepare_tokens`, and any `TokenSplits` of 1-D integer arrays serves the loop.
+Every header is checked against the file size, and every file's largest id against the
+vocabulary when it is opened (the rowgeom header records it; the other layouts are scanned
+through the memory map), so a mismatched tokenizer stops the run before its first step. Nothing
+is unpickled. `BatchSampler` (random training windows) and `ValidationSet` (the fixed validation
+set) are pure functions of `(seed, step)` and of the split: a resumed run replays the same data,
+and each process reads only its share of every global batch.
 """
 
 from __future__ import annotations
 
 import glob as globlib
-import hashlib
-import json
-import logging
 import os
-import shutil
-import sys
-import sysconfig
-import tempfile
-import time
+import struct
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from examples.lm import formats, tokenization
-
-log = logging.getLogger(__name__)
-
-_CACHE_FORMAT = 1  # bump when the cache layout or the encoding changes
+ROWGEOM_MAGIC = b"RGTOKENS"
+_HEADER = struct.Struct("<8sIIQQ")  # 32 bytes, little-endian
+_DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+LLMC_MAGIC, LLMC_HEADER_BYTES = 20240520, 1024
 
 
 class TokenSplits(NamedTuple):
-    train: np.ndarray  # 1-D token ids (a read-only memmap, or formats.ShardedTokens)
+    train: np.ndarray  # 1-D token ids: a read-only memmap, or ShardedTokens over several
     val: np.ndarray
-    vocab_size: int  # every id is < vocab_size (the tokenizer's size, or the given bound)
-    format: str = "text"  # "text" (tokenized here) or one of formats.FORMATS
+    vocab_size: int  # every id is < vocab_size
+    format: str = "text"  # "text" (tokenized here), "rowgeom", "llmc" or "nanogpt"
 
 
-def _fingerprint(name, root, files, vocab_size, val_fraction, tokenizer_hash) -> dict:
-    # Sizes and mtimes, not contents: a cache hit must not read a large corpus.
-    stats = [[f.relative_to(root).as_posix() if root else f.name, st.st_size, st.st_mtime_ns]
-             for f, st in ((f, f.stat()) for f in files)]
-    return {"format": _CACHE_FORMAT, "source": name, "vocab_size": vocab_size,
-            "val_fraction": val_fraction, "tokenizers": tokenization.library_version(),
-            "tokenizer": tokenizer_hash, "files": stats}
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab_size <= 65536): half the disk and page cache of uint32."""
+    return _DTYPE_CODES[1] if vocab_size <= 1 << 16 else _DTYPE_CODES[2]
 
 
-def _load_cache(directory: Path, fingerprint: dict, vocab_size: int) -> TokenSplits:
-    """The cached splits, after checking they are the ones `fingerprint` describes."""
-    meta = json.loads((directory / "meta.json").read_text())
-    if meta.get("fingerprint") != fingerprint:
-        raise ValueError("fingerprint mismatch")
-    size = tokenization.vocab_size(tokenization.load_tokenizer(directory / "tokenizer.json"))
-    if size > vocab_size:
-        raise ValueError(f"tokenizer has {size} > {vocab_size} entries")
+def write_shard(path, tokens) -> Path:
+    """Write 1-D non-negative integer `tokens` as a rowgeom shard (uint16 if they fit, else
+    uint32), atomically (a temporary name renamed into place)."""
+    path, tokens = Path(path), np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"write_shard({path}): tokens must be a non-empty 1-D integer array, "
+                         f"got shape {tokens.shape} dtype {tokens.dtype}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= 1 << 32:
+        raise ValueError(f"write_shard({path}): token ids must be in [0, 2**32), got [{lo}, {hi}]")
+    code = 1 if hi < 1 << 16 else 2
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(_HEADER.pack(ROWGEOM_MAGIC, 1, code, tokens.size, hi))
+        f.write(tokens.astype(_DTYPE_CODES[code]).tobytes())
+    os.replace(tmp, path)
+    return path
+
+
+def open_shard(path) -> tuple[str, np.memmap, int]:
+    """(layout, read-only memmap of the tokens, largest id) of one token file, its header checked
+    against the file size. The largest id is the rowgeom header's, else a scan of the map."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(_HEADER.size)
+    top = None
+    if head[:8] == ROWGEOM_MAGIC:
+        if len(head) < _HEADER.size:
+            raise ValueError(f"token shard {path} is truncated: {len(head)} bytes, shorter than "
+                             f"its {_HEADER.size}-byte header")
+        _, version, code, count, top = _HEADER.unpack(head)
+        if version != 1 or code not in _DTYPE_CODES:
+            raise ValueError(f"token shard {path} has version {version}, dtype code {code}; this "
+                             "code reads version 1 with codes 1 (uint16) and 2 (uint32)")
+        layout, offset, dtype = "rowgeom", _HEADER.size, _DTYPE_CODES[code]
+    elif len(head) >= 12 and struct.unpack("<i", head[:4])[0] == LLMC_MAGIC:
+        version, count = struct.unpack("<2i", head[4:12])
+        if version != 1:
+            raise ValueError(f"llm.c shard {path} has version {version}; this code reads "
+                             "version 1 (uint16 tokens)")
+        layout, offset, dtype = "llmc", LLMC_HEADER_BYTES, np.dtype("<u2")
+    elif path.name in ("train.bin", "val.bin"):
+        layout, offset, dtype, count = "nanogpt", 0, np.dtype("<u2"), path.stat().st_size // 2
+    else:
+        raise ValueError(f"{path} is not a known token file: no rowgeom header (b'RGTOKENS'), no "
+                         f"llm.c header (int32 magic {LLMC_MAGIC}), and not named train.bin / "
+                         "val.bin (nanoGPT raw uint16)")
+    expected, actual = offset + count * dtype.itemsize, path.stat().st_size
+    if actual != expected or count == 0:
+        raise ValueError(f"token file {path}: header says {count} {dtype.name} tokens "
+                         f"({expected} bytes with header) but the file has {actual} bytes "
+                         "(truncated, corrupt or empty)")
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+    return layout, tokens, int(tokens.max()) if top is None else int(top)
+
+
+def read_shard(path) -> np.memmap:
+    """The tokens of one token file (`open_shard`), memory-mapped read-only."""
+    return open_shard(path)[1]
+
+
+class ShardedTokens:
+    """Token files seen as one 1-D sequence without reading them: `len`, contiguous slices (which
+    may cross file boundaries) and `np.asarray` (which reads everything)."""
+
+    ndim = 1
+
+    def __init__(self, shards):
+        self.shards = list(shards)
+        self._starts = np.cumsum([0] + [len(s) for s in self.shards])
+        self.dtype = np.result_type(*(s.dtype for s in self.shards))
+        self.shape = (int(self._starts[-1]),)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("ShardedTokens supports contiguous slices only, e.g. tokens[a:b]")
+        start, stop, _ = index.indices(len(self))
+        # Files outside [start, stop) contribute empty slices; only the overlapping pages are read.
+        pieces = [s[max(start - a, 0): max(stop - a, 0)]
+                  for s, a in zip(self.shards, self._starts[:-1], strict=True)]
+        return np.concatenate(pieces).astype(self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.concatenate(self.shards).astype(dtype or self.dtype)
+
+
+def token_files(source) -> list[Path]:
+    """The `.bin` files `source` (a directory, a glob or a `.bin` file) names; [] for text."""
+    source = str(source)
+    if any(c in source for c in "*?["):
+        return sorted(Path(p) for p in globlib.glob(os.path.expanduser(source))
+                      if p.endswith(".bin"))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file() and p.suffix == ".bin")
+    return [path] if path.suffix == ".bin" else []
+
+
+def open_splits(source, paths, vocab_size: int) -> TokenSplits:
+    """The train / val splits of token files `paths` (split by name), each file's largest id
+    checked against `vocab_size` as it is opened."""
+    opened = {}
+    for path in paths:
+        if ("train" in path.name) == ("val" in path.name):
+            raise ValueError(f"{path}: cannot tell its split; token file names must contain "
+                             "'train' or 'val' (not both)")
+        layout, tokens, top = open_shard(path)
+        if top >= vocab_size:
+            raise ValueError(
+                f"{path} holds token id {top}, not below the vocabulary size {vocab_size}: it was "
+                f"made with another tokenizer; pass that tokenizer's --data.tokenizer or "
+                f"--model.vocab_size {top + 1} or more")
+        opened[path] = layout, tokens
+    layouts = sorted({layout for layout, _ in opened.values()})
+    if len(layouts) > 1:
+        raise ValueError(f"{source} mixes token file layouts {layouts}; use one per dataset")
     splits = []
-    for name in ("train", "val"):
-        shard = formats.read_token_file(directory / f"{name}.bin")
-        if (shard.format != "rowgeom" or len(shard.tokens) != meta[f"{name}_tokens"]
-                or shard.max_token >= vocab_size):
-            raise ValueError(f"{name}.bin does not match meta.json")
-        splits.append(shard.tokens)
-    return TokenSplits(splits[0], splits[1], vocab_size)
-
-
-def _token_files(found: formats.TokenFiles, vocab_size: int) -> TokenSplits:
-    if found.max_token is not None and found.max_token >= vocab_size:
-        for shard in (*found.train.paths, *found.val.paths):
-            top = formats.read_token_file(shard).max_token
-            if top >= vocab_size:
-                raise ValueError(f"token file {shard} holds token id {top}, which is not below "
-                                 f"the vocabulary size {vocab_size}")
-    return TokenSplits(found.train, found.val, vocab_size, found.format)
+    for split in ("train", "val"):
+        chosen = [tokens for path, (_, tokens) in opened.items() if split in path.name]
+        if not chosen:
+            raise ValueError(
+                f"{source}: no {split} token file (names containing {split!r}) among "
+                f"{', '.join(p.name for p in paths[:5])}; pass a directory or glob that matches "
+                "both *train* and *val* files")
+        splits.append(chosen[0] if len(chosen) == 1 else ShardedTokens(chosen))
+    return TokenSplits(*splits, vocab_size, layouts[0])
 
 
 def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float = 0.05,
                    tokenizer=None) -> TokenSplits:
     """Token ids for training and validation (see the module docstring for `source`).
 
-    vocab_size: the BPE's size when a text source is tokenized without `tokenizer`; the bound
-    every id of token files must be below. tokenizer: path of a `tokenizer.json` for text
-    sources; the vocabulary is then the tokenizer's (and the bound for token files too).
-    Text is cached under `workdir/tokens/`, keyed by the source files (names, sizes, mtimes), the
-    tokenizer and `val_fraction`, and checked when reused. Each process builds the same cache
-    (training and encoding are deterministic); a shared directory is written atomically.
+    vocab_size: the bound every id must be below, and the BPE's size when text is tokenized
+    without `tokenizer`. tokenizer: a `tokenizer.json`; the vocabulary is then the tokenizer's.
+    Text is tokenized once into `workdir/tokens/` (`tools.prepare.token_cache`).
     """
-    workdir = Path(workdir).expanduser().resolve()
-    pretrained = None if tokenizer is None else tokenization.load_tokenizer(tokenizer)
-    if pretrained is not None:
-        vocab_size = tokenization.vocab_size(pretrained)
-    if source is None:
-        name, strict = "stdlib", False
-        root, files = stdlib_root(), stdlib_source_files()
-    else:
-        found = formats.find_token_files(source)
-        if found is not None:
-            return _token_files(found, vocab_size)
-        name, strict = str(source), True
-        root, files = text_files(source)
-        # A work directory inside the source must not feed its own cache back into the corpus.
-        files = [f for f in files if not f.is_relative_to(workdir)]
-    tokenizer_hash = None
-    if pretrained is not None:
-        tokenizer_hash = hashlib.sha256(Path(tokenizer).expanduser().read_bytes()).hexdigest()
-    fingerprint = _fingerprint(name, root, files, vocab_size, val_fraction, tokenizer_hash)
-    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-    label = "stdlib" if source is None else Path(str(source).rstrip("*/")).stem or "data"
-    cache = workdir / "tokens" / f"{label}-v{vocab_size}-{key}"
-    if cache.is_dir():
-        try:
-            return _load_cache(cache, fingerprint, vocab_size)
-        except Exception as e:  # any damage (missing file, bad JSON, bad shard): rebuild it
-            log.warning("token cache %s is unusable (%s); rebuilding it", cache, e)
-            shutil.rmtree(cache, ignore_errors=True)
-    _build_cache(cache, fingerprint, files, name=name, strict=strict, pretrained=pretrained,
-                 vocab_size=vocab_size, val_fraction=val_fraction)
-    return _load_cache(cache, fingerprint, vocab_size)
+    paths = [] if source is None else token_files(source)
+    if tokenizer is not None or not paths:
+        from examples.lm.tools import prepare  # text and tokenizers: the tools' side
+        from examples.lm.tools import tokenizer as bpe
 
-
-def _build_cache(cache: Path, fingerprint: dict, files, *, name, strict, pretrained, vocab_size,
-                 val_fraction) -> None:
-    """Split and tokenize `files` (training the BPE unless `pretrained`) into `cache`."""
-    train_texts, val_texts = split_documents(files, val_fraction=val_fraction,
-                                                    strict=strict)
-    t0 = time.perf_counter()
-    tok = pretrained if pretrained is not None else tokenization.train_bpe(train_texts,
-                                                                             vocab_size)
-    t1 = time.perf_counter()
-    dtype = formats.token_dtype(vocab_size)
-    train_ids = tokenization.encode_documents(tok, train_texts, dtype)
-    val_ids = tokenization.encode_documents(tok, val_texts, dtype)
-    t2 = time.perf_counter()
-    log.info("tokenizer ready in %.1f s, %d + %d tokens encoded in %.1f s",
-             t1 - t0, train_ids.size, val_ids.size, t2 - t1)
-    for split, ids in (("train", train_ids), ("validation", val_ids)):
-        if ids.size == 0:
-            raise ValueError(f"the {split} split of {name} encodes to no tokens")
-
-    # Build in a private directory and rename it into place: readers never see a partial cache.
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}."))
-    tok.save(str(tmp / "tokenizer.json"))
-    formats.write_shard(tmp / "train.bin", train_ids)
-    formats.write_shard(tmp / "val.bin", val_ids)
-    meta = {"fingerprint": fingerprint, "train_tokens": int(train_ids.size),
-            "val_tokens": int(val_ids.size), "python": sys.version,
-            "train_seconds": round(t1 - t0, 3), "encode_seconds": round(t2 - t1, 3)}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the work directory
-    try:
-        os.replace(tmp, cache)
-    except OSError:  # another process finished first; its cache is identical
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tokenizer is not None:
+            vocab_size = bpe.vocab_size(bpe.load_tokenizer(tokenizer))
+        if not paths:
+            return prepare.token_cache(source, workdir, vocab_size=vocab_size,
+                                       val_fraction=val_fraction, tokenizer=tokenizer)
+    return open_splits(source, paths, vocab_size)
 
 
 # ----------------------------------------------------------------------------- batches
-
-
-def check_ids(windows, vocab_size, tokens, starts, what: str) -> None:
-    """Raise naming the file and position when a window holds an id >= vocab_size (the embedding
-    lookup would otherwise return garbage far from the cause)."""
-    if vocab_size is None or windows.size == 0 or windows.max() < vocab_size:
-        return
-    row, col = np.argwhere(windows >= vocab_size)[0]
-    position = int(starts[row]) + int(col)
-    where = f"position {position}"
-    if hasattr(tokens, "locate"):
-        path, offset = tokens.locate(position)
-        where = f"{path}, token {offset}" if path is not None else where
-    raise ValueError(f"{what}: token id {windows[row, col]} at {where} is not below the model's "
-                     f"vocabulary size {vocab_size}; the data was made with another tokenizer "
-                     "(pass --data.tokenizer or --model.vocab_size to match it)")
 
 
 class BatchSampler:
@@ -199,7 +215,7 @@ class BatchSampler:
     """
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int,
-                 process_index: int = 0, process_count: int = 1, vocab_size: int | None = None):
+                 process_index: int = 0, process_count: int = 1):
         if min(batch_size, seq_len, process_count) < 1 or seed < 0:
             raise ValueError(
                 "BatchSampler: batch_size, seq_len, process_count must be >= 1 and seed >= 0, "
@@ -213,7 +229,7 @@ class BatchSampler:
                 f"BatchSampler: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
         self.local_batch_size = batch_size // process_count
-        self.process_index, self.vocab_size = process_index, vocab_size
+        self.process_index = process_index
 
     def get(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(inputs_BT, targets_BT), int32, B = local batch size; targets_BT[:, t] follows
@@ -223,10 +239,9 @@ class BatchSampler:
         rng = np.random.default_rng([self.seed, step])
         starts_B = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
         lo = self.process_index * self.local_batch_size
-        local_B = starts_B[lo: lo + self.local_batch_size]
-        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in local_B]
+        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1])
+                for s in starts_B[lo: lo + self.local_batch_size]]
         windows_BT1 = np.stack(rows).astype(np.int32)
-        check_ids(windows_BT1, self.vocab_size, self.tokens, local_B, f"batch of step {step}")
         return windows_BT1[:, :-1], windows_BT1[:, 1:]
 
 
@@ -238,7 +253,7 @@ class ValidationSet:
     """
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, eval_tokens: int,
-                 process_index: int = 0, process_count: int = 1, vocab_size: int | None = None):
+                 process_index: int = 0, process_count: int = 1):
         per_batch = batch_size * seq_len
         available = (len(tokens) - 1) // per_batch
         if available < 1:
@@ -250,128 +265,9 @@ class ValidationSet:
         self.num_tokens = self.num_batches * per_batch  # target tokens scored per evaluation
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.local = batch_size // process_count
-        self.process_index, self.vocab_size = process_index, vocab_size
+        self.process_index = process_index
 
     def get(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         T, first = self.seq_len, index * self.batch_size + self.process_index * self.local
         window = np.asarray(self.tokens[first * T: (first + self.local) * T + 1]).astype(np.int32)
-        check_ids(window[None], self.vocab_size, self.tokens, [first * T], "validation set")
-        inputs = window[:-1].reshape(self.local, T)
-        targets = window[1:].reshape(self.local, T)
-        return inputs, targets
-
-
-# ----------------------------------------------------------------------------- text corpora
-
-# Third-party packages, tests and build artefacts (which differ between installs) are not corpus.
-_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
-
-
-def stdlib_root() -> Path:
-    """The running interpreter's standard library directory."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_source_files() -> list[Path]:
-    """The running interpreter's standard library `.py` files, without tests, sorted."""
-    root = stdlib_root()
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Prune in place: site-packages alone can hold far more files than the library itself.
-        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS and d != "__pycache__"
-                       and not (Path(dirpath) == root and d.startswith("config-"))]
-        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py")
-                     and not f.startswith(("test_", "_sysconfigdata")))
-    return sorted(files)
-
-
-def split_files(files, *, val_fraction: float = 0.05) -> tuple[list[Path], list[Path]]:
-    """Deterministic split by file: `round(n * val_fraction)` (at least 1) files spread evenly over
-    the sorted list go to validation, the rest to training. Depends only on the set of files."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-    files = sorted(Path(f) for f in files)
-    n = len(files)
-    if n < 2:
-        raise ValueError(f"split_files needs at least 2 files to split by file, got {n}")
-    n_val = min(n - 1, max(1, round(n * val_fraction)))
-    val_index = {int((i + 0.5) * n / n_val) for i in range(n_val)}  # n / n_val >= 1: all distinct
-    train = [f for i, f in enumerate(files) if i not in val_index]
-    val = [f for i, f in enumerate(files) if i in val_index]
-    return train, val
-
-
-def _decode(raw: bytes, path: Path, strict: bool) -> str:
-    try:
-        return raw.decode("utf-8", errors="strict" if strict else "replace")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-def _jsonl_records(path: Path, text: str) -> list[str]:
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} is not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f'{path}:{number}: each jsonl line must be an object with a string '
-                             f'"text" field')
-        records.append(record["text"])
-    return records
-
-
-def read_documents(files, *, strict: bool = True) -> list[str]:
-    """One document per text file, one per record of a `.jsonl` file."""
-    docs = []
-    for f in files:
-        text = _decode(Path(f).read_bytes(), f, strict)
-        docs.extend(_jsonl_records(f, text) if Path(f).suffix == ".jsonl" else [text])
-    return docs
-
-
-def split_documents(files, *, val_fraction: float, strict: bool = True):
-    """(train documents, validation documents): by file when there are several files, else the
-    last `val_fraction` of the single file's lines (text) or records (jsonl)."""
-    if len(files) > 1:
-        train_files, val_files = split_files(files, val_fraction=val_fraction)
-        return (read_documents(train_files, strict=strict),
-                read_documents(val_files, strict=strict))
-    path = Path(files[0])
-    jsonl = path.suffix == ".jsonl"
-    units = (read_documents(files, strict=strict) if jsonl
-             else _decode(path.read_bytes(), path, strict).splitlines(keepends=True))
-    if len(units) < 2:
-        raise ValueError(f"{path} needs at least 2 {'records' if jsonl else 'lines'} to split "
-                         "into train and validation")
-    n_val = min(len(units) - 1, max(1, round(len(units) * val_fraction)))
-    if jsonl:
-        return units[:-n_val], units[-n_val:]
-    return ["".join(units[:-n_val])], ["".join(units[-n_val:])]
-
-
-def _text_files(directory: Path) -> list[Path]:
-    # Hidden files and folders (.git, editor state) are not corpus.
-    files = sorted(p for p in directory.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
-    if not files:
-        raise ValueError(f"text directory {directory} contains no files")
-    return files
-
-
-def text_files(source) -> tuple[Path | None, list[Path]]:
-    """(root, files) of a text source: a file, a directory (recursively) or a glob."""
-    text = str(source)
-    if any(c in text for c in "*?["):
-        files = sorted(Path(p).resolve() for p in globlib.glob(os.path.expanduser(text))
-                       if Path(p).is_file())
-        if not files:
-            raise ValueError(f"data source {text} matches no file")
-        return None, files
-    path = Path(text).expanduser().resolve()
-    if not path.exists():
-        raise ValueError(f"data source {path} does not exist")
-    return (path, _text_files(path)) if path.is_dir() else (None, [path])
+        return window[:-1].reshape(self.local, T), window[1:].reshape(self.local, T)

@@ -52,9 +52,10 @@ import optax
 from flax import nnx
 
 import rowgeom
-from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding, tokenization
+from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding
 from examples.lm import model as model_lib
 from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
+from examples.lm.tools import tokenizer as bpe
 
 # ----------------------------------------------------------------------------- state and step
 
@@ -224,7 +225,7 @@ def _start(cfg, workdir, *, explicit, overwrite, change_horizon, out) -> Run:
             f"warming up over {cfg.effective_warmup()} steps instead")
     tokens = data.prepare_tokens(source=cfg.data.source,
                                  workdir=cfg.data.dir or _default_data_dir(workdir),
-                                 vocab_size=cfg.model.vocab_size, tokenizer=cfg.data.tokenizer)
+                                 vocab_size=cfg.model.num_tokens, tokenizer=cfg.data.tokenizer)
     if tokens.vocab_size > cfg.model.num_tokens:
         raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model has "
                          f"{cfg.model.num_tokens} (--model.vocab_size / "
@@ -237,7 +238,7 @@ def _start(cfg, workdir, *, explicit, overwrite, change_horizon, out) -> Run:
     val_set = data.ValidationSet(
         tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
         eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
-        process_count=jax.process_count(), vocab_size=cfg.model.num_tokens)
+        process_count=jax.process_count())
     return Run(cfg, mesh, ckpt, latest, tokens, val_set)
 
 
@@ -246,7 +247,7 @@ def with_tokenizer_vocab(cfg: configs.Config) -> configs.Config:
     128 and model.valid_vocab_size = the tokenizer's size (the rest is padding)."""
     if cfg.data.tokenizer is None:
         return cfg
-    n = tokenization.vocab_size(tokenization.load_tokenizer(cfg.data.tokenizer))
+    n = bpe.vocab_size(bpe.load_tokenizer(cfg.data.tokenizer))
     return configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
                                   "model.valid_vocab_size": n})
 
@@ -458,8 +459,7 @@ class _Batches:
 def _sampler(tokens, cfg, *, batch_size, seed, replicated=False):
     share = (0, 1) if replicated else (jax.process_index(), jax.process_count())
     return data.BatchSampler(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed,
-                             process_index=share[0], process_count=share[1],
-                             vocab_size=cfg.model.num_tokens)
+                             process_index=share[0], process_count=share[1])
 
 
 def _scalar(x) -> float:

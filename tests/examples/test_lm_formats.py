@@ -16,7 +16,7 @@ from _lm_fixtures import (
     write_nanogpt_split,
 )
 
-from examples.lm import data, formats
+from examples.lm import data, train
 from examples.lm.tools import prepare
 
 # --------------------------------------------------------------------------- llm.c
@@ -39,7 +39,6 @@ def test_llmc_shards_by_directory_or_glob(tmp_path, rng, as_glob):
     np.testing.assert_array_equal(np.asarray(splits.val), parts["fineweb_val_000000.bin"])
     # A window across the shard boundary reads both files.
     np.testing.assert_array_equal(splits.train[295:305], np.asarray(splits.train)[295:305])
-    assert splits.train.locate(301) == (tmp_path / "fineweb_train_000002.bin", 1)
 
 
 def test_llmc_header_errors_name_the_file(tmp_path):
@@ -66,23 +65,36 @@ def test_split_by_name_and_unknown_files(tmp_path):
     (tmp_path / "data_val_0.bin").write_bytes(b"\x01\x02" * 50)  # raw, but not nanoGPT's name
     with pytest.raises(ValueError, match=r"data_val_0\.bin is not a known token file"):
         data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
-    formats.write_shard(tmp_path / "data_val_0.bin", np.arange(50))
+    data.write_shard(tmp_path / "data_val_0.bin", np.arange(50))
     with pytest.raises(ValueError, match=r"mixes token file layouts \['llmc', 'rowgeom'\]"):
         data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
 
 
-def test_out_of_vocabulary_ids_name_the_file(tmp_path):
+def test_out_of_vocabulary_ids_stop_the_run_when_the_shard_is_opened(tmp_path):
     write_llmc_shard(tmp_path / "d_train_0.bin", np.arange(200))
     tokens = np.zeros(200, dtype=np.int64)
     tokens[150] = 700
     write_llmc_shard(tmp_path / "d_train_1.bin", tokens)
     write_llmc_shard(tmp_path / "d_val_0.bin", np.arange(100))
-    splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
-    sampler = data.BatchSampler(splits.train, batch_size=64, seq_len=16, seed=0, vocab_size=512)
-    with pytest.raises(ValueError, match=r"token id 700 at .*d_train_1\.bin, token 150 is not "
-                                         r"below the model's vocabulary size 512"):
-        for step in range(50):
-            sampler.get(step)
+    with pytest.raises(ValueError, match=r"d_train_1\.bin holds token id 700, not below the "
+                                         r"vocabulary size 512: .*--model.vocab_size 701"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
+
+
+def test_out_of_vocabulary_nanogpt_shard_is_a_usage_error_before_training(tmp_path, capsys):
+    """The command line stops before the first step with one line naming the file, the largest
+    id, the vocabulary and the fix (the test config's vocabulary is 512)."""
+    write_nanogpt_split(tmp_path / "train.bin", np.arange(1000) % 600)
+    write_nanogpt_split(tmp_path / "val.bin", np.arange(300))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", "test", "--workdir", str(tmp_path / "w"), "--no-progress",
+                    "--data.source", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train.py: error: "), err
+    assert "train.bin holds token id 599, not below the vocabulary size 512" in err
+    assert "--data.tokenizer" in err and "--model.vocab_size 600" in err
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
 # --------------------------------------------------------------------------- nanoGPT
@@ -97,7 +109,7 @@ def test_nanogpt_train_and_val_bin(tmp_path, rng):
     np.testing.assert_array_equal(np.asarray(splits.train), train)
     np.testing.assert_array_equal(np.asarray(splits.val), val)
     (tmp_path / "val.bin").write_bytes(b"\x00" * 7)
-    with pytest.raises(ValueError, match=r"val\.bin has 7 bytes"):
+    with pytest.raises(ValueError, match=r"val\.bin: header says 3 uint16 tokens .* file has 7"):
         data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=50304)
 
 

@@ -6,14 +6,19 @@
 
 Sources are text files, `.jsonl` files (one JSON object with a "text" field per line, each a
 document) and directories or globs of them. Several files are split into train and validation by
-file (`data.split_files`), a single file by its last lines / records. Documents are separated by
-the tokenizer's end-of-document token. With `--tokenizer` the given `tokenizer.json` encodes;
-without it a byte-level BPE of `--vocab_size` is trained on the train split. The tokenizer used is
-saved as OUT/tokenizer.json.
+file (`split_files`), a single file by its last lines / records. Documents are separated by the
+tokenizer's end-of-document token. With `--tokenizer` the given `tokenizer.json` encodes; without
+it a byte-level BPE of `--vocab_size` is trained on the train split (`tokenizer.py`). The
+tokenizer used is saved as OUT/tokenizer.json.
 
 Encoding runs on every core (`tokenizers`' `encode_batch`, in groups of about 8 MiB of text) with
 a progress bar. Output: OUT/train_000000.bin, ..., OUT/val_000000.bin, ... in the rowgeom shard
-format (formats.py; at most `--shard_tokens` tokens each) and OUT/prepare.json with the counts.
+format (`data.write_shard`; at most `--shard_tokens` tokens each) and OUT/prepare.json.
+
+The trainer runs the same code on a text `--data.source`, and on none (the running interpreter's
+standard library `.py` files, tests excluded, split by file; no download): `token_cache` writes
+the shards once under its work directory, keyed by the source files (names, sizes, mtimes), the
+tokenizer and the split, and checks them when reused.
 """
 
 from __future__ import annotations
@@ -26,25 +31,142 @@ if __package__ in (None, ""):  # run as a file: the package is not importable
     raise SystemExit(2)
 
 import argparse
+import glob as globlib
+import hashlib
 import json
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from examples.lm import data, formats, tokenization
+from examples.lm import data
+from examples.lm.tools import tokenizer as bpe
+
+log = logging.getLogger(__name__)
 
 _GROUP_CHARS = 8 << 20  # text encoded per encode_batch call (parallel inside)
+_CACHE_FORMAT = 2  # bump when the cache layout or the encoding changes
+# Third-party packages, tests and build artefacts (which differ between installs) are not corpus.
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+
+# ----------------------------------------------------------------------------- text corpora
 
 
-def _source_files(sources) -> list[Path]:
+def stdlib_root() -> Path:
+    """The running interpreter's standard library directory."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_source_files() -> list[Path]:
+    """The running interpreter's standard library `.py` files, without tests, sorted."""
+    root = stdlib_root()
     files = []
-    for source in sources:
-        if formats.find_token_files(source) is not None:
-            raise ValueError(f"{source} holds token files already; train.py reads them directly")
-        files.extend(data.text_files(source)[1])
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place: site-packages alone can hold far more files than the library itself.
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS and d != "__pycache__"
+                       and not (Path(dirpath) == root and d.startswith("config-"))]
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py")
+                     and not f.startswith(("test_", "_sysconfigdata")))
+    return sorted(files)
+
+
+def split_files(files, *, val_fraction: float = 0.05) -> tuple[list[Path], list[Path]]:
+    """Deterministic split by file: `round(n * val_fraction)` (at least 1) files spread evenly over
+    the sorted list go to validation, the rest to training. Depends only on the set of files."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    files = sorted(Path(f) for f in files)
+    n = len(files)
+    if n < 2:
+        raise ValueError(f"split_files needs at least 2 files to split by file, got {n}")
+    n_val = min(n - 1, max(1, round(n * val_fraction)))
+    val_index = {int((i + 0.5) * n / n_val) for i in range(n_val)}  # n / n_val >= 1: all distinct
+    train = [f for i, f in enumerate(files) if i not in val_index]
+    val = [f for i, f in enumerate(files) if i in val_index]
+    return train, val
+
+
+def _decode(raw: bytes, path: Path, strict: bool) -> str:
+    try:
+        return raw.decode("utf-8", errors="strict" if strict else "replace")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _jsonl_records(path: Path, text: str) -> list[str]:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number} is not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f'{path}:{number}: each jsonl line must be an object with a string '
+                             f'"text" field')
+        records.append(record["text"])
+    return records
+
+
+def read_documents(files, *, strict: bool = True) -> list[str]:
+    """One document per text file, one per record of a `.jsonl` file."""
+    docs = []
+    for f in files:
+        text = _decode(Path(f).read_bytes(), f, strict)
+        docs.extend(_jsonl_records(f, text) if Path(f).suffix == ".jsonl" else [text])
+    return docs
+
+
+def split_documents(files, *, val_fraction: float, strict: bool = True):
+    """(train documents, validation documents): by file when there are several files, else the
+    last `val_fraction` of the single file's lines (text) or records (jsonl)."""
+    if len(files) > 1:
+        train_files, val_files = split_files(files, val_fraction=val_fraction)
+        return (read_documents(train_files, strict=strict),
+                read_documents(val_files, strict=strict))
+    path = Path(files[0])
+    jsonl = path.suffix == ".jsonl"
+    units = (read_documents(files, strict=strict) if jsonl
+             else _decode(path.read_bytes(), path, strict).splitlines(keepends=True))
+    if len(units) < 2:
+        raise ValueError(f"{path} needs at least 2 {'records' if jsonl else 'lines'} to split "
+                         "into train and validation")
+    n_val = min(len(units) - 1, max(1, round(len(units) * val_fraction)))
+    if jsonl:
+        return units[:-n_val], units[-n_val:]
+    return ["".join(units[:-n_val])], ["".join(units[-n_val:])]
+
+
+def _text_files(directory: Path) -> list[Path]:
+    # Hidden files and folders (.git, editor state) are not corpus.
+    files = sorted(p for p in directory.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
     if not files:
-        raise ValueError("no input files")
-    return sorted(set(files))
+        raise ValueError(f"text directory {directory} contains no files")
+    return files
+
+
+def text_files(source) -> tuple[Path | None, list[Path]]:
+    """(root, files) of a text source: a file, a directory (recursively) or a glob."""
+    text = str(source)
+    if any(c in text for c in "*?["):
+        files = sorted(Path(p).resolve() for p in globlib.glob(os.path.expanduser(text))
+                       if Path(p).is_file())
+        if not files:
+            raise ValueError(f"data source {text} matches no file")
+        return None, files
+    path = Path(text).expanduser().resolve()
+    if not path.exists():
+        raise ValueError(f"data source {path} does not exist")
+    return (path, _text_files(path)) if path.is_dir() else (None, [path])
+
+
+# ----------------------------------------------------------------------------- shards
 
 
 class _ShardWriter:
@@ -63,7 +185,7 @@ class _ShardWriter:
     def _flush(self, n: int) -> None:
         whole = np.concatenate(self.pending)
         path = self.out / f"{self.split}_{len(self.paths):06d}.bin"
-        self.paths.append(formats.write_shard(path, whole[:n]))
+        self.paths.append(data.write_shard(path, whole[:n]))
         self.total += n
         self.pending, self.count = [whole[n:]], whole.size - n
 
@@ -87,53 +209,131 @@ def _groups(documents):
         yield group
 
 
-def _file_documents(files):
-    for f in files:
-        yield from data.read_documents([f])
-
-
-def prepare(sources, out, *, tokenizer=None, vocab_size: int = 4096, val_fraction: float = 0.05,
-            shard_tokens: int = 100_000_000, progress: bool = True) -> dict:
-    """Tokenize `sources` into rowgeom shards under `out`; returns the summary written to
-    OUT/prepare.json."""
+def write_shards(files, out, *, tokenizer=None, vocab_size: int = 4096,
+                 val_fraction: float = 0.05, shard_tokens: int = 100_000_000,
+                 progress: bool = True, strict: bool = True) -> dict:
+    """Split and tokenize text `files` into rowgeom shards and `tokenizer.json` under `out` (an
+    existing directory); returns the summary written to OUT/prepare.json. tokenizer: a
+    `tokenizer.json` path; None trains a byte-level BPE of `vocab_size` on the train split."""
     from tqdm.auto import tqdm
 
     if shard_tokens < 1:
         raise ValueError(f"--shard_tokens must be >= 1, got {shard_tokens}")
-    files = _source_files(sources)
-    out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.bin")):
-        raise ValueError(f"{out} already holds .bin files; use an empty directory")
     if len(files) > 1:
-        train_files, val_files = data.split_files(files, val_fraction=val_fraction)
+        train_files, val_files = split_files(files, val_fraction=val_fraction)
         splits = {"train": (train_files, None), "val": (val_files, None)}
     else:
-        train_docs, val_docs = data.split_documents(files, val_fraction=val_fraction)
+        train_docs, val_docs = split_documents(files, val_fraction=val_fraction, strict=strict)
         splits = {"train": (files, train_docs), "val": (files, val_docs)}
     if tokenizer is not None:
-        tok = tokenization.load_tokenizer(tokenizer)
+        tok = bpe.load_tokenizer(tokenizer)
     else:  # the BPE needs the whole train split at once
         train_files, train_docs = splits["train"]
-        tok = tokenization.train_bpe(train_docs or data.read_documents(train_files),
-                                     vocab_size)
-    vocab = tokenization.vocab_size(tok)
-    dtype = formats.token_dtype(vocab)
+        tok = bpe.train_bpe(train_docs or read_documents(train_files, strict=strict), vocab_size)
+    vocab = bpe.vocab_size(tok)
+    dtype = data.token_dtype(vocab)
     summary = {"tokenizer_vocab_size": vocab, "files": len(files)}
-    for split, (split_files, docs) in splits.items():
-        writer = _ShardWriter(out, split, shard_tokens)
-        size = sum(f.stat().st_size for f in split_files) if docs is None else sum(map(len, docs))
-        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"{split} ({len(split_files)} "
+    for split, (split_files_, docs) in splits.items():
+        writer = _ShardWriter(Path(out), split, shard_tokens)
+        size = (sum(f.stat().st_size for f in split_files_) if docs is None
+                else sum(map(len, docs)))
+        bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"{split} ({len(split_files_)} "
                    "files)", disable=not progress)
-        for group in _groups(_file_documents(split_files) if docs is None else docs):
-            writer.add(tokenization.encode_documents(tok, group, dtype))
+        documents = docs if docs is not None else (
+            doc for f in split_files_ for doc in read_documents([f], strict=strict))
+        for group in _groups(documents):
+            writer.add(bpe.encode_documents(tok, group, dtype))
             bar.update(sum(len(d.encode()) for d in group))
         bar.close()
         paths = writer.close()
         summary[split] = {"tokens": writer.total, "shards": [p.name for p in paths]}
-    tok.save(str(out / "tokenizer.json"))
-    (out / "prepare.json").write_text(json.dumps(summary, indent=1))
+    tok.save(str(Path(out) / "tokenizer.json"))
+    (Path(out) / "prepare.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def prepare(sources, out, **options) -> dict:
+    """Tokenize text `sources` (files, directories, globs) into rowgeom shards under `out`, an
+    empty or new directory (`write_shards` for the options)."""
+    files = []
+    for source in sources:
+        if data.token_files(source):
+            raise ValueError(f"{source} holds token files already; train.py reads them directly")
+        files.extend(text_files(source)[1])
+    if not files:
+        raise ValueError("no input files")
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.bin")):
+        raise ValueError(f"{out} already holds .bin files; use an empty directory")
+    return write_shards(sorted(set(files)), out, **options)
+
+
+# ----------------------------------------------------------------------------- the trainer's cache
+
+
+def token_cache(source, workdir, *, vocab_size: int, val_fraction: float = 0.05,
+                tokenizer=None) -> data.TokenSplits:
+    """The splits of text `source` (None: the standard library), tokenized once into
+    `workdir/tokens/<name>-v<vocab>-<key>/` and checked when reused (a damaged cache is rebuilt).
+    Each process builds the same cache (training and encoding are deterministic); a shared
+    directory is written atomically."""
+    workdir = Path(workdir).expanduser().resolve()
+    if source is None:
+        name, strict, root, files = "stdlib", False, stdlib_root(), stdlib_source_files()
+    else:
+        name, strict = str(source), True
+        root, files = text_files(source)
+        # A work directory inside the source must not feed its own cache back into the corpus.
+        files = [f for f in files if not f.is_relative_to(workdir)]
+    tokenizer_hash = None if tokenizer is None else hashlib.sha256(
+        Path(tokenizer).expanduser().read_bytes()).hexdigest()
+    # Sizes and mtimes, not contents: a cache hit must not read a large corpus.
+    stats = [[f.relative_to(root).as_posix() if root else f.name, st.st_size, st.st_mtime_ns]
+             for f, st in ((f, f.stat()) for f in files)]
+    fingerprint = {"format": _CACHE_FORMAT, "source": name, "vocab_size": vocab_size,
+                   "val_fraction": val_fraction, "tokenizers": bpe.library_version(),
+                   "tokenizer": tokenizer_hash, "files": stats}
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    label = "stdlib" if source is None else Path(str(source).rstrip("*/")).stem or "data"
+    cache = workdir / "tokens" / f"{label}-v{vocab_size}-{key}"
+    if cache.is_dir():
+        try:
+            return _load_cache(cache, fingerprint, vocab_size)
+        except Exception as e:  # any damage (missing file, bad JSON, bad shard): rebuild it
+            log.warning("token cache %s is unusable (%s); rebuilding it", cache, e)
+            shutil.rmtree(cache, ignore_errors=True)
+    # Build in a private directory and rename it into place: readers never see a partial cache.
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}."))
+    try:
+        write_shards(files, tmp, tokenizer=tokenizer, vocab_size=vocab_size,
+                     val_fraction=val_fraction, progress=False, strict=strict)
+    except ValueError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"{name}: {e}") from None
+    meta = json.loads((tmp / "prepare.json").read_text())
+    (tmp / "meta.json").write_text(json.dumps({"fingerprint": fingerprint, **meta}, indent=1))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the work directory
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another process finished first; its cache is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _load_cache(cache, fingerprint, vocab_size)
+
+
+def _load_cache(cache: Path, fingerprint: dict, vocab_size: int) -> data.TokenSplits:
+    """The cached splits, after checking they are the ones `fingerprint` describes."""
+    meta = json.loads((cache / "meta.json").read_text())
+    if meta.get("fingerprint") != fingerprint:
+        raise ValueError("fingerprint mismatch")
+    size = bpe.vocab_size(bpe.load_tokenizer(cache / "tokenizer.json"))
+    if size > vocab_size:
+        raise ValueError(f"tokenizer has {size} > {vocab_size} entries")
+    splits = data.open_splits(cache, data.token_files(cache), vocab_size)
+    if [len(splits.train), len(splits.val)] != [meta["train"]["tokens"], meta["val"]["tokens"]]:
+        raise ValueError("the shards do not match meta.json")
+    return splits._replace(format="text")
 
 
 def main(argv=None) -> dict:
