@@ -183,3 +183,42 @@ def _session_start_step(path: Path) -> int | None:
         if event.HasField("session_log") and event.session_log.status == 1:
             return event.step
     return None
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_plan_device_memory_is_parsed_by_the_plan(capsys):
+    from examples.lm.tools import plan
+
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(["--config", "test", "--device-memory", "16XB"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("plan.py: error: --device-memory expects a size such as 16GiB")
+    assert "a bare number is bytes" in err and err.count("\n") == 1, err
+
+
+def test_plan_says_what_to_change_when_the_step_does_not_fit(capsys):
+    from examples.lm.tools import plan
+
+    assert plan.main(["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2",
+                      "--device-memory", "64KiB"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 0.06 MiB per device (peak " in out, out
+    assert "per micro-batch step, 2 micro-batches per update" in out, out
+    assert "JAX preallocates 75% of its memory" in out, out
+    assert ("changes to try, cheapest first (add --fit auto to compile them and take the first "
+            "that fits): --model.remat dots --data.batch_size 8 --optim.grad_accum_steps 2;"
+            ) in out, out
+
+
+def test_plan_fitting_changes_put_fsdp_first():
+    from examples.lm.tools import plan
+
+    cfg = configs.override(configs.get_config("test"),
+                           {"mesh.data": 2, "mesh.fsdp": 1, "data.batch_size": 8})
+    changes = plan.fitting_changes(cfg, [None, None])
+    assert changes[0][0] == "--mesh.data 1 --mesh.fsdp 2"
+    assert [c.data.batch_size * c.optim.grad_accum_steps for _, c in changes] == [8] * len(
+        changes)
