@@ -559,7 +559,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="metrics, TensorBoard, plot, data cache, checkpoints; local or remote, "
                           "e.g. gs://bucket/run (default: runs/<config>)")
     out.add_argument("--overwrite", action="store_true",
-                     help="delete the workdir's checkpoints and metrics and start fresh")
+                     help="delete what the run wrote in the workdir (checkpoints, metrics.jsonl, "
+                          "metrics.png, TensorBoard events) and start fresh")
     out.add_argument("--change_horizon", action="store_true",
                      help="on resume, accept a --steps different from the checkpoint's and "
                           "rebuild the learning-rate schedule for it (the rate jumps)")
