@@ -475,6 +475,7 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                       change_horizon=change_horizon, out=out)
     cfg = setup.cfg
     try:
+        check_fits(cfg, setup.mesh)
         trainer = Trainer(cfg, setup.mesh)
         writer = metrics.MetricsWriter(workdir, enabled=lead)
         if overwrite:
@@ -531,13 +532,36 @@ def _out_of_memory(error: Exception) -> bool:
                  or isinstance(error, MemoryError)))
 
 
-def _out_of_memory_message(cfg: configs.Config, error: Exception) -> str:
+def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
     return (f"the training step does not fit the device memory ({first}); use a smaller "
             f"micro-batch (--data.batch_size {cfg.data.batch_size} with a larger "
             f"--optim.grad_accum_steps), recomputation (--model.remat block), more FSDP "
             f"(--mesh.fsdp) or a shorter --model.max_seq_len ({cfg.seq_len}); "
             "python -m examples.lm.tools.plan checks a config without running it")
+
+
+def attention_bytes(cfg: configs.Config, mesh) -> int:
+    """Bytes per device of one layer's attention scores, (batch, heads, T, T) in the compute
+    dtype: a lower bound on the step's memory that grows with the square of the sequence."""
+    ranks = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    batch = -(-cfg.data.batch_size // ranks)
+    heads = -(-cfg.model.num_heads // int(mesh.shape["tensor"]))
+    return batch * heads * cfg.seq_len**2 * jnp.dtype(cfg.model.compute_dtype).itemsize
+
+
+def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
+    """Raise UsageError, before anything is compiled, when one layer's attention scores alone
+    exceed the device memory (`limit`, default the device's `bytes_limit`; unknown on CPUs,
+    where nothing is checked). The rest is caught when the first step runs out of memory."""
+    if limit is None:
+        stats = mesh.devices.flat[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+    need = attention_bytes(cfg, mesh)
+    if limit and need > limit:
+        raise UsageError(_out_of_memory_message(
+            cfg, f"one layer's attention scores alone take {need / 2**30:.1f} GiB per device, "
+                 f"the device has {limit / 2**30:.1f} GiB"))
 
 
 class _Batches:
