@@ -552,11 +552,18 @@ def attention_bytes(cfg: configs.Config, mesh) -> int:
 
 def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
     """Raise UsageError, before anything is compiled, when one layer's attention scores alone
-    exceed the device memory (`limit`, default the device's `bytes_limit`; unknown on CPUs,
-    where nothing is checked). The rest is caught when the first step runs out of memory."""
+    exceed the device memory (`limit`, default the device's `bytes_limit`; on CPU devices the
+    host's memory shared among them). The rest is caught when the first step runs out of
+    memory."""
     if limit is None:
-        stats = mesh.devices.flat[0].memory_stats() or {}
-        limit = stats.get("bytes_limit")
+        device = mesh.devices.flat[0]
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
+            try:
+                limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                limit //= max(1, len(jax.local_devices(backend="cpu")))
+            except (ValueError, OSError):
+                limit = None
     need = attention_bytes(cfg, mesh)
     if limit and need > limit:
         raise UsageError(_out_of_memory_message(
