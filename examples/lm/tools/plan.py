@@ -9,9 +9,12 @@ flags describe: on the real devices when there are enough accelerators, else on 
 simulated CPU devices (the program is then XLA:CPU's partitioning of the same step). It prints,
 per device, the memory by kind (`memory_analysis`), the FLOPs against the model's own count
 (`cost_analysis`) and the bytes of every cross-device collective by kind against the parameter
-bytes (the HLO text), and whether the step fits `--device-memory`; it exits with status 1 when it
-does not. Every config flag of the trainer applies (`--model.remat`, `--data.batch_size`, ...);
-with `--optim.grad_accum_steps` the figures are those of one micro-batch step.
+bytes (the HLO text), and whether the step fits in `--device-memory` (on a GPU, the 75 % JAX
+preallocates); it exits with status 1 when it does not, listing the changes that keep the
+sequences per update, cheapest first (`fitting_changes`; `--fit auto` compiles them and names the
+first that fits). Every config flag of the trainer applies (`--model.remat`, `--data.batch_size`,
+...); the figures are those of one micro-batch step, `--optim.grad_accum_steps` of them per
+update.
 
     python -m examples.lm.tools.plan --paper      # every paper config (configs.PAPER_MODELS)
     python -m examples.lm.tools.plan --paper --config 190m --head adamw
