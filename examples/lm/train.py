@@ -228,11 +228,13 @@ def _start(cfg, workdir, *, explicit, overwrite, change_horizon, out) -> Run:
 
 
 def _remove_if_empty(ckpt: checkpointing.Checkpointer) -> None:
-    """A failed run leaves no empty checkpoint directory behind."""
+    """A failed run leaves no empty (local) checkpoint directory behind."""
+    if checkpointing.is_remote(ckpt.directory):
+        return
     try:
         if ckpt.directory.exists() and ckpt.is_empty():
             ckpt.directory.rmdir()
-    except OSError:
+    except OSError:  # best effort: never hide the error that ended the run
         pass
 
 
