@@ -104,7 +104,10 @@ class Checkpointer:
         while target.exists():
             n += 1
             target = self.directory / f"{step}{DAMAGED}-{n}"
-        source.rename(target)
+        try:
+            source.rename(target)
+        except FileNotFoundError:  # another process (multi-host) moved it first
+            target = self.directory / f"{step}{DAMAGED}"
         self._manager.reload()
         return target
 
