@@ -485,9 +485,11 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
             if deleted:
                 out(f"--overwrite: deleting {', '.join(deleted)} in {workdir}")
         state = restore_or_init(setup, trainer, out)
-    except BaseException:
+    except BaseException as e:
         setup.ckpt.close()
         _remove_if_empty(setup.ckpt)
+        if isinstance(e, Exception) and _out_of_memory(e):  # the state itself does not fit
+            raise UsageError(_out_of_memory_message(cfg, e)) from e
         raise
     done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
     writer.truncate_after(done)
