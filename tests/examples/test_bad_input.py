@@ -232,3 +232,15 @@ def test_a_sequence_too_long_for_the_device_is_refused_up_front():
     with pytest.raises(train.UsageError, match="attention scores alone take 2384.2 GiB"):
         train.check_fits(cfg, mesh, limit=80 * 2**30)
     train.check_fits(configs.get_config("cpu-tiny"), mesh, limit=80 * 2**30)
+
+
+def test_plan_fit_auto_names_a_change_that_fits():
+    from examples.lm.tools import plan
+
+    cfg = configs.override(configs.get_config("test"), {"mesh.data": 1})
+    devices = jax.devices()[:1]
+    budget = plan.plan(cfg, devices)["peak_bytes"] - 1
+    lines = []
+    flags = plan.cheapest_fit(cfg, devices, budget, search=True, print_fn=lines.append)
+    assert flags is not None and lines == [lines[-1]], lines
+    assert lines[0].startswith(f"  the cheapest change that fits: {flags} (peak "), lines
