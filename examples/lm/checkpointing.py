@@ -15,7 +15,10 @@
   the same step; a single process relies on the trainer's own SIGTERM handler.
 - Nothing is unpickled: orbax stores arrays with tensorstore and metadata as JSON. Before a restore
   the stored tree, shapes and dtypes are compared with the target (orbax would silently cast a
-  dtype), and an unreadable checkpoint raises a ValueError naming it.
+  dtype), and an unreadable checkpoint raises `DamagedCheckpoint` (a ValueError) naming it.
+- A damaged checkpoint is never deleted: `set_aside` renames it `<step>.damaged` (orbax ignores
+  directories that are not step numbers), so the trainer can fall back to the previous one and
+  the damaged files stay there to inspect. Only `delete_all` (`--overwrite`) removes them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ from etils import epath
 
 STATE = "state"
 META = "meta"
+DAMAGED = ".damaged"  # suffix of a checkpoint directory set aside as unreadable
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint whose files cannot be read (truncated, deleted, corrupt)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -68,11 +80,40 @@ class Checkpointer:
         return self._manager.reached_preemption(step)
 
     def delete_all(self) -> None:
-        """Delete every checkpoint (for a fresh start with --overwrite)."""
+        """Delete every checkpoint, those set aside as damaged included (for a fresh start with
+        --overwrite)."""
         self._manager.wait_until_finished()
         for step in self.all_steps():
             self._manager.delete(step)
+        for path in self.damaged():
+            path.rmtree()
         self._manager.reload()
+
+    def damaged(self) -> list[epath.Path]:
+        """The checkpoint directories set aside by `set_aside`."""
+        if not self.directory.exists():
+            return []
+        return sorted(p for p in self.directory.iterdir() if DAMAGED in p.name)
+
+    def set_aside(self, step: int) -> epath.Path:
+        """Rename checkpoint `step` to `<step>.damaged` (`<step>.damaged-2`, ... when taken), out
+        of orbax's sight but kept for inspection; return the new path."""
+        self._manager.wait_until_finished()
+        source = self.directory / str(step)
+        target, n = self.directory / f"{step}{DAMAGED}", 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}{DAMAGED}-{n}"
+        try:
+            source.rename(target)
+        except FileNotFoundError:  # another process (multi-host) moved it first
+            target = self.directory / f"{step}{DAMAGED}"
+        self._manager.reload()
+        return target
+
+    def is_empty(self) -> bool:
+        """Whether the directory holds nothing at all (or does not exist)."""
+        return not self.directory.exists() or not any(self.directory.iterdir())
 
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `state` (a pytree of arrays) and JSON-serialisable `meta` at `step`."""
@@ -80,10 +121,11 @@ class Checkpointer:
             step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
                                              META: ocp.args.JsonSave(meta)}), force=True)
 
-    def _unreadable(self, step: int, error: Exception) -> ValueError:
-        return ValueError(
+    def _unreadable(self, step: int, error: Exception) -> DamagedCheckpoint:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        return DamagedCheckpoint(
             f"checkpoint {step} in {self.directory} cannot be read (truncated, corrupt or not "
-            f"written by this trainer): {type(error).__name__}: {error}")
+            f"written by this trainer): {type(error).__name__}: {first}", step)
 
     def restore_meta(self, step: int) -> dict:
         """Only the JSON metadata of checkpoint `step` (cheap; check it before restoring)."""

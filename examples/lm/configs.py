@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
            "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
            "optim.muon_scale": MUON_SCALES, "optim.head_impl": HEAD_IMPLS}
+# Fields that are magnitudes (rates, decays, epsilons): >= 0 (None, where optional, is allowed).
+NON_NEGATIVE = ("optim.learning_rate", "optim.head_learning_rate",
+                "optim.embedding_learning_rate", "optim.vector_learning_rate",
+                "optim.weight_decay", "optim.head_weight_decay", "optim.muon_eps",
+                "optim.adam_eps", "model.norm_eps")
 # A padded vocabulary (a --data.tokenizer run, the paper's GPT-2 one) is a multiple of this
 # (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
@@ -174,6 +180,16 @@ class Config:
     def validate(self) -> Config:
         """Raise ValueError naming the field's flag when a value is out of range; return self."""
         flat = flatten(self)
+        # Every number is finite (a nan rate trains to a nan loss, an inf one to nothing useful).
+        for name, value in flat.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{name} must be a finite number, got {value}")
+        # Rates, decays and epsilons are magnitudes: a negative rate is gradient ascent.
+        for name in NON_NEGATIVE:
+            if flat[name] is not None and flat[name] < 0:
+                raise ValueError(f"--{name} must be >= 0, got {flat[name]}")
+        if not self.model.rope_theta > 0:
+            raise ValueError(f"--model.rope_theta must be > 0, got {self.model.rope_theta}")
         for name, allowed in CHOICES.items():
             if flat[name] not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {flat[name]!r}")
@@ -196,9 +212,6 @@ class Config:
             raise ValueError(f"--optim.warmup_steps must be >= 0, got {self.optim.warmup_steps}")
         if self.optim.grad_clip is not None and self.optim.grad_clip <= 0:
             raise ValueError(f"--optim.grad_clip must be > 0 or none, got {self.optim.grad_clip}")
-        for name in ("optim.muon_eps", "optim.adam_eps"):
-            if flat[name] < 0:
-                raise ValueError(f"--{name} must be >= 0, got {flat[name]}")
         if self.optim.head_eps is not None and self.optim.head_eps <= 0:
             raise ValueError(f"--optim.head_eps must be > 0 or none, got {self.optim.head_eps}")
         if self.eval.tokens is not None and self.eval.tokens < 1:
@@ -546,7 +559,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
                      help="metrics, TensorBoard, plot, data cache, checkpoints; local or remote, "
                           "e.g. gs://bucket/run (default: runs/<config>)")
     out.add_argument("--overwrite", action="store_true",
-                     help="delete the workdir's checkpoints and metrics and start fresh")
+                     help="delete what the run wrote in the workdir (checkpoints, metrics.jsonl, "
+                          "metrics.png, TensorBoard events) and start fresh")
     out.add_argument("--change_horizon", action="store_true",
                      help="on resume, accept a --steps different from the checkpoint's and "
                           "rebuild the learning-rate schedule for it (the rate jumps)")

@@ -60,13 +60,20 @@ class MetricsWriter:
         self.tensorboard = "://" not in os.fspath(workdir)
         self.enabled = enabled
         self._tb = None
+        self._purge_step = None  # set by truncate_after: TensorBoard drops the old run's points
         if enabled:
             self.workdir.mkdir(parents=True, exist_ok=True)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records with step > `step`: they belong to steps a resumed run is about to redo."""
+        """Drop records with step > `step`: they belong to steps a resumed run is about to redo.
+
+        metrics.jsonl loses those lines; TensorBoard's old event files are left as they are and
+        the new one starts with a purge at `step + 1` (tensorboardX's `purge_step`: TensorBoard
+        discards the earlier files' points from that step on), so no step shows twice."""
         if not self.enabled:
             return
+        if self.tensorboard and (self.workdir / TENSORBOARD_DIR).exists():
+            self._purge_step = step + 1
         path = self.workdir / METRICS_FILE
         if not path.exists():
             return
@@ -77,16 +84,29 @@ class MetricsWriter:
             tmp.write_text("".join(kept))
             tmp.replace(path)
 
-    def clear(self) -> None:
-        """Delete metrics.jsonl (a fresh start with --overwrite)."""
-        if self.enabled and (self.workdir / METRICS_FILE).exists():
-            (self.workdir / METRICS_FILE).unlink()
+    def clear(self) -> list[str]:
+        """Delete what a run wrote here, metrics.jsonl, metrics.png and the TensorBoard event
+        files (a fresh start with --overwrite); return the names deleted."""
+        if not self.enabled:
+            return []
+        self.close()
+        deleted = []
+        for name in (METRICS_FILE, PLOT_FILE):
+            if (self.workdir / name).exists():
+                (self.workdir / name).unlink()
+                deleted.append(name)
+        if (self.workdir / TENSORBOARD_DIR).exists():
+            (self.workdir / TENSORBOARD_DIR).rmtree()
+            deleted.append(TENSORBOARD_DIR + "/")
+        self._purge_step = None
+        return deleted
 
     def _tensorboard(self):
         if self._tb is None:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR))
+            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR),
+                                     purge_step=self._purge_step)
         return self._tb
 
     def write(self, record: dict, *, extra_scalars: dict | None = None) -> None:

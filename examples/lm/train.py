@@ -199,22 +199,80 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
     try:
         return _start(cfg, workdir, explicit=explicit, overwrite=overwrite,
                       change_horizon=change_horizon, out=out)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         raise UsageError(str(e)) from e
+
+
+def _check_directory(path, flag: str) -> None:
+    """A local `path` that exists must be a directory (it is created when missing)."""
+    path = os.fspath(path)
+    if not checkpointing.is_remote(path) and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file, not a directory: pass a directory (a "
+                         "missing one is created)")
 
 
 def _start(cfg, workdir, *, explicit, overwrite, change_horizon, out) -> Run:
     cfg = with_tokenizer_vocab(cfg.validate())
+    _check_directory(workdir, "--workdir")
+    if cfg.checkpoint.dir is not None:
+        _check_directory(cfg.checkpoint.dir, "--checkpoint.dir")
     ckpt = checkpointing.Checkpointer(
         cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
         keep=cfg.checkpoint.keep)
+    try:
+        return _start_with(cfg, workdir, ckpt, explicit=explicit, overwrite=overwrite,
+                           change_horizon=change_horizon, out=out)
+    except BaseException:
+        ckpt.close()
+        _remove_if_empty(ckpt)
+        raise
+
+
+def _remove_if_empty(ckpt: checkpointing.Checkpointer) -> None:
+    """A failed run leaves no empty (local) checkpoint directory behind."""
+    if checkpointing.is_remote(ckpt.directory):
+        return
+    try:
+        if ckpt.directory.exists() and ckpt.is_empty():
+            ckpt.directory.rmdir()
+    except OSError:  # best effort: never hide the error that ended the run
+        pass
+
+
+def _newest_intact(ckpt: checkpointing.Checkpointer, read, out):
+    """(step, read(step)) for the newest checkpoint `read` can read, or (None, None). Each
+    damaged one on the way is set aside (`<step>.damaged`, never deleted), one line each."""
+    while (step := ckpt.latest_step()) is not None:
+        try:
+            return step, read(step)
+        except checkpointing.DamagedCheckpoint as e:
+            moved = ckpt.set_aside(step)
+            out(f"warning: {e}; moved it aside to {moved} and falling back to the previous "
+                "checkpoint")
+    return None, None
+
+
+def _no_intact_checkpoint(ckpt: checkpointing.Checkpointer) -> UsageError:
+    names = ", ".join(p.name for p in ckpt.damaged())
+    return UsageError(f"no intact checkpoint in {ckpt.directory} (damaged, kept for "
+                      f"inspection: {names}): rerun with --overwrite to start fresh (it deletes "
+                      "them), or use a new --workdir")
+
+
+def _start_with(cfg, workdir, ckpt, *, explicit, overwrite, change_horizon, out) -> Run:
     latest = ckpt.latest_step()
-    if latest is not None and overwrite:
-        out(f"--overwrite: deleting checkpoints {ckpt.all_steps()} in {ckpt.directory}")
+    if overwrite and (latest is not None or ckpt.damaged()):
+        listed = ckpt.all_steps() + [p.name for p in ckpt.damaged()]
+        out(f"--overwrite: deleting checkpoints {listed} in {ckpt.directory}")
         ckpt.delete_all()
         latest = None
     if latest is not None:
-        meta = ckpt.restore_meta(latest)
+        latest, meta = _newest_intact(ckpt, ckpt.restore_meta, out)
+        if latest is None:
+            raise _no_intact_checkpoint(ckpt)
+    elif ckpt.damaged():
+        raise _no_intact_checkpoint(ckpt)
+    if latest is not None:
         cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
                                              change_horizon=change_horizon)
         _report_changes(changed, meta["step"], cfg, out)
@@ -272,10 +330,18 @@ def _default_data_dir(workdir: str) -> str:
 
 def restore_or_init(setup: Run, trainer: Trainer, out=print):
     """The train state: restored from `setup.latest` onto the trainer's shardings, or fresh."""
+    ckpt = setup.ckpt
     with jax.set_mesh(setup.mesh):
         if setup.latest is not None:
-            state, _ = setup.ckpt.restore(setup.latest, trainer.abstract_state)
-            out(f"resumed from step {setup.latest} ({setup.ckpt.directory})")
+            try:
+                step, restored = _newest_intact(
+                    ckpt, lambda s: ckpt.restore(s, trainer.abstract_state), out)
+            except ValueError as e:  # the layout differs from this config's
+                raise UsageError(str(e)) from e
+            if step is None:
+                raise _no_intact_checkpoint(ckpt)
+            state = restored[0]
+            out(f"resumed from step {step} ({ckpt.directory})")
         else:
             state = trainer.init()
             out(f"no checkpoint in {setup.ckpt.directory}: starting fresh")
@@ -411,13 +477,27 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     setup = start(cfg, workdir, explicit=explicit, overwrite=overwrite,
                       change_horizon=change_horizon, out=out)
     cfg = setup.cfg
-    trainer = Trainer(cfg, setup.mesh)
-    writer = metrics.MetricsWriter(workdir, enabled=lead)
-    if overwrite:
-        writer.clear()
-    state = restore_or_init(setup, trainer, out)
+    try:
+        check_fits(cfg, setup.mesh)
+        trainer = Trainer(cfg, setup.mesh)
+        writer = metrics.MetricsWriter(workdir, enabled=lead)
+        if overwrite:
+            deleted = writer.clear()
+            if deleted:
+                out(f"--overwrite: deleting {', '.join(deleted)} in {workdir}")
+        state = restore_or_init(setup, trainer, out)
+    except BaseException as e:
+        setup.ckpt.close()
+        _remove_if_empty(setup.ckpt)
+        if isinstance(e, Exception) and _out_of_memory(e):  # the state itself does not fit
+            raise UsageError(_out_of_memory_message(cfg, e)) from e
+        raise
     done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
     writer.truncate_after(done)
+    if done >= cfg.steps:
+        out(f"the run in {workdir} is finished: {done} of --steps {cfg.steps} done; to train "
+            f"further, rerun with a larger --steps N and --change_horizon (the schedule is "
+            "rebuilt for N), or start over with --overwrite")
     describe(setup, trainer, state, out)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     loop = _Loop(setup, trainer, writer)
@@ -436,13 +516,64 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                     loop.save_on_preemption(state, step, saved, out)
                     end = step
                     break
+    except Exception as e:
+        if _out_of_memory(e):
+            raise UsageError(_out_of_memory_message(cfg, e)) from e
+        raise
     finally:
         preemption.close()
         bar.close()
         setup.ckpt.close()
         writer.close()
+        _remove_if_empty(setup.ckpt)
     return _finish(loop.last_eval, finished=end == cfg.steps, writer=writer, workdir=workdir,
                    lead=lead, out=out)
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """Whether `error` is XLA's RESOURCE_EXHAUSTED (the step does not fit the device)."""
+    return (isinstance(error, (jax.errors.JaxRuntimeError, MemoryError))
+            and ("RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
+                 or isinstance(error, MemoryError)))
+
+
+def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+    return (f"the training step does not fit the device memory ({first}); use a smaller "
+            f"micro-batch (--data.batch_size {cfg.data.batch_size} with a larger "
+            f"--optim.grad_accum_steps), recomputation (--model.remat block), more FSDP "
+            f"(--mesh.fsdp) or a shorter --model.max_seq_len ({cfg.seq_len}); "
+            "python -m examples.lm.tools.plan checks a config without running it")
+
+
+def attention_bytes(cfg: configs.Config, mesh) -> int:
+    """Bytes per device of one layer's attention scores, (batch, heads, T, T) in the compute
+    dtype: a lower bound on the step's memory that grows with the square of the sequence."""
+    ranks = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    batch = -(-cfg.data.batch_size // ranks)
+    heads = -(-cfg.model.num_heads // int(mesh.shape["tensor"]))
+    return batch * heads * cfg.seq_len**2 * jnp.dtype(cfg.model.compute_dtype).itemsize
+
+
+def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
+    """Raise UsageError, before anything is compiled, when one layer's attention scores alone
+    exceed the device memory (`limit`, default the device's `bytes_limit`; on CPU devices the
+    host's memory shared among them). The rest is caught when the first step runs out of
+    memory."""
+    if limit is None:
+        device = mesh.devices.flat[0]
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
+            try:
+                limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                limit //= max(1, len(jax.local_devices(backend="cpu")))
+            except (ValueError, OSError):
+                limit = None
+    need = attention_bytes(cfg, mesh)
+    if limit and need > limit:
+        raise UsageError(_out_of_memory_message(
+            cfg, f"one layer's attention scores alone take {need / 2**30:.1f} GiB per device, "
+                 f"the device has {limit / 2**30:.1f} GiB"))
 
 
 class _Batches:

@@ -9,9 +9,12 @@ flags describe: on the real devices when there are enough accelerators, else on 
 simulated CPU devices (the program is then XLA:CPU's partitioning of the same step). It prints,
 per device, the memory by kind (`memory_analysis`), the FLOPs against the model's own count
 (`cost_analysis`) and the bytes of every cross-device collective by kind against the parameter
-bytes (the HLO text), and whether the step fits `--device-memory`; it exits with status 1 when it
-does not. Every config flag of the trainer applies (`--model.remat`, `--data.batch_size`, ...);
-with `--optim.grad_accum_steps` the figures are those of one micro-batch step.
+bytes (the HLO text), and whether the step fits in `--device-memory` (on a GPU, the 75 % JAX
+preallocates); it exits with status 1 when it does not, listing the changes that keep the
+sequences per update, cheapest first (`fitting_changes`; `--fit auto` compiles them and names the
+first that fits). Every config flag of the trainer applies (`--model.remat`, `--data.batch_size`,
+...); the figures are those of one micro-batch step, `--optim.grad_accum_steps` of them per
+update.
 
     python -m examples.lm.tools.plan --paper      # every paper config (configs.PAPER_MODELS)
     python -m examples.lm.tools.plan --paper --config 190m --head adamw
@@ -56,7 +59,8 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
     unit = match and match.group(2).lower()
     if not match or unit not in _UNITS:
-        raise ValueError(f"--device-memory expects a size such as 16GiB or 80GB, got {text!r}")
+        raise ValueError(f"--device-memory expects a size such as 16GiB or 80GB (a bare "
+                         f"number is bytes), got {text!r}")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -265,12 +269,15 @@ def report(result: dict, *, name: str, device_memory: int | None) -> str:
     sizes = ", ".join(f"{a} {n}" for a, n in result["mesh"].items())
     kinds = ", ".join(f"{k} {_gib(v)}" for k, v in result["memory"].items())
     per_device = result["batch"] / (result["mesh"]["data"] * result["mesh"]["fsdp"])
+    accum = result["grad_accum_steps"]
     lines = [
         f"{name}: mesh {sizes} on {result['devices']} {result['platform']} devices; micro-batch "
         f"{result['batch']} x {result['seq_len']} ({per_device:g} sequences per data-parallel "
         f"rank); remat {result['remat']}, {'scanned' if result['scan_layers'] else 'unrolled'} "
         f"layers; {result['param_count'] / 1e6:.1f}M parameters; compiled in "
         f"{result['compile_s']:.0f} s",
+        f"  the figures below are per micro-batch step, {accum} micro-batch"
+        f"{'es' if accum != 1 else ''} per update (--optim.grad_accum_steps)",
         f"  memory per device: {kinds}; peak {_gib(result['peak_bytes'])}",
         f"  matmul FLOPs per device: {result['matmul_flops']:.3g} = "
         f"{result['matmul_flops'] / result['model_flops']:.2f}x the model's count (6N + "
@@ -286,9 +293,57 @@ def report(result: dict, *, name: str, device_memory: int | None) -> str:
     lines += _collective_lines(title, result, result["param_bytes"])
     if device_memory is not None:
         fits = result["peak_bytes"] <= device_memory
-        lines.append(f"  {'fits' if fits else 'does NOT fit'} {_gib(device_memory)} per device "
-                     f"(peak {_gib(result['peak_bytes'])})")
+        lines.append(f"  {'fits' if fits else 'does NOT fit'} in {_gib(device_memory)} per "
+                     f"device (peak {_gib(result['peak_bytes'])})")
+        lines.append(f"  note: on a GPU, JAX preallocates {GPU_PREALLOCATE:.0%} of its memory "
+                     "(XLA_PYTHON_CLIENT_MEM_FRACTION): give --device-memory as that share, e.g. "
+                     "60GB for an 80 GB H100")
     return "\n".join(lines)
+
+
+# JAX's default XLA_PYTHON_CLIENT_MEM_FRACTION: the share of a GPU's memory a process can use.
+GPU_PREALLOCATE = 0.75
+
+
+def fitting_changes(cfg: configs.Config, devices) -> list[tuple[str, configs.Config]]:
+    """The changes that keep the sequences per update, cheapest first: FSDP over the
+    data-parallel axis (no extra compute), then `split_configs`' micro-batches and
+    recomputation. Each as (flags, config)."""
+    out = []
+    if cfg.mesh.data > 1:
+        fsdp = cfg.mesh.data * cfg.mesh.fsdp
+        out.append((f"--mesh.data 1 --mesh.fsdp {fsdp}",
+                    configs.override(cfg, {"mesh.data": 1, "mesh.fsdp": fsdp})))
+    ranks = len(devices) // cfg.mesh.tensor
+    for candidate in split_configs(cfg, ranks, skip_own=True):
+        out.append((f"--model.remat {candidate.model.remat} --data.batch_size "
+                    f"{candidate.data.batch_size} --optim.grad_accum_steps "
+                    f"{candidate.optim.grad_accum_steps}", candidate))
+    return out
+
+
+def cheapest_fit(cfg: configs.Config, devices, budget: int, *, search: bool,
+                 print_fn=print) -> str | None:
+    """After a step that does not fit `budget`: with `search` (`--fit auto`), recompile
+    `fitting_changes` in order and print the first that fits, returning its flags; else list
+    them, cheapest first, without compiling."""
+    changes = fitting_changes(cfg, devices)
+    if not changes:
+        print_fn("  no change of micro-batch, recomputation or FSDP keeps the sequences per "
+                 "update on this mesh: use more devices or a shorter --model.max_seq_len")
+        return None
+    if not search:
+        print_fn("  changes to try, cheapest first (add --fit auto to compile them and take the "
+                 "first that fits): " + "; ".join(f for f, _ in changes))
+        return None
+    for flags, candidate in changes:
+        peak = plan(candidate, devices)["peak_bytes"]
+        if peak <= budget:
+            print_fn(f"  the cheapest change that fits: {flags} (peak {_gib(peak)})")
+            return flags
+    print_fn("  none of " + "; ".join(f for f, _ in changes) + f" fits in {_gib(budget)}: use "
+             "more devices (--mesh.fsdp) or a shorter --model.max_seq_len")
+    return None
 
 
 def prepare_backend(cpu_devices: int) -> None:
@@ -303,9 +358,10 @@ def prepare_backend(cpu_devices: int) -> None:
 
 def main(argv=None) -> int:
     parser = configs.Parser(prog="plan.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device-memory", type=parse_size, default=None, metavar="SIZE",
-                        help="per-device memory to check against, e.g. 16GiB (TPU v5e) or 80GB "
-                             "(H100); exit status 1 if the step does not fit")
+    parser.add_argument("--device-memory", default=None, metavar="SIZE",
+                        help="per-device memory to check against, e.g. 16GiB (TPU v5e) or 60GB "
+                             "(the 75%% of an 80 GB H100 JAX preallocates); a bare number is "
+                             "bytes; exit status 1 if the step does not fit")
     parser.add_argument("--devices", type=int, default=None, metavar="N",
                         help="devices to plan for (default: the accelerators, or as many "
                              "simulated CPU devices as the mesh sizes multiply to, an axis of -1 "
@@ -319,13 +375,17 @@ def main(argv=None) -> int:
                              "devices: v5e-8, v6e-8, h100-8, h200-8, ... (python -m "
                              "examples.lm.tools.topology; needs the `tpu` or `gpu-aot` extra)")
     parser.add_argument("--fit", choices=("auto", "off"), default=None,
-                        help="with --topology: auto (default) compiles the first micro-batch / "
-                             "accumulation / remat that fits when the config's does not; off "
-                             "compiles the config's own")
+                        help="when the config's step does not fit: auto compiles the "
+                             "micro-batch / accumulation / remat (and FSDP) changes, cheapest "
+                             "first, and takes the first that fits; off lists them (the default "
+                             "without --topology; with it, auto is)")
     configs.add_config_arguments(parser)
     args = parser.parse_args(argv)
-    if args.fit is not None and args.topology is None:
-        parser.error("--fit applies with --topology")
+    if args.device_memory is not None:
+        try:
+            args.device_memory = parse_size(args.device_memory)
+        except ValueError as e:
+            parser.error(str(e))
     if args.topology is not None:
         if args.paper or args.devices is not None or args.device_memory is not None:
             parser.error("--topology sets the devices and their memory: drop --paper, "
@@ -346,10 +406,13 @@ def main(argv=None) -> int:
         parser.error(str(e))
     print(report(result, name=args.config or configs.DEFAULT_CONFIG,
                  device_memory=args.device_memory))
+    fits = args.device_memory is None or result["peak_bytes"] <= args.device_memory
+    if not fits:
+        result["cheapest_fit"] = cheapest_fit(cfg, devices, args.device_memory,
+                                              search=args.fit == "auto")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    fits = args.device_memory is None or result["peak_bytes"] <= args.device_memory
     return 0 if fits else 1
 
 

@@ -1,0 +1,246 @@
+"""The example trainer's bad-input contract (examples/lm/README.md): a wrong option, a missing or
+damaged file, or a step that does not fit prints one line, `train.py: error: ...`, and exits
+with status 2; never a traceback, never a silent wrong run, and nothing the user wrote is
+deleted without --overwrite.
+
+One short run of the `test` config (4 steps, checkpoints at 2 and 4) is shared by the module;
+each test damages a copy of it.
+"""
+
+import shutil
+import struct
+from pathlib import Path
+
+import jax
+import pytest
+from _lm_fixtures import config_on
+
+from examples.lm import configs, metrics, train
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, small_corpus):
+    return small_corpus(tmp_path_factory.mktemp("bad_input"), tokenize=True)
+
+
+def _flags(root):
+    return ["--no-progress", "--data.source", str(root / "corpus"),
+            f"--data.dir={root / 'tokens'}"]
+
+
+@pytest.fixture(scope="module")
+def finished(root):
+    """A finished run: checkpoints 2 and 4, metrics, TensorBoard events and the plot."""
+    workdir = root / "finished"
+    train.train(config_on(root, steps=STEPS, checkpoint__every=2, eval__every=2), workdir,
+                progress=False, print_fn=lambda *a, **k: None)
+    return workdir
+
+
+def _copy(finished, tmp_path) -> Path:
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
+    return workdir
+
+
+def _fails(argv, capsys, message):
+    """`train.main(argv)` exits 2 with one line containing `message`; return the line."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, (argv, err)
+    assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
+    assert message in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--optim.learning_rate", "nan", "--optim.learning_rate must be a finite number"),
+    ("--optim.learning_rate", "-0.01", "--optim.learning_rate must be >= 0"),
+    ("--optim.head_learning_rate", "inf", "--optim.head_learning_rate must be a finite"),
+    ("--optim.embedding_learning_rate", "-1", "--optim.embedding_learning_rate must be >= 0"),
+    ("--optim.weight_decay", "-0.1", "--optim.weight_decay must be >= 0"),
+    ("--optim.head_weight_decay", "nan", "--optim.head_weight_decay must be a finite"),
+    ("--optim.grad_clip", "nan", "--optim.grad_clip must be a finite"),
+    ("--optim.min_lr_ratio", "nan", "--optim.min_lr_ratio must be a finite"),
+    ("--model.rope_theta", "0", "--model.rope_theta must be > 0"),
+    ("--model.norm_eps", "-0.001", "--model.norm_eps must be >= 0"),
+])
+def test_config_values_are_checked(tmp_path, capsys, flag, value, message):
+    _fails(["--config", "test", flag, value, "--workdir", str(tmp_path / "w")], capsys, message)
+    assert not (tmp_path / "w").exists()
+
+
+def test_every_named_config_is_valid():
+    for name in configs.CONFIGS:
+        configs.get_config(name).validate()
+
+
+def test_workdir_that_is_a_file(root, tmp_path, capsys):
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    _fails(["--config", "test", "--workdir", str(path), *_flags(root)], capsys,
+           "--workdir " + str(path) + " is a file, not a directory")
+    assert path.read_text() == "not a directory"
+
+
+def test_a_failed_run_leaves_no_empty_checkpoint_directory(tmp_path, capsys):
+    _fails(["--config", "test", "--workdir", str(tmp_path / "w"), "--no-progress",
+            "--data.source", str(tmp_path / "missing")], capsys, "does not exist")
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def _array_file(step_dir: Path) -> Path:
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+
+
+def test_damaged_checkpoints_fall_back_and_are_kept(finished, tmp_path, capsys):
+    workdir = _copy(finished, tmp_path)
+    ck = workdir / "checkpoints"
+    with _array_file(ck / "4").open("r+b") as f:  # the newest: an array file truncated
+        f.truncate(10)
+    out = []
+    train.train(config_on(finished.parent, steps=STEPS, checkpoint__every=2, eval__every=2),
+                workdir, progress=False, print_fn=out.append)
+    warnings = [line for line in out if line.startswith("warning: checkpoint 4")]
+    assert len(warnings) == 1 and "moved it aside" in warnings[0], out
+    assert "resumed from step 2" in "\n".join(out)
+    assert (ck / "4.damaged" / "state").is_dir()  # kept, for inspection
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "4", "4.damaged"]
+    steps = [r["step"] for r in metrics.read_metrics(workdir)]
+    assert steps == list(range(1, STEPS + 1)), steps  # no duplicate lines after the resume
+    # The resumed run's event file purges the old run's points from step 3 on.
+    events = sorted((workdir / "tensorboard").iterdir(), key=lambda p: p.stat().st_mtime)
+    assert len(events) == 2
+    assert _session_start_step(events[-1]) == 3
+
+
+def test_no_intact_checkpoint_left(finished, tmp_path, capsys):
+    workdir = _copy(finished, tmp_path)
+    ck = workdir / "checkpoints"
+    with _array_file(ck / "4").open("r+b") as f:
+        f.truncate(10)
+    shutil.rmtree(ck / "2" / "state")  # the older one: its array folder deleted
+    err = _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+                 f"no intact checkpoint in {ck}")
+    assert "--overwrite" in err and "2.damaged" in err and "4.damaged" in err
+    assert sorted(p.name for p in ck.iterdir()) == ["2.damaged", "4.damaged"]
+    # A rerun does not start fresh silently either.
+    _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys, "no intact checkpoint")
+
+
+def test_rerunning_a_finished_run_says_so(finished, tmp_path):
+    workdir = _copy(finished, tmp_path)
+    out = []
+    train.train(config_on(finished.parent, steps=STEPS), workdir, explicit=(),
+                progress=False, print_fn=out.append)
+    text = "\n".join(out)
+    assert f"is finished: {STEPS} of --steps {STEPS} done" in text, text
+    assert "--steps N and --change_horizon" in text
+
+
+def test_overwrite_clears_everything_the_run_wrote(finished, tmp_path):
+    workdir = _copy(finished, tmp_path)
+    old_events = set((workdir / "tensorboard").iterdir())
+    out = []
+    train.train(config_on(finished.parent, steps=STEPS, seed=1), workdir, overwrite=True,
+                stop_after=1, progress=False, print_fn=out.append)
+    assert not old_events & set((workdir / "tensorboard").iterdir())
+    assert not (workdir / metrics.PLOT_FILE).exists()
+    assert [r["step"] for r in metrics.read_metrics(workdir)] == [1]
+    checkpoints = workdir / "checkpoints"  # none saved at step 1: no empty folder either
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
+    assert any("--overwrite: deleting metrics.jsonl, metrics.png, tensorboard/" in line
+               for line in out), out
+
+
+def test_a_step_that_does_not_fit_is_one_line(root, tmp_path, capsys, monkeypatch):
+    def exhausted(self, state, step):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 74.51GiB.\nmore")
+
+    monkeypatch.setattr(train._Loop, "step", exhausted)
+    err = _fails(["--config", "test", "--workdir", str(tmp_path / "w"), *_flags(root)], capsys,
+                 "the training step does not fit the device memory")
+    for fix in ("--data.batch_size", "--model.remat", "--mesh.fsdp", "--model.max_seq_len"):
+        assert fix in err
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def _session_start_step(path: Path) -> int | None:
+    """The step of the SessionLog START record (tensorboardX's purge_step) in an event file."""
+    from tensorboardX.proto import event_pb2
+
+    data = path.read_bytes()
+    pos = 0
+    while pos < len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+        pos += 12 + length + 4
+        if event.HasField("session_log") and event.session_log.status == 1:
+            return event.step
+    return None
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_plan_device_memory_is_parsed_by_the_plan(capsys):
+    from examples.lm.tools import plan
+
+    with pytest.raises(SystemExit) as exit_info:
+        plan.main(["--config", "test", "--device-memory", "16XB"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("plan.py: error: --device-memory expects a size such as 16GiB")
+    assert "a bare number is bytes" in err and err.count("\n") == 1, err
+
+
+def test_plan_says_what_to_change_when_the_step_does_not_fit(capsys):
+    from examples.lm.tools import plan
+
+    assert plan.main(["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2",
+                      "--device-memory", "64KiB"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit in 0.06 MiB per device (peak " in out, out
+    assert "per micro-batch step, 2 micro-batches per update" in out, out
+    assert "JAX preallocates 75% of its memory" in out, out
+    assert ("changes to try, cheapest first (add --fit auto to compile them and take the first "
+            "that fits): --model.remat dots --data.batch_size 8 --optim.grad_accum_steps 2;"
+            ) in out, out
+
+
+def test_plan_fitting_changes_put_fsdp_first():
+    from examples.lm.tools import plan
+
+    cfg = configs.override(configs.get_config("test"),
+                           {"mesh.data": 2, "mesh.fsdp": 1, "data.batch_size": 8})
+    changes = plan.fitting_changes(cfg, [None, None])
+    assert changes[0][0] == "--mesh.data 1 --mesh.fsdp 2"
+    assert [c.data.batch_size * c.optim.grad_accum_steps for _, c in changes] == [8] * len(
+        changes)
+
+
+def test_a_sequence_too_long_for_the_device_is_refused_up_front():
+    cfg = configs.override(configs.get_config("cpu-tiny"), {"model.max_seq_len": 100_000})
+    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
+    # 16 sequences x 4 heads x 100,000^2 float32 scores: 2,384 GiB for one layer.
+    assert train.attention_bytes(cfg, mesh) == 16 * 4 * 100_000**2 * 4
+    with pytest.raises(train.UsageError, match="attention scores alone take 2384.2 GiB"):
+        train.check_fits(cfg, mesh, limit=80 * 2**30)
+    train.check_fits(configs.get_config("cpu-tiny"), mesh, limit=80 * 2**30)
+
+
+def test_plan_fit_auto_names_a_change_that_fits():
+    from examples.lm.tools import plan
+
+    cfg = configs.override(configs.get_config("test"), {"mesh.data": 1})
+    devices = jax.devices()[:1]
+    budget = plan.plan(cfg, devices)["peak_bytes"] - 1
+    lines = []
+    flags = plan.cheapest_fit(cfg, devices, budget, search=True, print_fn=lines.append)
+    assert flags is not None and lines == [lines[-1]], lines
+    assert lines[0].startswith(f"  the cheapest change that fits: {flags} (peak "), lines
