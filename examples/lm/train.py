@@ -561,7 +561,10 @@ def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
     host's memory shared among them). The rest is caught when the first step runs out of
     memory."""
     if limit is None:
-        device = mesh.devices.flat[0]
+        # this host's first device of the mesh: only addressable devices report memory (on a
+        # multi-host mesh, devices.flat[0] may belong to another process)
+        device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                      mesh.devices.flat[0])
         limit = (device.memory_stats() or {}).get("bytes_limit")
         if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
             try:
