@@ -99,7 +99,7 @@ def _row(r: dict, first: str) -> str:
             f"{r['matmul_flops'] / r['model_flops']:.2f}x | {r['compile_s']:.0f} s |")
 
 
-HEADER = ["| {} | global batch (per data-parallel rank) | temporaries | peak per device (fits "
+HEADER = ["| {} | micro-batch (per data-parallel rank) | temporaries | peak per device (fits "
           "16 GiB) | collectives ÷ parameter bytes (by kind) | matmul FLOPs ÷ model | compile |",
           "|---|---|---|---|---|---|---|"]
 
