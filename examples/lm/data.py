@@ -194,8 +194,12 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
         from examples.lm.tools import prepare  # text and tokenizers: the tools' side
         from examples.lm.tools import tokenizer as bpe
 
-        if tokenizer is not None:
-            vocab_size = bpe.vocab_size(bpe.load_tokenizer(tokenizer))
+        if tokenizer is not None:  # its vocabulary, which the model's must hold
+            size = bpe.vocab_size(bpe.load_tokenizer(tokenizer))
+            if size > vocab_size:
+                raise ValueError(f"the tokenizer has {size} tokens but the model has {vocab_size}"
+                                 " (--model.vocab_size / --model.valid_vocab_size)")
+            vocab_size = size
         if not paths:
             return prepare.token_cache(source, workdir, vocab_size=vocab_size,
                                        val_fraction=val_fraction, tokenizer=tokenizer)
