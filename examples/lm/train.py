@@ -48,17 +48,15 @@ from examples.lm.tools import tokenizer as bpe
 class Trainer:
     """Model, optimizer, jitted functions and shardings for one config on one mesh.
 
-    `init()` builds the state in place on the mesh; `abstract_state` (shapes, dtypes and target
-    shardings) is what a checkpoint is restored onto. `train_step(state, inputs, targets)`
-    applies one micro-batch; `grad_step` is the same forward and backward pass without the
-    optimizer (for timing); `val_loss` and `head_probe` evaluate (evaluate.py).
+    `init()` builds the state `{params, rest, opt_state, micro_step, rng}` in place on the mesh;
+    a checkpoint is restored onto `abstract_state`. `train_step(state, inputs, targets)` applies
+    one micro-batch; `grad_step` is its forward and backward pass alone (for timing).
     """
 
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
         self.tx = build_optimizer(cfg)
-        # The group that trains the head (rowgeom's rule: "embedding" for a tied table): the head
-        # step's rate, decay and momentum, for the probes.
+        # The group that trains the head ("embedding" for a tied table), for the probes.
         self.head_group = head_group(cfg)
         self.head_lr = lr_schedule(self.head_group.learning_rate, cfg)
         self.head_wd = self.head_group.weight_decay
@@ -421,18 +419,17 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
 
     A workdir with checkpoints is resumed from the latest complete one, following the run's
-    saved config (see `configs.resolve_config`; `explicit` names the fields the caller set, as
-    dotted paths, None = all). overwrite: delete the checkpoints and metrics and start fresh.
-    change_horizon: accept a new `steps` on  stop_after: stop after this many optimizer
-    steps without a final save, as if interrupted (the schedule still follows `cfg.steps`); for
-    tests of exact resumption. On SIGTERM the run saves a checkpoint at the current step and
-    returns. Problems with the config, the data or the workdir raise `UsageError`.
+    saved config (`configs.resolve_config`: `explicit` and `change_horizon`). overwrite: delete
+    what the run wrote and start fresh. stop_after: stop after this many optimizer steps without
+    a final save, as if interrupted (for tests of exact resumption). On SIGTERM the run saves a
+    checkpoint at the current step and returns. Problems with the config, the data or the
+    workdir raise `UsageError`.
     """
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
     out = print_fn if lead else (lambda *a, **k: None)
     setup = start(cfg, workdir, explicit=explicit, overwrite=overwrite,
-                      change_horizon=change_horizon, out=out)
+                  change_horizon=change_horizon, out=out)
     cfg = setup.cfg
     try:
         check_fits(cfg, setup.mesh)
@@ -487,9 +484,9 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
 
 def _out_of_memory(error: Exception) -> bool:
     """Whether `error` is XLA's RESOURCE_EXHAUSTED (the step does not fit the device)."""
-    return (isinstance(error, (jax.errors.JaxRuntimeError, MemoryError))
-            and ("RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
-                 or isinstance(error, MemoryError)))
+    return isinstance(error, MemoryError) or (
+        isinstance(error, jax.errors.JaxRuntimeError)
+        and ("RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)))
 
 
 def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
