@@ -40,19 +40,12 @@ def _multi_process_environment() -> bool:
     return False
 
 
-def maybe_initialize_distributed(mode: str = "auto") -> bool:
-    """Call `jax.distributed.initialize()` when running multi-process.
-
-    mode "on" always initializes (arguments come from the environment: on Cloud TPU and SLURM JAX
-    detects them itself), "off" never, "auto" when the environment describes several processes.
-    Must run before any other JAX call touches the backend. Returns whether it initialized.
-    """
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"--distributed must be 'auto', 'on' or 'off', got {mode!r}")
-    if mode == "off" or (mode == "auto" and not _multi_process_environment()):
-        return False
-    jax.distributed.initialize()
-    return True
+def maybe_initialize_distributed(mode: str = "auto") -> None:
+    """`jax.distributed.initialize()` (arguments from the environment, which JAX reads itself on
+    Cloud TPU and SLURM) with `mode` "on", or "auto" in a multi-process launch; never with "off".
+    Must run before any other JAX call touches the backend."""
+    if mode == "on" or (mode == "auto" and _multi_process_environment()):
+        jax.distributed.initialize()
 
 
 _FLAGS = "--mesh.data/--mesh.fsdp/--mesh.tensor"
@@ -134,14 +127,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-
 def check_batch(batch_size: int, mesh: Mesh) -> None:
     """Raise ValueError unless the global batch splits evenly over the data-parallel devices and
     the processes (each feeds its own rows)."""
-    dp = data_parallel_size(mesh)
+    dp = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if batch_size % dp or batch_size % jax.process_count():
         raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
                          f"parallel size --mesh.data x --mesh.fsdp ({dp}) and by the process "
