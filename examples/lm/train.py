@@ -601,9 +601,10 @@ class _Loop:
                   "head_learning_rate": _scalar(trainer.head_lr(step - 1))}
         if is_eval:
             record |= self._evaluate(state)
-        # The head's rate and decay of the update just applied, typed as the probes compile them.
-        head, lr, wd = (state["params"], state["rest"]), trainer.head_lr(step - 1), jnp.float32(
-            trainer.head_wd)
+        if is_eval or is_probe or is_diameter:
+            # The head's rate and decay of the update just applied, typed as the probes take them.
+            head = (state["params"], state["rest"])
+            lr, wd = trainer.head_lr(step - 1), jnp.float32(trainer.head_wd)
         if is_eval or is_probe:
             record |= (_floats(trainer.head_probe(*head, head_old, self.probe_inputs, lr, wd))
                        | evaluate.tracked_head_stats(state["opt_state"]))
