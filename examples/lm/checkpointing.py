@@ -1,24 +1,18 @@
-"""Checkpoints with orbax: train state (params, optimizer state, step, RNG) plus JSON metadata.
+"""Checkpoints with orbax: the train state plus JSON metadata (the run's config).
 
-- Saves are asynchronous: `save` returns once the arrays are copied off the accelerator, and the
-  files are written in the background (call `wait` before reading them or exiting).
-- Orbax writes each checkpoint into a temporary directory and renames it when complete, and
-  `latest_step` / `restore` only see finalized checkpoints, so a run killed mid-save resumes from
-  the previous complete one.
-- `restore` takes an abstract target (`jax.ShapeDtypeStruct`s carrying the *target* shardings), so a
-  checkpoint written on one mesh restores onto another (e.g. 1 device -> 8 devices, or a different
-  pod slice); arrays are read straight into their target shards.
-- The directory may be local or remote (`gs://...`): paths are `etils.epath` paths, which orbax
-  and tensorstore read and write directly. A local relative path is made absolute.
-- Preemption: `reached_preemption(step)` is orbax's multi-host preemption sync point (JAX's
-  preemption notifier, active after `jax.distributed.initialize()`), so that every host saves at
-  the same step; a single process relies on the trainer's own SIGTERM handler.
-- Nothing is unpickled: orbax stores arrays with tensorstore and metadata as JSON. Before a restore
-  the stored tree, shapes and dtypes are compared with the target (orbax would silently cast a
-  dtype), and an unreadable checkpoint raises `DamagedCheckpoint` (a ValueError) naming it.
-- A damaged checkpoint is never deleted: `set_aside` renames it `<step>.damaged` (orbax ignores
-  directories that are not step numbers), so the trainer can fall back to the previous one and
-  the damaged files stay there to inspect. Only `delete_all` (`--overwrite`) removes them.
+- Saves are asynchronous (`wait` before reading them or exiting). Orbax writes each checkpoint
+  into a temporary directory and renames it when complete, and only finalized checkpoints are
+  seen, so a run killed mid-save resumes from the previous complete one.
+- `restore` takes an abstract target carrying the *target* shardings, so a checkpoint written on
+  one mesh restores onto another; arrays are read straight into their shards. Before it, the
+  stored tree, shapes and dtypes are compared with the target (orbax would cast a dtype
+  silently). Nothing is unpickled.
+- Paths are `etils.epath` paths, local or remote (`gs://...`).
+- `reached_preemption(step)` is orbax's multi-host preemption sync point, so that every host
+  saves at the same step; a single process relies on the trainer's SIGTERM handler.
+- An unreadable checkpoint raises `DamagedCheckpoint`; `set_aside` renames it `<step>.damaged`
+  (orbax ignores it) so the trainer can fall back to the previous one and the files stay to
+  inspect. Only `delete_all` (`--overwrite`) removes them.
 """
 
 from __future__ import annotations

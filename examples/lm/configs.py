@@ -2,21 +2,11 @@
 
 One nested, frozen `Config`: the model (`model.ModelConfig` itself), the data, the optimizer,
 evaluation, checkpoints and the mesh, plus the run-level fields `steps`, `head`, `seed` and
-`log_every`. A field has one name, its dotted path (`model.d_model`, `optim.grad_clip`, `steps`),
-which is also its command-line flag (`--model.d_model`; `parser` below) and its spelling in every
-error message. `override(cfg, {path: value})` changes fields; `flatten` and `from_dict` go to and
-from the flat and nested dict forms (a checkpoint stores `dataclasses.asdict(cfg)`).
+`log_every`. A field has one name, its dotted path (`model.d_model`, `steps`), which is also its
+command-line flag (`--model.d_model`; `parser`) and its spelling in every error message.
 
-Named configs (`get_config`):
-
-- `test`: a few thousand parameters, for unit tests (seconds to compile and run).
-- `cpu-tiny` (default): ~1.5M parameters, sized for a CPU.
-- `cpu-small`: ~7.6M parameters (vocab 8192, d 256, 4 layers, seq 256): a longer CPU run.
-- `190m`, `380m`, `640m`: the paper's models and recipe (arXiv 2608.22253, Tables 1-2; see
-  `PAPER_MODELS` and `paper_config`): 32 blocks of width 512 / 768 / 1024 with query/key norm,
-  no norm gains and N(0, 0.02^2) init, the GPT-2 vocabulary of 50,257 padded to 50,304, context
-  2,048, 256 sequences per update, Nesterov Muon backbone and the head of `--head` (`adamw` or
-  `rownorm`) at Table 2's rate. bf16 compute, fp32 master weights and optimizer state.
+Named configs (`get_config`): `test` (unit tests), `cpu-tiny` (the default, ~1.5M parameters),
+`cpu-small` (~7.6M) and the paper's `190m`, `380m`, `640m` (`paper_config`).
 """
 
 from __future__ import annotations
@@ -41,11 +31,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
            "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
            "optim.muon_scale": MUON_SCALES, "optim.head_impl": HEAD_IMPLS}
-# Fields that are magnitudes (rates, decays, epsilons): >= 0 (None, where optional, is allowed).
+# Magnitudes (rates, decays, epsilons), >= 0: a negative rate is gradient ascent.
 NON_NEGATIVE = ("optim.learning_rate", "optim.head_learning_rate",
                 "optim.embedding_learning_rate", "optim.vector_learning_rate",
                 "optim.weight_decay", "optim.head_weight_decay", "optim.muon_eps",
                 "optim.adam_eps", "model.norm_eps")
+# Fields that count something: >= 1.
+COUNTS = ("data.batch_size", "optim.grad_accum_steps", "steps", "eval.every", "eval.batches",
+          "eval.tokens", "eval.hilbert_sequences", "log_every", "checkpoint.every",
+          "checkpoint.keep")
 # A padded vocabulary (a --data.tokenizer run, the paper's GPT-2 one) is a multiple of this
 # (lane- and shard-friendly).
 VOCAB_MULTIPLE = 128
@@ -184,38 +178,26 @@ class Config:
         for name, value in flat.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"--{name} must be a finite number, got {value}")
-        # Rates, decays and epsilons are magnitudes: a negative rate is gradient ascent.
-        for name in NON_NEGATIVE:
-            if flat[name] is not None and flat[name] < 0:
-                raise ValueError(f"--{name} must be >= 0, got {flat[name]}")
-        if not self.model.rope_theta > 0:
-            raise ValueError(f"--model.rope_theta must be > 0, got {self.model.rope_theta}")
+        optional = {name for name, (_, opt) in field_types().items() if opt}
+        or_none = lambda name: " or none" if name in optional else ""
         for name, allowed in CHOICES.items():
             if flat[name] not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {flat[name]!r}")
-        for name in ("data.batch_size", "optim.grad_accum_steps", "steps", "eval.every",
-                     "eval.batches", "eval.hilbert_sequences", "log_every", "checkpoint.every",
-                     "checkpoint.keep"):
-            if flat[name] < 1:
-                raise ValueError(f"--{name} must be >= 1, got {flat[name]}")
+        # A diameter_every above `steps` is fine (like eval.every): the last update is measured.
+        minimum = (dict.fromkeys(NON_NEGATIVE + ("optim.warmup_steps", "eval.diameter_every"), 0)
+                   | dict.fromkeys(COUNTS, 1))
+        for name, low in minimum.items():
+            if flat[name] is not None and flat[name] < low:
+                raise ValueError(f"--{name} must be >= {low}{or_none(name)}, got {flat[name]}")
+        for name in ("model.rope_theta", "optim.grad_clip", "optim.head_eps"):
+            if flat[name] is not None and not flat[name] > 0:
+                raise ValueError(f"--{name} must be > 0{or_none(name)}, got {flat[name]}")
         for name, low, high in (("eval.probe_last_steps", 0, self.steps),
                                 ("optim.decay_fraction", 0.0, 1.0),
                                 ("optim.min_lr_ratio", 0.0, 1.0),
                                 ("optim.adam_b2", 0.0, 1.0)):
             if not low <= flat[name] <= high:
                 raise ValueError(f"--{name} must be in [{low}, {high}], got {flat[name]}")
-        # More than `steps` is fine (like eval.every): the last update is measured anyway.
-        if self.eval.diameter_every < 0:
-            raise ValueError("--eval.diameter_every must be >= 0 (0: off), got "
-                             f"{self.eval.diameter_every}")
-        if self.optim.warmup_steps < 0:
-            raise ValueError(f"--optim.warmup_steps must be >= 0, got {self.optim.warmup_steps}")
-        if self.optim.grad_clip is not None and self.optim.grad_clip <= 0:
-            raise ValueError(f"--optim.grad_clip must be > 0 or none, got {self.optim.grad_clip}")
-        if self.optim.head_eps is not None and self.optim.head_eps <= 0:
-            raise ValueError(f"--optim.head_eps must be > 0 or none, got {self.optim.head_eps}")
-        if self.eval.tokens is not None and self.eval.tokens < 1:
-            raise ValueError(f"--eval.tokens must be >= 1 or none, got {self.eval.tokens}")
         sharding.check_sizes(self.mesh.data, self.mesh.fsdp, self.mesh.tensor)
         return self
 
@@ -352,23 +334,14 @@ PAPER_MODELS: dict[str, PaperModel] = {
 }
 PAPER_HEADS = ("rownorm", "adamw")
 PAPER_VOCAB = 50_257  # GPT-2; padded to 50,304 (a multiple of 128) for the hardware
-PAPER_SEQUENCES = 256  # per update, whatever the mesh
 PAPER_EVAL_TOKENS = 5_242_880  # the first 2,560 validation sequences of 2,048
 
 
 def paper_config(size: str, head: str = "rownorm") -> Config:
-    """The paper's model `size` ("190m", "380m", "640m") trained by its recipe with `head`.
-
-    Table 2: 256 x 2,048 tokens per update, as the paper's micro-batch x accumulation on 8
-    devices (`data.batch_size` is global: 8 x its per-GPU micro-batch); warmup floor(0.1 T)
-    then cosine to 10 % of the peak on the last update; clip 1.0; Nesterov Muon 8e-3 (momentum
-    0.95, 5 Newton-Schulz steps, eps 1e-5, sqrt(max(1, fan_out/fan_in))), wd 0.1; embedding
-    AdamW 4e-3, (0.9, 0.999), eps 1e-10, wd 0.1; head: AdamW at Table 2's rate, same betas, eps
-    and decay, or projected RowNorm at Table 2's rate, EMA 0.95 bias-corrected, eps 1e-8, no
-    decay. The diagnostics: exact D of the head step every 10 updates, the Hilbert RMS over
-    4 x 2,048 = 8,192 validation positions and the loss on the first 5,242,880 validation
-    tokens every 500 updates, all also on the last.
-    """
+    """The paper's model `size` ("190m", "380m", "640m") trained by its recipe (Table 2) with
+    `head`: 256 x 2,048 tokens per update as its per-GPU micro-batch x accumulation on 8 devices,
+    Nesterov Muon 8e-3 (eps 1e-5, `keller` scale), AdamW 4e-3 embedding, and the head at Table 2's
+    rate (examples/lm/README.md, "Configs", has the whole recipe and its diagnostics)."""
     if size not in PAPER_MODELS:
         raise ValueError(f"size must be one of {sorted(PAPER_MODELS)}, got {size!r}")
     if head not in PAPER_HEADS:
@@ -435,14 +408,8 @@ def get_config(name: str, *, head: str | None = None) -> Config:
 
 
 # ----------------------------------------------------------------------------- resuming
-# A checkpoint's metadata holds the whole config of its run. A resumed run follows it: the
-# schedule horizon (`steps`), learning rates, data, model and every other field that defines
-# what is trained or measured. Fields in `RUNTIME_FIELDS` (cadence, placement) follow the command
-# line. A command line that sets a run-defining field to another value is refused with the field
-# named, except `steps` with `change_horizon` (an explicit request to re-time the schedule).
-
-# Cadence and placement, which do not change what is trained: a resumed run takes them from its
-# command line. Every other field defines the run and is followed from the checkpoint. The
+# A checkpoint's metadata holds the whole config of its run, and a resumed run follows it. Only
+# cadence and placement, which do not change what is trained, follow the command line. The
 # recomputation policy and the loss's chunking trade memory for time and change neither the
 # checkpoint nor (beyond float32 rounding) the step; the layer layout (model.scan_layers) is the
 # checkpoint's layout and is followed.
@@ -507,12 +474,8 @@ def resolve_config(cfg: Config, meta: dict, *, explicit=None,
 
 
 # ----------------------------------------------------------------------------- the command line
-# One flag per config field, named by its dotted path: `--model.d_model 256` (or
-# `--model.d_model=256`), parsed by the field's type (`none` for an optional field); the run-level
-# fields are short (`--steps 100 --head adamw --seed 1`), and `--config NAME` picks the named
-# config they override. Next to them are the options of an invocation that are not part of the
-# run's config: `--workdir`, `--overwrite`, `--change_horizon`, `--distributed`, `--no-progress`
-# and `--benchmark`.
+# One flag per config field, `--model.d_model 256`, parsed by the field's type (`none` for an
+# optional field); `--config NAME` picks the named config they override.
 
 
 class Parser(argparse.ArgumentParser):

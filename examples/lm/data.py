@@ -2,24 +2,19 @@
 
 `prepare_tokens(source=...)` gives the train and validation splits:
 
-- token files (a directory, a glob or a `.bin` file), memory-mapped as they are, split by name
-  (names containing `train` / `val`). `read_shard` reads one file in any of three layouts, told
-  apart by their first bytes, each a header (possibly empty) then little-endian token ids:
-  - **rowgeom** (written by `write_shard`: `tools/prepare.py` and the token cache): a 32-byte
-    header `struct("<8sIIQQ")` = (magic `b"RGTOKENS"`, version 1, dtype code 1 = uint16 /
-    2 = uint32, token count, largest token id);
-  - **llm.c / modded-nanogpt**: 256 int32 (`[0]` = magic 20240520, `[1]` = version 1,
-    `[2]` = token count), then uint16 (`dev/data/data_common.py` in karpathy/llm.c);
-  - **nanoGPT**: `train.bin` / `val.bin`, raw uint16, no header (recognised by these names).
-- text, or None (the running interpreter's standard library): tokenized once by
-  `tools/prepare.py` into rowgeom shards cached under the work directory, then read as above.
+- token files (a directory, a glob or a `.bin` file), split by name (`train` / `val`), in one of
+  three layouts told apart by their first bytes, each a header then little-endian token ids:
+  - **rowgeom** (`tools/prepare.py`, the token cache): a 32-byte header `HEADER` = (magic
+    `b"RGTOKENS"`, version 1, dtype code 1 = uint16 / 2 = uint32, token count, largest id);
+  - **llm.c / modded-nanogpt**: 256 int32 (magic 20240520, version 1, token count), then uint16;
+  - **nanoGPT**: `train.bin` / `val.bin`, raw uint16, no header.
+- text, or None (the interpreter's standard library): tokenized once by `tools/prepare.py` into
+  rowgeom shards cached under the work directory, then read as above.
 
 Every header is checked against the file size, and every file's largest id against the
-vocabulary when it is opened (the rowgeom header records it; the other layouts are scanned
-through the memory map), so a mismatched tokenizer stops the run before its first step. Nothing
-is unpickled. `BatchSampler` (random training windows) and `ValidationSet` (the fixed validation
-set) are pure functions of `(seed, step)` and of the split: a resumed run replays the same data,
-and each process reads only its share of every global batch.
+vocabulary when it is opened, so a mismatched tokenizer stops the run before its first step.
+`BatchSampler` and `ValidationSet` are pure functions of `(seed, step)` and of the split: a
+resumed run replays the same data, and each process reads only its share of every batch.
 """
 
 from __future__ import annotations
@@ -33,8 +28,8 @@ from typing import NamedTuple
 import numpy as np
 
 ROWGEOM_MAGIC = b"RGTOKENS"
-_HEADER = struct.Struct("<8sIIQQ")  # 32 bytes, little-endian
-_DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+HEADER = struct.Struct("<8sIIQQ")  # 32 bytes, little-endian
+DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 LLMC_MAGIC, LLMC_HEADER_BYTES = 20240520, 1024
 
 
@@ -45,46 +40,22 @@ class TokenSplits(NamedTuple):
     format: str = "text"  # "text" (tokenized here), "rowgeom", "llmc" or "nanogpt"
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits (vocab_size <= 65536): half the disk and page cache of uint32."""
-    return _DTYPE_CODES[1] if vocab_size <= 1 << 16 else _DTYPE_CODES[2]
-
-
-def write_shard(path, tokens) -> Path:
-    """Write 1-D non-negative integer `tokens` as a rowgeom shard (uint16 if they fit, else
-    uint32), atomically (a temporary name renamed into place)."""
-    path, tokens = Path(path), np.asarray(tokens)
-    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"write_shard({path}): tokens must be a non-empty 1-D integer array, "
-                         f"got shape {tokens.shape} dtype {tokens.dtype}")
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= 1 << 32:
-        raise ValueError(f"write_shard({path}): token ids must be in [0, 2**32), got [{lo}, {hi}]")
-    code = 1 if hi < 1 << 16 else 2
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(ROWGEOM_MAGIC, 1, code, tokens.size, hi))
-        f.write(tokens.astype(_DTYPE_CODES[code]).tobytes())
-    os.replace(tmp, path)
-    return path
-
-
 def open_shard(path) -> tuple[str, np.memmap, int]:
     """(layout, read-only memmap of the tokens, largest id) of one token file, its header checked
     against the file size. The largest id is the rowgeom header's, else a scan of the map."""
     path = Path(path)
     with open(path, "rb") as f:
-        head = f.read(_HEADER.size)
+        head = f.read(HEADER.size)
     top = None
     if head[:8] == ROWGEOM_MAGIC:
-        if len(head) < _HEADER.size:
+        if len(head) < HEADER.size:
             raise ValueError(f"token shard {path} is truncated: {len(head)} bytes, shorter than "
-                             f"its {_HEADER.size}-byte header")
-        _, version, code, count, top = _HEADER.unpack(head)
-        if version != 1 or code not in _DTYPE_CODES:
+                             f"its {HEADER.size}-byte header")
+        _, version, code, count, top = HEADER.unpack(head)
+        if version != 1 or code not in DTYPE_CODES:
             raise ValueError(f"token shard {path} has version {version}, dtype code {code}; this "
                              "code reads version 1 with codes 1 (uint16) and 2 (uint32)")
-        layout, offset, dtype = "rowgeom", _HEADER.size, _DTYPE_CODES[code]
+        layout, offset, dtype = "rowgeom", HEADER.size, DTYPE_CODES[code]
     elif len(head) >= 12 and struct.unpack("<i", head[:4])[0] == LLMC_MAGIC:
         version, count = struct.unpack("<2i", head[4:12])
         if version != 1:
@@ -186,7 +157,8 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
     """Token ids for training and validation (see the module docstring for `source`).
 
     vocab_size: the bound every id must be below, and the BPE's size when text is tokenized
-    without `tokenizer`. tokenizer: a `tokenizer.json`; the vocabulary is then the tokenizer's.
+    without `tokenizer`. tokenizer: a `tokenizer.json`; the vocabulary is then the tokenizer's
+    (at most `vocab_size`).
     Text is tokenized once into `workdir/tokens/` (`tools.prepare.token_cache`).
     """
     paths = [] if source is None else token_files(source)
@@ -194,8 +166,12 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
         from examples.lm.tools import prepare  # text and tokenizers: the tools' side
         from examples.lm.tools import tokenizer as bpe
 
-        if tokenizer is not None:
-            vocab_size = bpe.vocab_size(bpe.load_tokenizer(tokenizer))
+        if tokenizer is not None:  # its vocabulary, which the model's must hold
+            size = bpe.vocab_size(bpe.load_tokenizer(tokenizer))
+            if size > vocab_size:
+                raise ValueError(f"the tokenizer has {size} tokens but the model has {vocab_size}"
+                                 " (--model.vocab_size / --model.valid_vocab_size)")
+            vocab_size = size
         if not paths:
             return prepare.token_cache(source, workdir, vocab_size=vocab_size,
                                        val_fraction=val_fraction, tokenizer=tokenizer)

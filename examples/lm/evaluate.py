@@ -1,30 +1,19 @@
 """Evaluation: the geometry of the last head update as the softmax sees it.
 
-Two head changes are measured (weight decay is part of what the softmax sees, not of the step):
+Two changes are measured (the README's "head diagnostics" lists every key):
 
-- the *full head change* `ΔW = W_new - W_old`, including decoupled weight decay: this is what the
-  softmax sees. Reported as `head_diameter`, `hilbert_rms`, `hilbert_max`, `hilbert_tightness`.
-- the *head step* `-lr·U` (the optimizer's direction scaled by the head learning rate, without the
-  decay term): `ΔW + lr·wd·W_old` under the decoupled-decay convention
-  `W ← (1 - lr·wd)·W - lr·U`. Reported as `head_step_diameter`, `head_step_hilbert_rms`, ... For
-  projected RowNorm, `head_step_diameter <= 2·lr` (every token row moves at most `lr`).
-  Without weight decay the two coincide.
+- the *full head change* `ΔW = W_new - W_old`, decoupled weight decay included: what the softmax
+  sees (`head_diameter`, `hilbert_*`);
+- the *head step* `-lr·U`, the optimizer's direction times the head rate without the decay term
+  (`head_step_*`); for projected RowNorm `head_step_diameter <= 2·lr`.
 
-For each: the row diameter `D` (exact, `rowgeom.row_diameter`, when `V·d` is at most
-`exact_diameter_max_elements`, otherwise the upper end of the O(Vd) bracket
-`rowgeom.row_diameter_bounds`, also reported as `*_diameter_lower` / `*_diameter_upper`), and the
-empirical Hilbert perturbation `δ_n = range_v((ΔW·h_n)_v)` (`rowgeom.hilbert_perturbation`, exact by
-Lemma 1 of arXiv 2608.22253) over the final hidden states `h_n` of a fixed batch of validation
-sequences: RMS and max over n, and the tightness `max_n δ_n / (||h_n||·D)`, which is at most 1.
-
-`make_step_diameter` measures the head step's diameter alone (no hidden states), for the cadence
-of `eval.diameter_every` (the paper: exact, every 10 updates). `centring_diagnostics` compares a
-projected RowNorm head's step with the uncentred one the paper's authors train with (each EMA
-row divided by its norm + eps, no centring): `centring_ratio` = ||U - U_uncentred||_F / ||U||_F
-and `uncentred_step_diameter`, with `ema_mean_row_ratio`, the EMA's mean row over its RMS row.
-
-`tracked_head_stats` reads the O(Vd) bracket of the full change that rowgeom's tracker
-(`track_row_diameter`, at the end of the head chain) recorded in the optimizer state.
+For each: the row diameter `D` (exact, `rowgeom.row_diameter`, up to `exact_diameter_max_elements`
+elements, else the upper end of the O(Vd) bracket `rowgeom.row_diameter_bounds`), and the Hilbert
+perturbation `δ_n = range_v((ΔW·h_n)_v)` (`rowgeom.hilbert_perturbation`, exact by Lemma 1 of
+arXiv 2608.22253) over the final hidden states `h_n` of fixed validation sequences: RMS, max and
+the tightness `max_n δ_n / (||h_n||·D)` <= 1. `centring_diagnostics` compares a RowNorm head's
+step with the uncentred one of the paper's code; `tracked_head_stats` reads the bracket rowgeom's
+tracker recorded in the optimizer state.
 """
 
 from __future__ import annotations
@@ -51,53 +40,47 @@ def _hilbert(delta, hidden, diameter, *, vocab_axis):
     return jnp.sqrt(jnp.mean(jnp.square(delta_n))), jnp.max(delta_n), jnp.max(tight)
 
 
-def head_diagnostics(delta, head_old, hidden, head_lr, head_wd, *, vocab_axis: int, exact: bool):
-    """Diameters and Hilbert perturbations of the full change `delta` and of the head step.
-
-    delta, head_old: head matrices (vocabulary along `vocab_axis`); hidden: (N, d) final hidden
-    states; head_lr, head_wd: the head's learning rate for that update and its decoupled weight
-    decay.
-    """
-    hidden = hidden.astype(jnp.float32)
-    delta = delta.astype(jnp.float32)
-    step = delta + (head_lr * head_wd) * head_old.astype(jnp.float32)
-    out = {}
-    for prefix, change in (("head", delta), ("head_step", step)):
-        d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
-        rms, mx, tight = _hilbert(change, hidden, d, vocab_axis=vocab_axis)
-        name = "hilbert" if prefix == "head" else "head_step_hilbert"
-        out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
-                f"{prefix}_diameter_upper": upper, f"{name}_rms": rms, f"{name}_max": mx,
-                f"{name}_tightness": tight}
-    return out
+def _change(graphdef, head_matrix, params, rest, head_old, head_lr, head_wd):
+    """(model, vocab axis, full change, step without decay) of the update just applied, float32.
+    The step adds the decay term back: `W <- (1 - lr·wd)·W - lr·U` gives `-lr·U = ΔW + lr·wd·W`."""
+    model = nnx.merge(graphdef, params, rest)
+    head_new, vocab_axis = head_matrix(model)
+    head_old = head_old.astype(jnp.float32)
+    delta = head_new.astype(jnp.float32) - head_old
+    step = delta + (head_lr * head_wd) * head_old
+    return model, vocab_axis, delta, step
 
 
 def make_head_probe(graphdef, head_matrix, *, exact: bool, out_sharding):
-    """Jitted (params, rest, head_old, inputs, head_lr, head_wd) -> dict of head diagnostics.
-
-    The final hidden states of `inputs` under the current (updated) model probe the change between
-    `head_old` (the head before the last optimizer update) and the current head.
-    """
+    """Jitted (params, rest, head_old, inputs, head_lr, head_wd) -> the diameters and Hilbert
+    perturbations of the full change and of the step, over the final hidden states of `inputs`
+    under the updated model."""
 
     def probe(params, rest, head_old, inputs, head_lr, head_wd):
-        model = nnx.merge(graphdef, params, rest)
-        hidden = model.hidden(inputs)
-        head_new, vocab_axis = head_matrix(model)
+        model, vocab_axis, delta, step = _change(graphdef, head_matrix, params, rest, head_old,
+                                                 head_lr, head_wd)
+        hidden = model.hidden(inputs).astype(jnp.float32)
         hidden = hidden.reshape(-1, hidden.shape[-1])
-        return head_diagnostics(head_new - head_old, head_old, hidden, head_lr, head_wd,
-                                vocab_axis=vocab_axis, exact=exact)
+        out = {}
+        for prefix, change in (("head", delta), ("head_step", step)):
+            d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
+            rms, mx, tight = _hilbert(change, hidden, d, vocab_axis=vocab_axis)
+            name = "hilbert" if prefix == "head" else "head_step_hilbert"
+            out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
+                    f"{prefix}_diameter_upper": upper, f"{name}_rms": rms, f"{name}_max": mx,
+                    f"{name}_tightness": tight}
+        return out
 
     return jax.jit(probe, out_shardings=out_sharding)
 
 
 def make_step_diameter(graphdef, head_matrix, *, exact: bool, out_sharding):
-    """Jitted (params, rest, head_old, head_lr, head_wd) -> {"head_step_diameter": D} of the
-    head step without its decoupled decay, `ΔW + lr·wd·W_old` (no forward pass)."""
+    """Jitted (params, rest, head_old, head_lr, head_wd) -> {"head_step_diameter": D} (no
+    forward pass)."""
 
     def diameter(params, rest, head_old, head_lr, head_wd):
-        head_new, vocab_axis = head_matrix(nnx.merge(graphdef, params, rest))
-        step = (head_new.astype(jnp.float32) - head_old.astype(jnp.float32)
-                + (head_lr * head_wd) * head_old.astype(jnp.float32))
+        _, vocab_axis, _, step = _change(graphdef, head_matrix, params, rest, head_old, head_lr,
+                                         head_wd)
         return {"head_step_diameter": _diameter(step, vocab_axis=vocab_axis, exact=exact)[0]}
 
     return jax.jit(diameter, out_shardings=out_sharding)
@@ -146,9 +129,8 @@ def make_centring_probe(graphdef, head_matrix, head_shape, *, momentum: float, d
     of the update just applied."""
 
     def probe(params, rest, opt_state, head_old, head_lr, head_wd):
-        head_new, vocab_axis = head_matrix(nnx.merge(graphdef, params, rest))
-        step = (head_new.astype(jnp.float32) - head_old.astype(jnp.float32)
-                + (head_lr * head_wd) * head_old.astype(jnp.float32))
+        _, vocab_axis, _, step = _change(graphdef, head_matrix, params, rest, head_old, head_lr,
+                                         head_wd)
         ema, count = head_ema(opt_state, head_shape)
         return centring_diagnostics(step, ema, count, head_lr, momentum=momentum,
                                     debias=debias, eps=eps, vocab_axis=vocab_axis, exact=exact)

@@ -1,43 +1,31 @@
 """The LM head's logits and the mean next-token cross-entropy, optionally without ever holding the
 whole `(B, T, V)` float32 logits.
 
-`logits` is the one place the head's logits are made (the model's forward pass and both loss paths
-use it): `hidden · head` with float32 accumulation, and the padding ids (`>= num_valid`) floored
-at `finfo(float32).min / 2`, so they are never predicted and their head rows get exactly zero
-gradient (a finite floor, not `-inf`: no `inf - inf` in the softmax or its gradient).
+`logits` is the one place the head's logits are made: `hidden · head` with float32 accumulation,
+and the padding ids (`>= num_valid`) floored at `finfo(float32).min / 2`, so they are never
+predicted and their head rows get exactly zero gradient (a finite floor: no `inf - inf`).
 
-`cross_entropy` is the mean over the `N = B·T` tokens of `lse_n - z_{n, y_n}`, where
-`z_n = logits(h_n)` and `lse_n = log Σ_v exp(z_{n,v})`. Its gradient with respect to the logits is
+`cross_entropy` is the mean over the `N = B·T` tokens of `lse_n - z_{n, y_n}`, with logits
+gradient `∂L/∂z_{n,v} = (softmax(z_n)_v - [v = y_n]) / N`, from which `∂L/∂h_n = Σ_v ∂L/∂z_{n,v}
+· head_v` and `∂L/∂head_v = Σ_n ∂L/∂z_{n,v} · h_n`. With `chunk_size = c < T` the sequence axis
+is cut into chunks of `c` positions (the batch axis stays whole, so a sharded batch stays
+sharded) and a `jax.custom_vjp` runs two `lax.scan`s, each holding one `(B, c, V)` chunk:
 
-    ∂L/∂z_{n,v} = (softmax(z_n)_v - [v = y_n]) / N,
+- forward: each chunk's per-token `lse` and target logit; the residuals are the inputs and `lse`,
+  nothing of size `V·T`;
+- backward: each chunk's logits again (one more logits matmul than autodiff: the price of not
+  storing them), the gradients above, and `∂L/∂head` summed over the chunks in float32.
 
-from which `∂L/∂h_n = Σ_v ∂L/∂z_{n,v} · head_v` and `∂L/∂head_v = Σ_n ∂L/∂z_{n,v} · h_n`.
+A `T` that is not a multiple of `c` is padded with positions of zero weight. The backward matmuls
+take the float32 logits gradient and the compute-dtype operand with float32 accumulation, as
+autodiff of the plain path does, so the two agree to accumulation order in bf16 as well.
 
-With `chunk_size = c < T` the sequence axis is cut into `ceil(T / c)` chunks of `c` positions
-(the batch axis stays whole, so a batch sharded over data-parallel mesh axes stays sharded) and a
-`jax.custom_vjp` runs two `lax.scan`s, each holding one `(B, c, V)` logits chunk at a time:
-
-- forward: each chunk's logits, its per-token `lse` and target logit; the residuals are the
-  inputs and `lse` (`(B, T)` float32), nothing of size `V·T`;
-- backward: each chunk's logits again (one more logits matmul than plain autodiff: the price of
-  not storing them), `softmax = exp(z - lse)`, the logits gradient above, `∂L/∂h` for the chunk
-  and `∂L/∂head` summed over the chunks in float32 (cast to the head's dtype once, at the end).
-
-A `T` that is not a multiple of `c` is padded with zero hidden states whose tokens carry zero
-weight in the loss and its gradient. The backward matmuls take the float32 logits gradient and
-the compute-dtype operand with float32 accumulation, exactly as autodiff of the plain path does,
-so the two agree to float32 accumulation order for bf16 inputs as well.
-
-On a mesh the head's gradient needs a sum over the batch rows, which live on different
-data-parallel devices. Summed into one accumulator, that sum would be an all-reduce of a
-head-sized buffer in every chunk. With `batch_groups = G` (the number of batch shards) the
-accumulator is `(G, D, V)`: the rows of a chunk are split into `G` groups (a split of the leading
-axis, so group `g` is device `g`'s rows), each group sums into its own slice, and the slices are
-summed once after the scan, so the batch is reduced across devices once, as in the plain path.
-
-Recomputing the logits chunk by chunk under a custom VJP is what MaxText's vocabulary tiling does;
-the "cut cross-entropy" of Wijmans et al. 2024 (arXiv 2411.09009) fuses the same computation
-into a kernel that never writes a logits chunk at all.
+On a mesh the head's gradient sums over batch rows on different data-parallel devices; summed
+into one accumulator that would be a head-sized all-reduce per chunk. With `batch_groups = G`
+(the number of batch shards) the accumulator is `(G, D, V)`, one slice per device's rows, summed
+once after the scan: the batch is reduced across devices once, as in the plain path. MaxText's
+vocabulary tiling recomputes the logits the same way; Wijmans et al. 2024 (arXiv 2411.09009)
+fuse it into a kernel that never writes a logits chunk.
 """
 
 from __future__ import annotations

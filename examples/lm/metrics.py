@@ -1,16 +1,10 @@
 """Metric sinks: DIR/metrics.jsonl, TensorBoard event files, and a PNG plot of the curves.
 
-`metrics.jsonl` holds one JSON object per line with at least `step` and `train_loss`; evaluation
-lines add `val_loss`, `val_tokens`, `head_diameter`, `hilbert_rms`, ... (see evaluate.py). Floats
-are written with `repr`, which round-trips exactly. Every value except the wall-clock ones in
-`WALL_CLOCK_KEYS` (tokens/s, seconds per step, MFU) is a deterministic function of the run, so an
-interrupted-and-resumed run writes the same records as an uninterrupted one once those keys are
-left out (`deterministic_part`).
-
-DIR may be local or remote (`gs://...`, through `etils.epath`). TensorBoard event files are
-written for a local DIR only (tensorboardX does not go through epath).
-
-Only process 0 writes; other processes get a writer whose methods do nothing.
+Floats are written with `repr`, which round-trips exactly. Every value except the wall-clock ones
+(`WALL_CLOCK_KEYS`) is a deterministic function of the run, so a resumed run writes the same
+records as an uninterrupted one once those are left out (`deterministic_part`). DIR may be remote
+(`gs://...`, through `etils.epath`); TensorBoard files are written for a local DIR only. Only
+process 0 writes; other processes get a writer whose methods do nothing.
 """
 
 from __future__ import annotations
@@ -109,8 +103,8 @@ class MetricsWriter:
                                      purge_step=self._purge_step)
         return self._tb
 
-    def write(self, record: dict, *, extra_scalars: dict | None = None) -> None:
-        """Append `record` (with a `step`) to jsonl; log it and `extra_scalars` to TensorBoard."""
+    def write(self, record: dict) -> None:
+        """Append `record` (with a `step`) to jsonl and log it to TensorBoard."""
         if not self.enabled:
             return
         record = {k: _plain(v) for k, v in record.items()}
@@ -122,13 +116,9 @@ class MetricsWriter:
         with path.open("a") as f:
             f.write(line)
         tb = self._tensorboard()
-        for key, value in {**record, **(extra_scalars or {})}.items():
+        for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 tb.add_scalar(key, value, step)
-
-    def flush(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:

@@ -1,26 +1,15 @@
 """A small decoder-only transformer in flax.nnx for the rowgeom LM example.
 
-Pre-norm blocks (RMSNorm -> causal self-attention with RoPE -> residual, RMSNorm -> SwiGLU MLP ->
-residual), a final RMSNorm and an LM head that is a separate `nnx.Linear` (kernel (d, V)) unless
-`tied_embeddings`, in which case the logits reuse the embedding table (V, d).
+Pre-norm blocks (RMSNorm -> causal self-attention with RoPE, RMSNorm -> SwiGLU MLP), a final
+RMSNorm and an LM head (`nnx.Linear`, kernel (d, V)) or, with `tied_embeddings`, the embedding
+table (V, d). Shapes are suffixed to names: B batch, T sequence, D model width, N heads, H head
+width, F MLP width, V vocabulary, L layers.
 
-Shapes are suffixed to names: B batch, T sequence, D model width, N heads, H head width, F MLP
-width, V vocabulary, L layers. Every parameter carries an `out_sharding` annotation in logical axis
-names ("embed", "mlp", "vocab", ...; sharding.py maps them onto the mesh), and every activation is
-constrained by its logical names (`sharding.constrain`: batch over the data-parallel axes, heads /
-MLP width / vocabulary over "tensor"). The annotations are metadata only (see `_sharded`) and the
-constraints apply only inside `jax.set_mesh`, so the same code runs on one device or on a mesh
-whose axes are `jax.sharding.AxisType.Auto`.
-
-At scale: `scan_layers` stores the blocks as one stacked `(L, ...)` leaf per parameter, run by
-`nnx.scan`, so compile time does not grow with depth; `remat` recomputes each block's
-activations in the backward pass ("block") or all but its matmul outputs ("dots");
-`Transformer.loss` never materialises the whole (B, T, V) logits (loss.py).
-
-Mixed precision: parameters are stored in `param_dtype` (fp32 master weights) and cast to
-`compute_dtype` (e.g. bf16) for matmuls and activations; the trainer casts them before the
-forward pass, so FSDP gathers them in `compute_dtype`. Norm statistics, RoPE, the attention
-softmax and the logits are computed in fp32.
+Every parameter and activation is named by logical axes ("embed", "activation_batch", ...), which
+sharding.py maps onto the mesh; the constraints apply only inside `jax.set_mesh`, so the same code
+runs on one device or on a mesh of `AxisType.Auto` axes. Parameters are stored in `param_dtype`
+and computed in `compute_dtype`; norm statistics, RoPE, the attention softmax and the logits are
+float32.
 """
 
 import dataclasses
@@ -149,11 +138,9 @@ def _zero_padding(init, num_tokens: int, vocab_axis: int):
 def _sharded(names: tuple) -> dict:
     """Variable metadata for a parameter whose axes have the logical names `names`.
 
-    The annotation is metadata only (`eager_sharding=False`): flax 0.12 would otherwise shard each
-    variable as it is created, which needs an active mesh and fails when a mesh axis does not
-    divide the dimension (a vocabulary of 50257 over 4 "tensor" devices). Placement is the
-    trainer's job: read the names with `nnx.get_partition_spec`, map them onto the mesh
-    (`sharding.param_spec`) and create the parameters under `jax.jit(..., out_shardings=...)`.
+    Metadata only (`eager_sharding=False`): flax would otherwise shard each variable as it is
+    created, which needs an active mesh and fails when a mesh axis does not divide the dimension
+    (a vocabulary of 50257 over 4 "tensor" devices). The trainer places the parameters.
     """
     return {"out_sharding": names, "eager_sharding": False}
 
@@ -366,7 +353,6 @@ class Transformer(nnx.Module):
             return constrain(table_VD, "activation_vocab", "activation_embed"), 0
         kernel_DV = self.lm_head.kernel[...].astype(self.cfg.compute_dtype)
         return constrain(kernel_DV, "activation_embed", "activation_vocab"), 1
-
 
     def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
         """Logits (B, T, V) in float32; with `return_hidden`, also the final normed hidden state

@@ -1,27 +1,14 @@
 """The device mesh and where every array lives on it: parameters, optimizer state, batches.
 
-The mesh has three axes: `data` (pure data parallelism, parameters replicated), `fsdp` (data
-parallelism with parameters and optimizer state sharded, ZeRO-3 style) and `tensor` (tensor
-parallelism: the vocabulary axis of the head and embedding, MLP width, heads). One code path
-serves 1 device, simulated devices, GPUs and TPU pods.
-
+The mesh has three axes: `data` (parameters replicated), `fsdp` (parameters and optimizer state
+sharded, ZeRO-3 style) and `tensor` (the vocabulary of the head and embedding, MLP width, heads).
 The model names the axes of every parameter and activation by what they mean (`"embed"`,
-`"mlp"`, `"activation_batch"`, ...), never by mesh axis; `RULES` says which mesh axes each name
-is split over, in the style of MaxText's `logical_axis_rules`. Parameters and activations read the
-same table, so changing a row moves both.
-
-- Parameters (`param_spec`): FSDP splits each matrix along its model-width axis (`"embed"`) over
-  `"fsdp"`; tensor parallelism splits heads, MLP width and vocabulary over `"tensor"` (Megatron
-  layout); a scanned stack's layer axis and norm scales are not split.
-- Activations (`constrain`): the batch over `("data", "fsdp")`, heads / MLP width / vocabulary
-  over `"tensor"`, the residual stream's model axis unsplit. Without these constraints the
-  partitioner follows the parameters' FSDP sharding into the activations and then all-reduces
-  and all-gathers whole global-batch activations.
-- Optimizer state (`state_shardings`): read from the state's own structure, not from names.
-- Batches (`global_batch`): rows over `("data", "fsdp")`.
-
-A mesh axis that does not divide a dimension is dropped for that dimension (`fit_spec`), so a
-small model or an odd vocabulary still runs on a large mesh (that dimension is then replicated).
+`"activation_batch"`, ...), and `RULES` maps the names onto mesh axes, in the style of MaxText's
+`logical_axis_rules`; parameters and activations read the same table. Without the activation
+constraints the partitioner would follow the parameters' FSDP split into the activations and
+then all-reduce and all-gather whole global-batch activations. The optimizer state's shardings
+are read from its own structure (`state_shardings`). A mesh axis that does not divide a
+dimension is dropped for it (`fit_spec`): that dimension is replicated.
 """
 
 from __future__ import annotations
@@ -53,19 +40,12 @@ def _multi_process_environment() -> bool:
     return False
 
 
-def maybe_initialize_distributed(mode: str = "auto") -> bool:
-    """Call `jax.distributed.initialize()` when running multi-process.
-
-    mode "on" always initializes (arguments come from the environment: on Cloud TPU and SLURM JAX
-    detects them itself), "off" never, "auto" when the environment describes several processes.
-    Must run before any other JAX call touches the backend. Returns whether it initialized.
-    """
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"--distributed must be 'auto', 'on' or 'off', got {mode!r}")
-    if mode == "off" or (mode == "auto" and not _multi_process_environment()):
-        return False
-    jax.distributed.initialize()
-    return True
+def maybe_initialize_distributed(mode: str = "auto") -> None:
+    """`jax.distributed.initialize()` (arguments from the environment, which JAX reads itself on
+    Cloud TPU and SLURM) with `mode` "on", or "auto" in a multi-process launch; never with "off".
+    Must run before any other JAX call touches the backend."""
+    if mode == "on" or (mode == "auto" and _multi_process_environment()):
+        jax.distributed.initialize()
 
 
 _FLAGS = "--mesh.data/--mesh.fsdp/--mesh.tensor"
@@ -147,14 +127,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-
 def check_batch(batch_size: int, mesh: Mesh) -> None:
     """Raise ValueError unless the global batch splits evenly over the data-parallel devices and
     the processes (each feeds its own rows)."""
-    dp = data_parallel_size(mesh)
+    dp = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if batch_size % dp or batch_size % jax.process_count():
         raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
                          f"parallel size --mesh.data x --mesh.fsdp ({dp}) and by the process "

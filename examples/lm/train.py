@@ -6,25 +6,10 @@ Run from the repository root, as a module:
     python -m examples.lm.train --config cpu-small --steps 3000 --head adamw --workdir runs/a
     python -m examples.lm.train --workdir runs/a     # rerun on a workdir: resume its latest one
     python -m examples.lm.train --config 190m --mesh.fsdp 8 --workdir gs://bucket/run
-    python -m examples.lm.train --data.source 'fineweb10B/*.bin' --data.tokenizer gpt2/tok.json
 
-Every config field is a flag named by its dotted path (`--model.d_model 64`; configs.py). This
-file is the whole training program, top to bottom:
-
-- `Trainer`: the train state `{params, rest, opt_state, micro_step, rng}`, its shardings and the
-  jitted step (one micro-batch: forward, backward, `optax` update), evaluation and head probe.
-- `start`: what a run resolves before its first step: resume or fresh (the checkpoint's config,
-  `configs.resolve_config`), the mesh, the data (`data.prepare_tokens`) and the validation set.
-- `train`: the loop: `start` -> restore or init -> `_Loop.step` (train, evaluate, probe the head,
-  log with throughput, save) -> the plot and a summary line. SIGTERM saves a checkpoint at the
-  current step and exits 0 (`PreemptionWatcher`); the same command resumes it.
-- `benchmark`: `--benchmark N`, the step timed with and without the optimizer update.
-- `main`: the command line.
-
-The forward pass sees the parameters cast to `model.compute_dtype` while they are still sharded
-(`Trainer.compute_params`), so FSDP all-gathers bf16 weights, not the float32 master copies, and
-the gradients come back reduce-scattered in that dtype before the optimizer, which runs in
-float32 on each device's shard.
+This file is the whole training program, top to bottom: `Trainer` (the state, its shardings, the
+jitted step and probes), `start` (resume or fresh, mesh, data), `train` (the loop; SIGTERM saves
+the current step and exits 0), `benchmark` (`--benchmark N`) and `main`.
 """
 
 from __future__ import annotations
@@ -63,17 +48,15 @@ from examples.lm.tools import tokenizer as bpe
 class Trainer:
     """Model, optimizer, jitted functions and shardings for one config on one mesh.
 
-    `init()` builds the state in place on the mesh; `abstract_state` (shapes, dtypes and target
-    shardings) is what a checkpoint is restored onto. `train_step(state, inputs, targets)`
-    applies one micro-batch; `grad_step` is the same forward and backward pass without the
-    optimizer (for timing); `val_loss` and `head_probe` evaluate (evaluate.py).
+    `init()` builds the state `{params, rest, opt_state, micro_step, rng}` in place on the mesh;
+    a checkpoint is restored onto `abstract_state`. `train_step(state, inputs, targets)` applies
+    one micro-batch; `grad_step` is its forward and backward pass alone (for timing).
     """
 
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
         self.tx = build_optimizer(cfg)
-        # The group that trains the head (rowgeom's rule: "embedding" for a tied table): the head
-        # step's rate, decay and momentum, for the probes.
+        # The group that trains the head ("embedding" for a tied table), for the probes.
         self.head_group = head_group(cfg)
         self.head_lr = lr_schedule(self.head_group.learning_rate, cfg)
         self.head_wd = self.head_group.weight_decay
@@ -141,17 +124,16 @@ class Trainer:
             gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
         self.step_diameter = evaluate.make_step_diameter(
             gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
-        # With eval.centring, a RowNorm head's step against the uncentred one
-        # (evaluate.centring_diagnostics): where the optimizer state holds the head's EMA moment.
+        # With eval.centring, a RowNorm head's step against the uncentred one, where the
+        # optimizer state holds the head's EMA moment.
         self.centring_probe = None
-        full_head = self.abstract_state["params"]["lm_head"]["kernel"].shape if (
-            "lm_head" in self.abstract_state["params"]) else None
+        full_head = self.abstract_state["params"].get("lm_head", {}).get("kernel")
         rownorm = optimizer_options(self.cfg)["head"].optimizer == "rownorm"
         if (self.cfg.eval.centring and rownorm and full_head is not None
-                and evaluate.head_ema(self.abstract_state["opt_state"], full_head) is not None):
+                and evaluate.head_ema(self.abstract_state["opt_state"], full_head.shape)):
             o = self.cfg.optim
             self.centring_probe = evaluate.make_centring_probe(
-                gd, model_lib.head_matrix, full_head, momentum=self.head_group.momentum,
+                gd, model_lib.head_matrix, full_head.shape, momentum=self.head_group.momentum,
                 debias=o.head_bias_correction, eps=1e-8 if o.head_eps is None else o.head_eps,
                 exact=self.exact_diameter, out_sharding=repl)
 
@@ -196,40 +178,30 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
     explicit, change_horizon: see `configs.resolve_config`. overwrite: delete the checkpoints and
     start fresh. `out` prints what was decided (one line each).
     """
+    ckpt = None
     try:
-        return _start(cfg, workdir, explicit=explicit, overwrite=overwrite,
-                      change_horizon=change_horizon, out=out)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        raise UsageError(str(e)) from e
-
-
-def _check_directory(path, flag: str) -> None:
-    """A local `path` that exists must be a directory (it is created when missing)."""
-    path = os.fspath(path)
-    if not checkpointing.is_remote(path) and os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a file, not a directory: pass a directory (a "
-                         "missing one is created)")
-
-
-def _start(cfg, workdir, *, explicit, overwrite, change_horizon, out) -> Run:
-    cfg = with_tokenizer_vocab(cfg.validate())
-    _check_directory(workdir, "--workdir")
-    if cfg.checkpoint.dir is not None:
-        _check_directory(cfg.checkpoint.dir, "--checkpoint.dir")
-    ckpt = checkpointing.Checkpointer(
-        cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
-        keep=cfg.checkpoint.keep)
-    try:
+        cfg = with_tokenizer_vocab(cfg.validate())
+        for flag, path in (("--workdir", workdir), ("--checkpoint.dir", cfg.checkpoint.dir)):
+            if (path is not None and not checkpointing.is_remote(path) and os.path.exists(path)
+                    and not os.path.isdir(path)):
+                raise ValueError(f"{flag} {path} is a file, not a directory: pass a directory "
+                                 "(a missing one is created)")
+        ckpt = checkpointing.Checkpointer(
+            cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
+            keep=cfg.checkpoint.keep)
         return _start_with(cfg, workdir, ckpt, explicit=explicit, overwrite=overwrite,
                            change_horizon=change_horizon, out=out)
-    except BaseException:
-        ckpt.close()
-        _remove_if_empty(ckpt)
+    except BaseException as e:
+        if ckpt is not None:
+            _close(ckpt)
+        if isinstance(e, (ValueError, FileNotFoundError, NotADirectoryError)):
+            raise UsageError(str(e)) from e
         raise
 
 
-def _remove_if_empty(ckpt: checkpointing.Checkpointer) -> None:
-    """A failed run leaves no empty (local) checkpoint directory behind."""
+def _close(ckpt: checkpointing.Checkpointer) -> None:
+    """Wait for the saves and close; a failed run leaves no empty (local) checkpoint directory."""
+    ckpt.close()
     if checkpointing.is_remote(ckpt.directory):
         return
     try:
@@ -284,10 +256,6 @@ def _start_with(cfg, workdir, ckpt, *, explicit, overwrite, change_horizon, out)
     tokens = data.prepare_tokens(source=cfg.data.source,
                                  workdir=cfg.data.dir or _default_data_dir(workdir),
                                  vocab_size=cfg.model.num_tokens, tokenizer=cfg.data.tokenizer)
-    if tokens.vocab_size > cfg.model.num_tokens:
-        raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model has "
-                         f"{cfg.model.num_tokens} (--model.vocab_size / "
-                         "--model.valid_vocab_size)")
     need = cfg.data.batch_size * cfg.seq_len + 1
     if len(tokens.train) < need:
         raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
@@ -406,12 +374,9 @@ class PreemptionWatcher:
 
 
 # ----------------------------------------------------------------------------- throughput
-# MFU = (training FLOPs per token, `model.flops_per_token`) x (tokens/s) / (peak FLOP/s of all
-# devices). Peaks are dense bf16 matrix-multiply rates from the vendors' data sheets, looked up by
-# `jax.Device.device_kind`; for an unknown device (a CPU, a new chip) MFU is not reported rather
-# than guessed.
-
-# device_kind prefix (lower case) -> peak dense bf16 FLOP/s per device (one chip / one GPU).
+# MFU = `model.flops_per_token` x tokens/s / the peak FLOP/s of all devices. `device_kind` prefix
+# (lower case) -> dense bf16 FLOP/s per chip or GPU, from the vendors' data sheets; for an unknown
+# device (a CPU, a new chip) MFU is not reported rather than guessed.
 PEAK_FLOPS = {
     "tpu v4": 275e12,
     "tpu v5 lite": 197e12,  # v5e
@@ -441,16 +406,6 @@ def peak_flops(device=None) -> float | None:
     return None
 
 
-def mfu(tokens_per_sec: float, flops_per_token: float, *, num_devices: int | None = None,
-        peak: float | None = None) -> float | None:
-    """Model-FLOPs utilisation in [0, 1], or None when the device's peak is unknown."""
-    peak = peak_flops() if peak is None else peak
-    if peak is None:
-        return None
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    return tokens_per_sec * flops_per_token / (peak * num_devices)
-
-
 # ----------------------------------------------------------------------------- the loop
 
 # The head probe's validation sequences use a fixed seed, independent of the training seed, so
@@ -464,18 +419,17 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
 
     A workdir with checkpoints is resumed from the latest complete one, following the run's
-    saved config (see `configs.resolve_config`; `explicit` names the fields the caller set, as
-    dotted paths, None = all). overwrite: delete the checkpoints and metrics and start fresh.
-    change_horizon: accept a new `steps` on  stop_after: stop after this many optimizer
-    steps without a final save, as if interrupted (the schedule still follows `cfg.steps`); for
-    tests of exact resumption. On SIGTERM the run saves a checkpoint at the current step and
-    returns. Problems with the config, the data or the workdir raise `UsageError`.
+    saved config (`configs.resolve_config`: `explicit` and `change_horizon`). overwrite: delete
+    what the run wrote and start fresh. stop_after: stop after this many optimizer steps without
+    a final save, as if interrupted (for tests of exact resumption). On SIGTERM the run saves a
+    checkpoint at the current step and returns. Problems with the config, the data or the
+    workdir raise `UsageError`.
     """
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
     out = print_fn if lead else (lambda *a, **k: None)
     setup = start(cfg, workdir, explicit=explicit, overwrite=overwrite,
-                      change_horizon=change_horizon, out=out)
+                  change_horizon=change_horizon, out=out)
     cfg = setup.cfg
     try:
         check_fits(cfg, setup.mesh)
@@ -487,8 +441,7 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                 out(f"--overwrite: deleting {', '.join(deleted)} in {workdir}")
         state = restore_or_init(setup, trainer, out)
     except BaseException as e:
-        setup.ckpt.close()
-        _remove_if_empty(setup.ckpt)
+        _close(setup.ckpt)
         if isinstance(e, Exception) and _out_of_memory(e):  # the state itself does not fit
             raise UsageError(_out_of_memory_message(cfg, e)) from e
         raise
@@ -523,18 +476,17 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     finally:
         preemption.close()
         bar.close()
-        setup.ckpt.close()
         writer.close()
-        _remove_if_empty(setup.ckpt)
+        _close(setup.ckpt)
     return _finish(loop.last_eval, finished=end == cfg.steps, writer=writer, workdir=workdir,
                    lead=lead, out=out)
 
 
 def _out_of_memory(error: Exception) -> bool:
     """Whether `error` is XLA's RESOURCE_EXHAUSTED (the step does not fit the device)."""
-    return (isinstance(error, (jax.errors.JaxRuntimeError, MemoryError))
-            and ("RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
-                 or isinstance(error, MemoryError)))
+    return isinstance(error, MemoryError) or (
+        isinstance(error, jax.errors.JaxRuntimeError)
+        and ("RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)))
 
 
 def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
@@ -600,6 +552,10 @@ def _scalar(x) -> float:
     return float(np.asarray(jax.device_get(x)))
 
 
+def _floats(out: dict) -> dict:
+    return {k: _scalar(v) for k, v in out.items()}
+
+
 class _Loop:
     """One optimizer step after another: train, probe the head, evaluate, log, save."""
 
@@ -645,12 +601,17 @@ class _Loop:
                   "head_learning_rate": _scalar(trainer.head_lr(step - 1))}
         if is_eval:
             record |= self._evaluate(state)
+        if is_eval or is_probe or is_diameter:
+            # The head's rate and decay of the update just applied, typed as the probes take them.
+            head = (state["params"], state["rest"])
+            lr, wd = trainer.head_lr(step - 1), jnp.float32(trainer.head_wd)
         if is_eval or is_probe:
-            record |= self._probe(state, head_old, step)
+            record |= (_floats(trainer.head_probe(*head, head_old, self.probe_inputs, lr, wd))
+                       | evaluate.tracked_head_stats(state["opt_state"]))
         if is_diameter:
-            record |= self._step_diameter(state, head_old, step)
+            record |= _floats(trainer.step_diameter(*head, head_old, lr, wd))
         if is_eval and trainer.centring_probe is not None:
-            record |= self._centring(state, head_old, step)
+            record |= _floats(trainer.centring_probe(*head, state["opt_state"], head_old, lr, wd))
         if is_eval:
             self.last_eval = record
         record |= self._throughput()
@@ -665,37 +626,13 @@ class _Loop:
                                                    *self.val_batches.get(i)))
         return {"val_loss": total / val_set.num_batches, "val_tokens": val_set.num_tokens}
 
-    def _probe(self, state, head_old, step) -> dict:
-        """Head diagnostics of the update just applied (no validation loss)."""
-        head_lr = self.trainer.head_lr(step - 1)  # the rate of the update just applied
-        probe = self.trainer.head_probe(state["params"], state["rest"], head_old,
-                                        self.probe_inputs, head_lr,
-                                        jnp.float32(self.trainer.head_wd))
-        return ({k: _scalar(v) for k, v in sorted(probe.items())}
-                | evaluate.tracked_head_stats(state["opt_state"]))
-
-    def _step_diameter(self, state, head_old, step) -> dict:
-        """The diameter of the head step just applied, without its decoupled decay."""
-        out = self.trainer.step_diameter(state["params"], state["rest"], head_old,
-                                         self.trainer.head_lr(step - 1),
-                                         jnp.float32(self.trainer.head_wd))
-        return {k: _scalar(v) for k, v in out.items()}
-
-    def _centring(self, state, head_old, step) -> dict:
-        """A RowNorm head's step against the uncentred one (evaluate.centring_diagnostics)."""
-        out = self.trainer.centring_probe(state["params"], state["rest"], state["opt_state"],
-                                          head_old, self.trainer.head_lr(step - 1),
-                                          jnp.float32(self.trainer.head_wd))
-        return {k: _scalar(v) for k, v in out.items()}
-
     def _throughput(self) -> dict:
         """Tokens/s, s/step (and model-FLOPs utilisation) since the last record."""
         elapsed = time.perf_counter() - self.window_start
         speed = self.window_steps * self.tokens_per_step / elapsed
         out = {"tokens_per_sec": speed, "sec_per_step": elapsed / self.window_steps}
-        utilisation = mfu(speed, self.flops_per_token, peak=self.peak_flops)
-        if utilisation is not None:
-            out["mfu"] = utilisation
+        if self.peak_flops is not None:  # model-FLOPs utilisation
+            out["mfu"] = speed * self.flops_per_token / (self.peak_flops * jax.device_count())
         self.window_start, self.window_steps = time.perf_counter(), 0
         return out
 

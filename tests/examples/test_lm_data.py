@@ -162,7 +162,7 @@ def test_work_directory_inside_the_source_is_not_corpus(corpus, counted_training
 def test_shard_round_trip(tmp_path, rng, high, dtype):
     tokens = rng.integers(0, high + 1, size=1001)
     tokens[0] = high
-    path = data.write_shard(tmp_path / "train.bin", tokens)
+    path = corpus_lib.write_shard(tmp_path / "train.bin", tokens)
     shard = data.read_shard(path)
     assert isinstance(shard, np.memmap) and shard.dtype == dtype and not shard.flags.writeable
     np.testing.assert_array_equal(shard, tokens)
@@ -204,7 +204,7 @@ def _corrupt(path: Path, how: str) -> str:
                                  "wrong version", "truncated tokens", "trailing bytes",
                                  "wrong length field"])
 def test_corrupt_shards_raise_a_clear_error_naming_the_file(tmp_path, how):
-    path = data.write_shard(tmp_path / "val_000.bin", np.arange(100))
+    path = corpus_lib.write_shard(tmp_path / "val_000.bin", np.arange(100))
     reason = _corrupt(path, how)
     with pytest.raises(ValueError, match="val_000.bin") as error:
         data.read_shard(path)
@@ -215,14 +215,14 @@ def test_write_shard_rejects_what_it_cannot_store(tmp_path):
     for bad in (np.array([1, -1]), np.zeros((2, 2), int), np.array([0.5]), np.array([], int),
                 np.array([2**32])):
         with pytest.raises(ValueError, match="write_shard"):
-            data.write_shard(tmp_path / "x.bin", bad)
+            corpus_lib.write_shard(tmp_path / "x.bin", bad)
 
 
 def test_shard_directory_is_memory_mapped_and_validated(tmp_path, rng):
     parts = [rng.integers(0, 1000, size=n) for n in (50, 7, 80)]
     for i, part in enumerate(parts):
-        data.write_shard(tmp_path / f"train_{i:03d}.bin", part)
-    data.write_shard(tmp_path / "val_000.bin", np.arange(40))
+        corpus_lib.write_shard(tmp_path / f"train_{i:03d}.bin", part)
+    corpus_lib.write_shard(tmp_path / "val_000.bin", np.arange(40))
     splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=1000)
     assert splits.format == "rowgeom" and isinstance(splits.val, np.memmap)
     assert isinstance(splits.train, data.ShardedTokens) and len(splits.train) == 137
@@ -272,7 +272,7 @@ def test_process_shares_partition_the_global_batch(rng):
 
 def test_batch_sampler_reads_sharded_tokens_like_the_concatenation(tmp_path, rng):
     parts = [rng.integers(0, 500, size=n) for n in (30, 5, 40)]
-    shards = [data.read_shard(data.write_shard(tmp_path / f"t{i}.bin", p))
+    shards = [data.read_shard(corpus_lib.write_shard(tmp_path / f"t{i}.bin", p))
               for i, p in enumerate(parts)]
     a = data.BatchSampler(data.ShardedTokens(shards), batch_size=16, seq_len=9, seed=1).get(0)
     b = data.BatchSampler(np.concatenate(parts), batch_size=16, seq_len=9, seed=1).get(0)

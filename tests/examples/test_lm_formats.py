@@ -65,7 +65,7 @@ def test_split_by_name_and_unknown_files(tmp_path):
     (tmp_path / "data_val_0.bin").write_bytes(b"\x01\x02" * 50)  # raw, but not nanoGPT's name
     with pytest.raises(ValueError, match=r"data_val_0\.bin is not a known token file"):
         data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
-    data.write_shard(tmp_path / "data_val_0.bin", np.arange(50))
+    prepare.write_shard(tmp_path / "data_val_0.bin", np.arange(50))
     with pytest.raises(ValueError, match=r"mixes token file layouts \['llmc', 'rowgeom'\]"):
         data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=512)
 

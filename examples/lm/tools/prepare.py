@@ -13,7 +13,7 @@ tokenizer used is saved as OUT/tokenizer.json.
 
 Encoding runs on every core (`tokenizers`' `encode_batch`, in groups of about 8 MiB of text) with
 a progress bar. Output: OUT/train_000000.bin, ..., OUT/val_000000.bin, ... in the rowgeom shard
-format (`data.write_shard`; at most `--shard_tokens` tokens each) and OUT/prepare.json.
+format (`write_shard`; at most `--shard_tokens` tokens each) and OUT/prepare.json.
 
 The trainer runs the same code on a text `--data.source`, and on none (the running interpreter's
 standard library `.py` files, tests excluded, split by file; no download): `token_cache` writes
@@ -169,6 +169,25 @@ def text_files(source) -> tuple[Path | None, list[Path]]:
 # ----------------------------------------------------------------------------- shards
 
 
+def write_shard(path, tokens) -> Path:
+    """Write 1-D non-negative integer `tokens` as a rowgeom shard (`data.HEADER`; uint16 if they
+    fit, else uint32), atomically (a temporary name renamed into place)."""
+    path, tokens = Path(path), np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"write_shard({path}): tokens must be a non-empty 1-D integer array, "
+                         f"got shape {tokens.shape} dtype {tokens.dtype}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= 1 << 32:
+        raise ValueError(f"write_shard({path}): token ids must be in [0, 2**32), got [{lo}, {hi}]")
+    code = 1 if hi < 1 << 16 else 2
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data.HEADER.pack(data.ROWGEOM_MAGIC, 1, code, tokens.size, hi))
+        f.write(tokens.astype(data.DTYPE_CODES[code]).tobytes())
+    os.replace(tmp, path)
+    return path
+
+
 class _ShardWriter:
     """Collects token arrays and writes `{split}_{index:06d}.bin` shards of `limit` tokens."""
 
@@ -185,7 +204,7 @@ class _ShardWriter:
     def _flush(self, n: int) -> None:
         whole = np.concatenate(self.pending)
         path = self.out / f"{self.split}_{len(self.paths):06d}.bin"
-        self.paths.append(data.write_shard(path, whole[:n]))
+        self.paths.append(write_shard(path, whole[:n]))
         self.total += n
         self.pending, self.count = [whole[n:]], whole.size - n
 
@@ -231,7 +250,8 @@ def write_shards(files, out, *, tokenizer=None, vocab_size: int = 4096,
         train_files, train_docs = splits["train"]
         tok = bpe.train_bpe(train_docs or read_documents(train_files, strict=strict), vocab_size)
     vocab = bpe.vocab_size(tok)
-    dtype = data.token_dtype(vocab)
+    # uint16 while every id fits: half the disk and page cache of uint32
+    dtype = data.DTYPE_CODES[1 if vocab <= 1 << 16 else 2]
     summary = {"tokenizer_vocab_size": vocab, "files": len(files)}
     for split, (split_files_, docs) in splits.items():
         writer = _ShardWriter(Path(out), split, shard_tokens)
