@@ -16,10 +16,18 @@
   `commands` runs them (`python -m pytest -m commands`; `.ci/run` runs them in a step of their
   own): the suite's time stays the suite's.
 - Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml).
+- One JAX persistent compilation cache per pytest invocation (a fresh temporary directory,
+  shared by xdist's workers and every subprocess a test starts, removed at the end): a program
+  compiled once is not compiled again when a test relaunches the same command (a killed and
+  resumed run, two hosts, a rerun). It changes no compile option; a test that sets
+  `JAX_COMPILATION_CACHE_DIR` itself keeps its own.
 """
 
+import atexit
 import itertools
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,7 +36,14 @@ if os.environ.get("ROWGEOM_TEST_CHEAP_COMPILES") == "1":
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
-import jax  # noqa: E402  (after XLA_FLAGS)
+# Set before jax is imported, so that this process and its children read it at import. The
+# first process to get here (pytest's, or xdist's controller, whose workers inherit it) owns it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="rowgeom-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+import jax  # noqa: E402  (after XLA_FLAGS and the cache's directory)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 if os.environ.get("ROWGEOM_TEST_CHEAP_COMPILES") == "1":
