@@ -17,6 +17,15 @@ from rowgeom._muon import (
     newton_schulz,
     ns_coefficients,
 )
+from rowgeom._names import (
+    DEFAULT_EMBEDDING_NAMES,
+    DEFAULT_HEAD_NAMES,
+    DEFAULT_HIDDEN_NAMES,
+    DEFAULT_ROUTER_NAMES,
+    DEFAULT_VECTOR_NAMES,
+    LABELS,
+    TOKEN_EMBEDDING_NAMES,
+)
 from rowgeom._recipe import (
     HEAD_LR_MULTIPLIERS,
     STATIC_ARGS,
@@ -33,15 +42,6 @@ from rowgeom._recipe import (
     partition_by_label,
 )
 from rowgeom._rownorm import projected_rownorm, rownorm_direction
-from rowgeom._structure import (
-    DEFAULT_EMBEDDING_NAMES,
-    DEFAULT_HEAD_NAMES,
-    DEFAULT_HIDDEN_NAMES,
-    DEFAULT_ROUTER_NAMES,
-    DEFAULT_VECTOR_NAMES,
-    LABELS,
-    TOKEN_EMBEDDING_NAMES,
-)
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ import re
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-from rowgeom._structure import (
+from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
     DEFAULT_HIDDEN_NAMES,
@@ -28,6 +28,8 @@ from rowgeom._structure import (
     DEFAULT_VECTOR_NAMES,
     TIED_POLICIES,
     TOKEN_EMBEDDING_NAMES,
+)
+from rowgeom._structure import (
     ModelStructure,
     in_blocks,
     is_nameless,

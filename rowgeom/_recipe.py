@@ -57,14 +57,16 @@ from rowgeom._muon import (
     as_dimension_numbers,
     is_dimension_numbers,
 )
-from rowgeom._router import rownorm_per_matrix
-from rowgeom._rownorm import _RESCALE_MODES, _check_eps, projected_rownorm
-from rowgeom._structure import (
+from rowgeom._names import (
     DEFAULT_ROUTER_NAMES,
     HEAD_OPTIMIZERS,
     LABELS,
     ROUTER_OPTIMIZERS,
     TIED_POLICIES,
+)
+from rowgeom._router import rownorm_per_matrix
+from rowgeom._rownorm import _RESCALE_MODES, _check_eps, projected_rownorm
+from rowgeom._structure import (
     ModelStructure,
     StructureError,
     batch_axes,
