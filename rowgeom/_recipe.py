@@ -51,6 +51,7 @@ import optax
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
 from rowgeom._labels import Labeler
+from rowgeom._messages import no_head_group, undecided_muon_axes
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
@@ -558,22 +559,9 @@ def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
 
 
 def _check_head_group(leaves, hp: PlanOptions) -> None:
-    if any(label == "head" for _, _, label in leaves):
-        return
-    matrices = [(p, s, lab) for p, s, lab in leaves if len(s) == 2]
-    largest = max((max(s) for _, s, _ in matrices), default=None)
-    candidates = ", ".join(f"{path_str(p)} {tuple(s)} (labelled {lab!r})"
-                           for p, s, lab in matrices if max(s) == largest)
-    seen = f" (the matrices with the largest axis: {candidates})" if candidates else ""
-    if hp.tied is None:
-        raise ValueError(
-            f"lm_optimizer(head={hp.head.optimizer!r}): no parameter is labelled 'head' by the "
-            f"given labels{seen}. Label the output matrix 'head', or pass tied='embedding' if "
-            "the logits reuse the embedding table (tied='head' trains that table with the head "
-            "optimizer: label it 'head')")
-    if hp.tied == "head":
-        raise ValueError("lm_optimizer(tied='head'): no parameter is labelled 'head'; label the "
-                         f"tied embedding table 'head'{seen}")
+    """A model has a head unless its head is tied and trained as the embedding."""
+    if hp.tied != "embedding" and not any(label == "head" for _, _, label in leaves):
+        raise ValueError(no_head_group(leaves, hp.head.optimizer, hp.tied))
 
 
 # --- Labels and axes ----------------------------------------------------------------------------
@@ -638,29 +626,6 @@ def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any
             continue
         dims[path] = MuonDimensionNumbers(_unwrap(red), _unwrap(out))
     return dims, undecided
-
-
-def _undecided_error(errors) -> ValueError:
-    """One error for every leaf whose Muon axes the shapes do not decide, with the mapping to
-    pass (the likely reading where there is one)."""
-    lines, entries = [], []
-    for path, shape, err, roles in errors:
-        lines.append(f"  {err}")
-        roles = {**roles, **err.roles}
-        dims, comment = "reduction_axis=..., output_axis=...", ""
-        if err.suggestion is not None:
-            red, out = err.suggestion
-            dims = f"reduction_axis={_unwrap(red)!r}, output_axis={_unwrap(out)!r}"
-            batch = [f"{a} ({roles.get(a, 'batch')})" for a in range(len(shape))
-                     if a not in set(red) | set(out)]
-            comment = f"  # batch axes {', '.join(batch)}" if batch else ""
-        entries.append(f"    {path_str(path)!r}: rowgeom.MuonDimensionNumbers({dims}),{comment}")
-    return ValueError(
-        f"lm_optimizer: cannot infer Muon's matrix axes of {len(errors)} parameter(s) from the "
-        "shapes:\n" + "\n".join(lines) + "\nCheck the likely reading below (axes not named "
-        "in a side are batch axes: experts, layers), correct it where needed and pass "
-        "it; leaves not named there are still inferred:\n"
-        "muon=rowgeom.MuonOptions(dimension_numbers={\n" + "\n".join(entries) + "\n})")
 
 
 def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
@@ -729,7 +694,7 @@ def _plan(tree: Any, hp: PlanOptions) -> Plan:
     structure = model_structure(labelled, router_names=router_names)
     hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
     if undecided:
-        raise _undecided_error(undecided)
+        raise ValueError(undecided_muon_axes(undecided))
     return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
                  for p, s, label in labelled], structure)
 
