@@ -6,6 +6,7 @@ measure a head step the way the softmax sees it.
 """
 
 from rowgeom._clip import clip_row_diameter
+from rowgeom._describe import describe, make_plan
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import row_diameter, row_diameter_bounds
 from rowgeom._hilbert import hilbert_distance, hilbert_perturbation
@@ -35,10 +36,8 @@ from rowgeom._recipe import (
     Plan,
     PlanRow,
     RouterOptions,
-    describe,
     group_options,
     lm_optimizer,
-    make_plan,
     partition_by_label,
 )
 from rowgeom._rownorm import projected_rownorm, rownorm_direction
