@@ -10,7 +10,7 @@ from rowgeom._describe import describe, make_plan
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import row_diameter, row_diameter_bounds
 from rowgeom._hilbert import hilbert_distance, hilbert_perturbation
-from rowgeom._labels import Labeler, label_params
+from rowgeom._labels import Labeler, label_params, partition_by_label
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
@@ -38,7 +38,6 @@ from rowgeom._recipe import (
     RouterOptions,
     group_options,
     lm_optimizer,
-    partition_by_label,
 )
 from rowgeom._rownorm import projected_rownorm, rownorm_direction
 
