@@ -309,12 +309,11 @@ class Labeler:
 
     def __call__(self, params: Any) -> Any:
         """The labels tree of `params` (same structure, Flax boxes replaced by labels)."""
-        leaves, _ = self.label_leaves(params)
-        table = {lf.path: lf.label for lf in leaves}
+        table = {lf.path: lf.label for lf in self.label_leaves(params)}
         return map_with_paths(lambda p, _: table[p], params)
 
-    def label_leaves(self, params: Any) -> tuple[list[_Leaf], ModelStructure]:
-        """Every leaf's label with the reason it got it, and the model structure read."""
+    def label_leaves(self, params: Any) -> list[_Leaf]:
+        """Every leaf's label with the reason it got it (``source``)."""
         first = [_first_pass(p, leaf_shape(x), self) for p, x in tree_paths(params)]
         leaves, structure = _resolve(first, self)
         retie, unused = _tied_table(leaves, structure, self.tied)
@@ -322,7 +321,7 @@ class Labeler:
         leaves = [lf._replace(label="head", source="tied") if lf.path == retie
                   else lf._replace(label="embedding", source="unused head")
                   if lf.path in unused_paths else lf for lf in leaves]
-        return leaves, structure
+        return leaves
 
 
 def label_params(params: Any, **options: Any) -> Any:

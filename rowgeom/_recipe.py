@@ -97,16 +97,10 @@ from rowgeom._tree import (
 
 # --- `lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home.
 #
-# Contract: `HeadOptions` (the head's optimizer, momentum, vocabulary axis, RowNorm's eps, padding,
-# rescaling, formulation and tracker), `MuonOptions` (in `rowgeom._muon`, beside the transform
-# whose defaults it owns), `RouterOptions` (the router group's optimizer), `AdamOptions` (every
-# AdamW group) and `GroupOptions` (one group's rate, decay and momentum). Each checks its fields
-# on creation, naming the field. A field that only one optimizer reads (a RowNorm head's ``eps``,
-# an AdamW head has no ``momentum``) is None by default and an error when given to another.
-# `group_options` resolves every group's `GroupOptions`: the one home of the derived defaults.
-#
-# Why the defaults follow from one learning rate (RMS-matched Muon, the head rate as a radius, the
-# head study's multipliers): docs/guides/learning-rates.md.
+# Each checks its fields on creation, naming the field. A field that only one optimizer reads (a
+# RowNorm head's ``eps``; an AdamW head has no ``momentum``) is None by default and an error when
+# given to another. Why the defaults follow from one learning rate (RMS-matched Muon, the head
+# rate as a radius, the head study's multipliers): docs/guides/learning-rates.md.
 
 Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
 
@@ -389,15 +383,11 @@ def group_options(
 
 # --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree.
 #
-# Contract: `make_plan(tree, ...)` is a pure function of the tree's paths, shapes and dtypes and
-# the options that decide a leaf's treatment (``head``, ``muon``, ``router``, ``labels``,
-# ``tied``), memoised on them: it labels every leaf, reads the model structure
-# (`rowgeom._structure`, where every axis is inferred) and gives each leaf a `PlanRow`. Under
-# ``nnx.Optimizer`` (``init`` sees Variables, ``update`` arrays: the same paths, shapes and dtypes)
-# both get the same `Plan`. The build (the last section) writes chains that read a plan and
-# decides nothing; `describe` prints it with every group's `GroupOptions`. Rules decided here,
-# and only here: a label's optimizer (`optimizer_of`), a tied head is not centred and a RowNorm
-# router is (`centred`), a Muon head is one matrix, a model has a head unless tied.
+# `plan_of` labels every leaf, reads the model structure (`rowgeom._structure`, where every axis
+# is inferred) and gives each leaf a `PlanRow`. Rules decided here, and only here: a label's
+# optimizer (`optimizer_of`), a tied head is not centred and a RowNorm router is (`centred`), a
+# Muon head is one matrix, a model has a head unless tied. The build (the last section) writes
+# chains that read a plan and decides nothing.
 
 class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
@@ -551,11 +541,11 @@ def _labelled(tree: Any, hp: PlanOptions):
     """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
     entries = tree_paths(tree)
     if isinstance(hp.labels, Labeler):
-        leaves, _ = hp.labels.label_leaves(tree)
+        leaves = hp.labels.label_leaves(tree)
         return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
                 {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
     given = hp.labels(tree) if callable(hp.labels) else hp.labels
-    given = given.table() if isinstance(given, _GivenLabels) else given
+    given = dict(given) if isinstance(given, _GivenLabels) else given
     per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
                                 is_value=lambda v: isinstance(v, str), argname="labels")
     missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
@@ -703,10 +693,8 @@ def _covers(key: tuple, view: tuple) -> bool:
 
 
 class _GivenLabels(tuple):
-    """A labels tree as ``(("/"-joined path, label), ...)``: hashable, so its plans memoise."""
-
-    def table(self) -> dict[str, Any]:
-        return dict(self)
+    """A labels tree as ``(("/"-joined path, label), ...)``: one immutable form, so nested and
+    flat trees that mean the same share a plan, and a later change to the caller's dict none."""
 
 
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
