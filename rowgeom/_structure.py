@@ -170,7 +170,7 @@ def is_vector_name(path: Sequence[str], vector_names: Collection[str]) -> bool:
 # ``experts``/``*moe*`` component. The expert count ``E`` is the router's axis other than ``d``
 # that every expert stack has (or the number of numbered experts ``experts/0``, ``experts/1``...).
 # A dense MLP's ``gate`` ``(d, f)``, with no expert stack beside it, is no router. Which axis of a
-# stack indexes the experts (its one axis of size ``E``) is read in `rowgeom._structure`.
+# stack indexes the experts (its one axis of size ``E``) is read with the matrix axes (`muon_axes`).
 
 def _numbered_experts(paths, module: Path) -> int | None:
     """The number of numbered experts (``experts/0``, ``experts/1``, ...) under a module."""
