@@ -5,6 +5,10 @@ calls under `sys.setprofile`; every rowgeom module a function of which runs is c
 line count, split into the transforms' own modules and the recipe's (labels, structure, options,
 plan, recipe: what builds the transforms). `tests/rowgeom/test_eager_build.py` asserts the bound.
 
+A module none of whose functions runs is not counted, though the path may read it: `_names`
+(the name sets, data only), and `_messages` and `_describe` (they run only when a tree is wrong
+or a plan is printed).
+
 Run: `python benchmarks/path_modules.py` (from the repository root).
 """
 

@@ -6,16 +6,26 @@ measure a head step the way the softmax sees it.
 """
 
 from rowgeom._clip import clip_row_diameter
+from rowgeom._describe import describe, make_plan
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import row_diameter, row_diameter_bounds
 from rowgeom._hilbert import hilbert_distance, hilbert_perturbation
-from rowgeom._labels import Labeler, label_params
+from rowgeom._labels import Labeler, label_params, partition_by_label
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
     muon_orthogonalize,
     newton_schulz,
     ns_coefficients,
+)
+from rowgeom._names import (
+    DEFAULT_EMBEDDING_NAMES,
+    DEFAULT_HEAD_NAMES,
+    DEFAULT_HIDDEN_NAMES,
+    DEFAULT_ROUTER_NAMES,
+    DEFAULT_VECTOR_NAMES,
+    LABELS,
+    TOKEN_EMBEDDING_NAMES,
 )
 from rowgeom._recipe import (
     HEAD_LR_MULTIPLIERS,
@@ -26,22 +36,10 @@ from rowgeom._recipe import (
     Plan,
     PlanRow,
     RouterOptions,
-    describe,
     group_options,
     lm_optimizer,
-    make_plan,
-    partition_by_label,
 )
 from rowgeom._rownorm import projected_rownorm, rownorm_direction
-from rowgeom._structure import (
-    DEFAULT_EMBEDDING_NAMES,
-    DEFAULT_HEAD_NAMES,
-    DEFAULT_HIDDEN_NAMES,
-    DEFAULT_ROUTER_NAMES,
-    DEFAULT_VECTOR_NAMES,
-    LABELS,
-    TOKEN_EMBEDDING_NAMES,
-)
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""Parameter labels for per-block update geometry: `Labeler` and `label_params`.
+"""Parameter labels for per-block update geometry: `Labeler`, `label_params` and
+`partition_by_label` (``optax.partition`` with labels matched by path).
 
 Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
 (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW), ``"router"`` (a mixture-of-experts
@@ -8,7 +9,7 @@ silently sends the embedding table and the head to Muon); a matrix nothing names
 naming it, unless the caller opts into a fallback. Boxed trees (Flax NNX Variables, Linen
 ``nn.Partitioned``) and abstract trees are labelled alike (only paths and shapes are read).
 Every problem of a tree is reported in one error, each leaf with the labels that fit it and a
-fix to paste (the last section, `problems_message`).
+fix to paste (written by `rowgeom._messages`).
 
 The rules with examples, public layouts and tied embeddings: docs/guides/labels.md.
 """
@@ -16,11 +17,15 @@ The rules with examples, public layouts and tied embeddings: docs/guides/labels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from rowgeom._structure import (
+import optax
+
+from rowgeom._messages import Shapes, problems_message, show, tied_without_head
+from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
     DEFAULT_HIDDEN_NAMES,
@@ -28,6 +33,8 @@ from rowgeom._structure import (
     DEFAULT_VECTOR_NAMES,
     TIED_POLICIES,
     TOKEN_EMBEDDING_NAMES,
+)
+from rowgeom._structure import (
     ModelStructure,
     in_blocks,
     is_nameless,
@@ -37,7 +44,14 @@ from rowgeom._structure import (
     naming_path,
     stack_of,
 )
-from rowgeom._tree import leaf_shape, map_with_paths, path_str, tree_paths
+from rowgeom._tree import (
+    leaf_shape,
+    lookup_prefix,
+    map_with_paths,
+    path_str,
+    prefix_entries,
+    tree_paths,
+)
 
 
 def _check_names(names, argname) -> frozenset[str]:
@@ -177,11 +191,13 @@ def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStruc
         "nameless", "not_hidden", "not_head", "unchecked", "unmatched", "ambiguous")}
     out = [_resolve_leaf(leaf, ctx, problems) for leaf in leaves]
     layout = ctx.layout
-    where_v = f"V={layout.vocab_size}" + (
-        f", from {path_str(layout.source)}" if layout.source else "")
-    message = problems_message(problems, Shapes(ctx.vocabs, layout.width, where_v), cfg.default)
-    if message:
-        raise ValueError(message)
+    if any(problems.values()):
+        where_v = f"V={layout.vocab_size}" + (
+            f", from {path_str(layout.source)}" if layout.source else "")
+        message = problems_message(problems, Shapes(ctx.vocabs, layout.width, where_v),
+                                   cfg.default)
+        if message:
+            raise ValueError(message)
     return out, layout
 
 
@@ -191,17 +207,7 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
     embeds = [lf for lf in leaves if lf.label == "embedding"]
     if tied is None:
         if embeds and not heads:
-            tokens = [lf for lf in embeds if not is_position_embedding(lf.path)] or embeds
-            table = max(tokens, key=lambda lf: lf.shape[0] if lf.shape else 0)
-            raise ValueError(
-                f"label_params: found embedding table(s) {show(embeds)} but no head matrix: "
-                f"the pattern of tied embeddings (GPT-2, Gemma, OPT, nanodo), a token table "
-                f"{path_str(table.path)} {tuple(table.shape)} and no (d, V) or (V, d) output "
-                "matrix anywhere in the tree. If the logits reuse the token table (logits = "
-                "h @ E.T), pass tied='embedding' (train the table with AdamW as an embedding) or "
-                "tied='head' (train it with the head optimizer, uncentred RowNorm). If the model "
-                "has its own output matrix, label it with rules=[(regex, 'head')] or "
-                "extra_head_names=")
+            raise ValueError(tied_without_head(embeds))
         return None, []
     untied = [lf for lf in heads if lf.source in ("name", "shape")]
     tables = {tuple(lf.shape) for lf in embeds if len(lf.shape) == 2}
@@ -303,12 +309,11 @@ class Labeler:
 
     def __call__(self, params: Any) -> Any:
         """The labels tree of `params` (same structure, Flax boxes replaced by labels)."""
-        leaves, _ = self.label_leaves(params)
-        table = {lf.path: lf.label for lf in leaves}
+        table = {lf.path: lf.label for lf in self.label_leaves(params)}
         return map_with_paths(lambda p, _: table[p], params)
 
-    def label_leaves(self, params: Any) -> tuple[list[_Leaf], ModelStructure]:
-        """Every leaf's label with the reason it got it, and the model structure read."""
+    def label_leaves(self, params: Any) -> list[_Leaf]:
+        """Every leaf's label with the reason it got it (``source``)."""
         first = [_first_pass(p, leaf_shape(x), self) for p, x in tree_paths(params)]
         leaves, structure = _resolve(first, self)
         retie, unused = _tied_table(leaves, structure, self.tied)
@@ -316,7 +321,7 @@ class Labeler:
         leaves = [lf._replace(label="head", source="tied") if lf.path == retie
                   else lf._replace(label="embedding", source="unused head")
                   if lf.path in unused_paths else lf for lf in leaves]
-        return leaves, structure
+        return leaves
 
 
 def label_params(params: Any, **options: Any) -> Any:
@@ -391,113 +396,73 @@ def label_params(params: Any, **options: Any) -> Any:
     return Labeler(**options)(params)
 
 
-# --- The messages of `label_params`' errors: every problem of a tree in one error, each leaf with
-# the labels that fit it and a fix to paste.
-#
-# A problem kind is a list of ``(path, shape)`` (``not_hidden`` entries carry the reason too); the
-# labeller collects them (above) and `problems_message` writes them in a fixed order.
+# --- `optax.partition` with labels matched by path.
 
 
-class Shapes(NamedTuple):
-    """What a message may say about the tree's sizes: the vocabulary sizes, ``d``, and where
-    ``V`` was read (``"V=100, from embed/embedding"``)."""
+def partition_by_label(
+    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.partition`` with labels checked and matched to the tree by path.
 
-    vocabs: set[int]
-    width: int | None
-    where_v: str
+    `labels` is a tree of label strings (the same structure as the params or a prefix of
+    it) or a callable ``params -> such a tree``. Labels are looked up by normalised key
+    path, not by tree structure, so one labels tree serves both calls ``nnx.Optimizer``
+    makes: ``tx.init`` with an ``nnx.State`` of ``nnx.Variable`` and ``tx.update`` with the
+    plain arrays. (Plain ``optax.partition`` fails on the update when the labels tree still
+    holds Variables, e.g. ``jax.tree.map(f, state)`` without ``is_leaf``, or when the labels
+    are a dict but the params an ``nnx.State``.)
 
+    Every parameter needs a label and every label a transform; otherwise a ValueError at
+    init (and update) lists the missing labels and their paths.
 
-def regex(path: tuple[str, ...]) -> str:
-    """A rule regex matching exactly this path (what error messages suggest)."""
-    return "^" + re.escape(path_str(path)) + "$"
+    Returns:
+      The ``optax.partition`` transformation.
 
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, rowgeom
+      >>> params = {"mlp": {"kernel": jnp.zeros((8, 8))}, "lm_head": {"kernel": jnp.zeros((8, 32))}}
+      >>> head = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
+      ...                    optax.scale_by_learning_rate(1e-2))
+      >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(1e-2), "head": head},
+      ...                                 rowgeom.label_params)
+      >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+      >>> rowgeom.partition_by_label({"hidden": optax.sgd(1e-2)}, rowgeom.label_params).init(params)
+      Traceback (most recent call last):
+      ...
+      ValueError: partition_by_label: no transform for label(s) 'head' (used by lm_head/kernel). ...
+    """
+    if not isinstance(transforms, Mapping):
+        raise TypeError(f"transforms must be a mapping label -> transformation, got "
+                        f"{type(transforms).__name__}")
+    for name, tx in transforms.items():
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"transforms[{name!r}] must be an optax GradientTransformation, "
+                            f"got {type(tx).__name__}")
 
-def show(entries) -> str:
-    """``"a/b (2, 3), c (4,)"``: leaves as messages list them."""
-    return ", ".join(f"{path_str(p)} {tuple(s)}" for p, s, *_ in entries)
-
-
-def fitting(shape, sizes: Shapes, nameless: bool) -> list[str]:
-    """The labels a leaf of this shape can have (what an error may offer for it)."""
-    vocabs, width = sizes.vocabs, sizes.width
-    if vocabs and not nameless:
-        if vocabs & set(shape) and len(shape) == 2:
-            return ["head", "embedding"]
-        return ["hidden", "router"] if len(shape) == 2 and width in shape else ["hidden"]
-    if len(shape) == 2:
-        return ["embedding", "head", "hidden", "vector"] if nameless else \
-            ["head", "embedding", "hidden"]
-    return ["hidden", "vector"] if nameless else ["hidden"]
-
-
-def _offer(entries, sizes: Shapes, nameless=False) -> str:
-    return ", ".join(f"{path_str(p)} {tuple(s)}: "
-                     + " or ".join(repr(x) for x in fitting(s, sizes, nameless))
-                     for p, s, *_ in entries)
-
-
-def _nameless(entries, sizes: Shapes, default) -> str:
-    path, shape = entries[0][:2]
-    return (f"{len(entries)} parameter(s) have no names in their paths (a tree of bare values, "
-            "such as penzai's unbind_params tuple), and a matrix is never labelled by its shape "
-            f"alone: {_offer(entries, sizes, nameless=True)}. Label them with "
-            f"lm_optimizer(labels=...) or label_params(rules=...), e.g. "
-            f"{{{path_str(path)!r}: {fitting(shape, sizes, True)[0]!r}, ...}} (a flat mapping "
-            "from paths to labels), or pass the tree whose paths carry the module names")
+    return optax.partition(dict(transforms),
+                           functools.partial(_checked_labels, labels, transforms))
 
 
-def _not_hidden(entries, sizes: Shapes, default) -> str:
-    path, _, why = entries[0]
-    reason = "default='hidden'" if why == "default" else "its name"
-    return (f"{show(entries)} would be 'hidden' (by {reason}) but has an axis of the vocabulary "
-            f"size ({sizes.where_v}) and sits outside the repeated blocks: it is the output head "
-            f"or an embedding table, not a hidden matrix. Label it explicitly: "
-            f"rules=[({regex(path)!r}, 'head')] for the output matrix, or 'embedding' for a "
-            "lookup table ('hidden' only if it truly is one)")
+def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:
+    """The labels tree of `params`, or a ValueError listing the parameters without a label and
+    the labels without a transform.
 
-
-def _not_head(entries, sizes: Shapes, default) -> str:
-    path = entries[0][0]
-    return (f"{show(entries)} is named as the head but has no axis of the vocabulary size "
-            f"({sizes.where_v}). If it is not the LM head, label it with "
-            f"rules=[({regex(path)!r}, 'hidden')]; if it is, label the true token table with "
-            "rules=[(regex, 'embedding')]")
-
-
-def _unchecked(entries, sizes: Shapes, default) -> str:
-    path = entries[0][0]
-    return (f"default={default!r} cannot be checked for {show(entries)}: the vocabulary size "
-            "cannot be read from the tree (no token embedding or head is named), so each of these "
-            "matrices outside the repeated blocks may be the output head or an embedding table "
-            f"({_offer(entries, sizes)}). Label them with rules, e.g. "
-            f"rules=[({regex(path)!r}, 'head')], or name the token table with "
-            "extra_embedding_names=")
-
-
-def _unmatched(entries, sizes: Shapes, default, ambiguous=()) -> str:
-    path, shape = entries[0][:2]
-    note = ""
-    if ambiguous:
-        note = (f" ({show(ambiguous)} is (V, d)-shaped: the head stored (V, d) -> 'head', or a "
-                "lookup table -> 'embedding')")
-    return ("no label for these matrices: " + show(entries) + note
-            + f". Name them with a (regex, label) rule, e.g. rules=[({regex(path)!r}, "
-            f"{fitting(shape, sizes, False)[0]!r})] (labels that fit: {_offer(entries, sizes)}), "
-            "add their names with extra_hidden_names=/extra_head_names=/extra_embedding_names=, "
-            "or pass default='hidden' to send every unnamed matrix to Muon explicitly")
-
-
-_MESSAGES = {"nameless": _nameless, "not_hidden": _not_hidden, "not_head": _not_head,
-             "unchecked": _unchecked}
-
-
-def problems_message(problems: dict[str, list], sizes: Shapes, default) -> str | None:
-    """One message for every problem kind found (None when there is none), in a fixed order:
-    nameless trees, hidden matrices of vocabulary size, heads without one, unchecked defaults,
-    unlabelled matrices (``ambiguous``: the (V, d)-shaped ones among them)."""
-    parts = [write(problems[kind], sizes, default) for kind, write in _MESSAGES.items()
-             if problems.get(kind)]
-    if problems.get("unmatched"):
-        parts.append(_unmatched(problems["unmatched"], sizes, default,
-                                problems.get("ambiguous", ())))
-    return "label_params: " + " Also: ".join(parts) if parts else None
+    Labels boxed in Variables (a ``jax.tree.map`` over an ``nnx.State`` without ``is_leaf``) are
+    unboxed to their strings (`prefix_entries`); a labels tree may be a prefix of the parameters
+    (`lookup_prefix`).
+    """
+    table = prefix_entries(labels(params) if callable(labels) else labels)
+    found = [(path, lookup_prefix(table, path)) for path, _ in tree_paths(params)]
+    missing = [path_str(path) for path, (ok, _) in found if not ok]
+    if missing:
+        raise ValueError("partition_by_label: no label for parameter(s) " + ", ".join(missing))
+    no_tx: dict[str, list[str]] = {}
+    for path, (_, label) in found:
+        if label not in transforms:
+            no_tx.setdefault(label, []).append(path_str(path))
+    if no_tx:
+        detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in no_tx.items())
+        raise ValueError(f"partition_by_label: no transform for label(s) {detail}. "
+                         f"transforms has {sorted(map(str, transforms))}")
+    by_path = {path: label for path, (_, label) in found}
+    return map_with_paths(lambda path, _: by_path[path], params)

@@ -39,7 +39,6 @@ Contract: data flows one way, in the three sections of this module.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -50,21 +49,24 @@ import optax
 
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import Labeler
+from rowgeom._labels import Labeler, partition_by_label
+from rowgeom._messages import no_head_group, undecided_muon_axes
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
     as_dimension_numbers,
     is_dimension_numbers,
 )
-from rowgeom._router import rownorm_per_matrix
-from rowgeom._rownorm import _RESCALE_MODES, _check_eps, projected_rownorm
-from rowgeom._structure import (
+from rowgeom._names import (
     DEFAULT_ROUTER_NAMES,
     HEAD_OPTIMIZERS,
     LABELS,
     ROUTER_OPTIMIZERS,
     TIED_POLICIES,
+)
+from rowgeom._router import rownorm_per_matrix
+from rowgeom._rownorm import _RESCALE_MODES, _check_eps, projected_rownorm
+from rowgeom._structure import (
     ModelStructure,
     StructureError,
     batch_axes,
@@ -84,8 +86,6 @@ from rowgeom._tree import (
     flatten_with_paths,
     is_masked,
     leaf_shape,
-    lookup_prefix,
-    map_with_paths,
     one_of,
     path_str,
     prefix_entries,
@@ -97,16 +97,10 @@ from rowgeom._tree import (
 
 # --- `lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home.
 #
-# Contract: `HeadOptions` (the head's optimizer, momentum, vocabulary axis, RowNorm's eps, padding,
-# rescaling, formulation and tracker), `MuonOptions` (in `rowgeom._muon`, beside the transform
-# whose defaults it owns), `RouterOptions` (the router group's optimizer), `AdamOptions` (every
-# AdamW group) and `GroupOptions` (one group's rate, decay and momentum). Each checks its fields
-# on creation, naming the field. A field that only one optimizer reads (a RowNorm head's ``eps``,
-# an AdamW head has no ``momentum``) is None by default and an error when given to another.
-# `group_options` resolves every group's `GroupOptions`: the one home of the derived defaults.
-#
-# Why the defaults follow from one learning rate (RMS-matched Muon, the head rate as a radius, the
-# head study's multipliers): docs/guides/learning-rates.md.
+# Each checks its fields on creation, naming the field. A field that only one optimizer reads (a
+# RowNorm head's ``eps``; an AdamW head has no ``momentum``) is None by default and an error when
+# given to another. Why the defaults follow from one learning rate (RMS-matched Muon, the head
+# rate as a radius, the head study's multipliers): docs/guides/learning-rates.md.
 
 Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
 
@@ -389,15 +383,11 @@ def group_options(
 
 # --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree.
 #
-# Contract: `make_plan(tree, ...)` is a pure function of the tree's paths, shapes and dtypes and
-# the options that decide a leaf's treatment (``head``, ``muon``, ``router``, ``labels``,
-# ``tied``), memoised on them: it labels every leaf, reads the model structure
-# (`rowgeom._structure`, where every axis is inferred) and gives each leaf a `PlanRow`. Under
-# ``nnx.Optimizer`` (``init`` sees Variables, ``update`` arrays: the same paths, shapes and dtypes)
-# both get the same `Plan`. The build (the last section) writes chains that read a plan and
-# decides nothing; `describe` prints it with every group's `GroupOptions`. Rules decided here,
-# and only here: a label's optimizer (`optimizer_of`), a tied head is not centred and a RowNorm
-# router is (`centred`), a Muon head is one matrix, a model has a head unless tied.
+# `plan_of` labels every leaf, reads the model structure (`rowgeom._structure`, where every axis
+# is inferred) and gives each leaf a `PlanRow`. Rules decided here, and only here: a label's
+# optimizer (`optimizer_of`), a tied head is not centred and a RowNorm router is (`centred`), a
+# Muon head is one matrix, a model has a head unless tied. The build (the last section) writes
+# chains that read a plan and decides nothing.
 
 class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
@@ -471,18 +461,9 @@ class Plan(tuple):
         return {row.path: row.label for row in self}
 
     def __str__(self) -> str:
-        rate = lambda r, field: _cell(getattr(self.groups.get(r.label), field, None))
-        header: tuple[str, ...] = ("path", "shape", "label", "geometry", "lr", "wd")
-        cells = [header] + [(r.path, str(r.shape), r.label, r.geometry, rate(r, "learning_rate"),
-                             rate(r, "weight_decay")) for r in self]
-        if any(r.note for r in self):  # the column only where a leaf has something to check
-            header += ("note",)
-            cells = [header] + [row + (r.note,) for row, r in zip(cells[1:], self, strict=True)]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                 for row in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        from rowgeom._describe import table  # printing only: not on the optimizer's path
+
+        return table(self)
 
 
 class PlanOptions(NamedTuple):
@@ -494,14 +475,6 @@ class PlanOptions(NamedTuple):
     router: RouterOptions
     labels: Any
     tied: str | None
-
-
-def _cell(x) -> str:
-    if x is None:
-        return "-"
-    if callable(x):
-        return "schedule"
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 def infers_muon_dims(dims: Any) -> bool:
@@ -556,22 +529,9 @@ def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
 
 
 def _check_head_group(leaves, hp: PlanOptions) -> None:
-    if any(label == "head" for _, _, label in leaves):
-        return
-    matrices = [(p, s, lab) for p, s, lab in leaves if len(s) == 2]
-    largest = max((max(s) for _, s, _ in matrices), default=None)
-    candidates = ", ".join(f"{path_str(p)} {tuple(s)} (labelled {lab!r})"
-                           for p, s, lab in matrices if max(s) == largest)
-    seen = f" (the matrices with the largest axis: {candidates})" if candidates else ""
-    if hp.tied is None:
-        raise ValueError(
-            f"lm_optimizer(head={hp.head.optimizer!r}): no parameter is labelled 'head' by the "
-            f"given labels{seen}. Label the output matrix 'head', or pass tied='embedding' if "
-            "the logits reuse the embedding table (tied='head' trains that table with the head "
-            "optimizer: label it 'head')")
-    if hp.tied == "head":
-        raise ValueError("lm_optimizer(tied='head'): no parameter is labelled 'head'; label the "
-                         f"tied embedding table 'head'{seen}")
+    """A model has a head unless its head is tied and trained as the embedding."""
+    if hp.tied != "embedding" and not any(label == "head" for _, _, label in leaves):
+        raise ValueError(no_head_group(leaves, hp.head.optimizer, hp.tied))
 
 
 # --- Labels and axes ----------------------------------------------------------------------------
@@ -581,11 +541,11 @@ def _labelled(tree: Any, hp: PlanOptions):
     """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
     entries = tree_paths(tree)
     if isinstance(hp.labels, Labeler):
-        leaves, _ = hp.labels.label_leaves(tree)
+        leaves = hp.labels.label_leaves(tree)
         return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
                 {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
     given = hp.labels(tree) if callable(hp.labels) else hp.labels
-    given = given.table() if isinstance(given, _GivenLabels) else given
+    given = dict(given) if isinstance(given, _GivenLabels) else given
     per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
                                 is_value=lambda v: isinstance(v, str), argname="labels")
     missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
@@ -636,29 +596,6 @@ def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any
             continue
         dims[path] = MuonDimensionNumbers(_unwrap(red), _unwrap(out))
     return dims, undecided
-
-
-def _undecided_error(errors) -> ValueError:
-    """One error for every leaf whose Muon axes the shapes do not decide, with the mapping to
-    pass (the likely reading where there is one)."""
-    lines, entries = [], []
-    for path, shape, err, roles in errors:
-        lines.append(f"  {err}")
-        roles = {**roles, **err.roles}
-        dims, comment = "reduction_axis=..., output_axis=...", ""
-        if err.suggestion is not None:
-            red, out = err.suggestion
-            dims = f"reduction_axis={_unwrap(red)!r}, output_axis={_unwrap(out)!r}"
-            batch = [f"{a} ({roles.get(a, 'batch')})" for a in range(len(shape))
-                     if a not in set(red) | set(out)]
-            comment = f"  # batch axes {', '.join(batch)}" if batch else ""
-        entries.append(f"    {path_str(path)!r}: rowgeom.MuonDimensionNumbers({dims}),{comment}")
-    return ValueError(
-        f"lm_optimizer: cannot infer Muon's matrix axes of {len(errors)} parameter(s) from the "
-        "shapes:\n" + "\n".join(lines) + "\nCheck the likely reading below (axes not named "
-        "in a side are batch axes: experts, layers), correct it where needed and pass "
-        "it; leaves not named there are still inferred:\n"
-        "muon=rowgeom.MuonOptions(dimension_numbers={\n" + "\n".join(entries) + "\n})")
 
 
 def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
@@ -727,7 +664,7 @@ def _plan(tree: Any, hp: PlanOptions) -> Plan:
     structure = model_structure(labelled, router_names=router_names)
     hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
     if undecided:
-        raise _undecided_error(undecided)
+        raise ValueError(undecided_muon_axes(undecided))
     return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
                  for p, s, label in labelled], structure)
 
@@ -756,10 +693,8 @@ def _covers(key: tuple, view: tuple) -> bool:
 
 
 class _GivenLabels(tuple):
-    """A labels tree as ``(("/"-joined path, label), ...)``: hashable, so its plans memoise."""
-
-    def table(self) -> dict[str, Any]:
-        return dict(self)
+    """A labels tree as ``(("/"-joined path, label), ...)``: one immutable form, so nested and
+    flat trees that mean the same share a plan, and a later change to the caller's dict none."""
 
 
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
@@ -835,73 +770,6 @@ def per_leaf(options: PlanOptions, label: str, fact: Callable[[PlanRow], Any]
     {path: fact(row)}`` of the `label` leaves of the tree's plan."""
     return lambda tree: {path: fact(row)
                          for path, row in view_plan(tree, options).by_label(label).items()}
-
-
-def make_plan(params: Any, *, head: str | HeadOptions = "rownorm",
-              muon: MuonOptions | None = None, router: str | RouterOptions = "muon",
-              labels: Any = None, tied: str | None = None) -> Plan:
-    """The `Plan` `lm_optimizer` with these options builds its chains from on `params`: a pure
-    function of the tree's paths, shapes and dtypes and the options, memoised on them.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, rowgeom
-      >>> S = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-      >>> params = {"embed": {"embedding": S(100, 16)}, "lm_head": {"kernel": S(16, 100)}}
-      >>> rowgeom.make_plan(params).by_label("head")["lm_head/kernel"].vocab_axis
-      1
-      >>> rowgeom.make_plan(params) is rowgeom.make_plan(params)     # memoised
-      True
-    """
-    return plan_of(params, plan_options(head=head, muon=muon, router=router, labels=labels,
-                                        tied=tied))
-
-
-def describe(params: Any, learning_rate: Any = None, *, head: str | HeadOptions = "rownorm",
-             muon: MuonOptions | None = None, adam: Any = None,
-             router: str | RouterOptions = "muon",
-             labels: Any = None, tied: str | None = None, weight_decay: Any = 0.1,
-             groups: Mapping[str, Any] | None = None) -> Plan:
-    """What `lm_optimizer` with the same arguments does to each leaf of `params`.
-
-    The same `make_plan` result `lm_optimizer`'s chains read at ``init`` and ``update``
-    (labels with their shape cross-checks, Muon's matrix axes, the head's vocabulary
-    axis), with every group's `GroupOptions` (`group_options`), so what is printed is what
-    will run. Errors are those `lm_optimizer` would raise, naming the leaf.
-
-    Args:
-      params: the parameter tree (arrays, ``jax.ShapeDtypeStruct`` or Flax boxes).
-      learning_rate: `lm_optimizer`'s base rate; None leaves the rate columns empty.
-      head: as in `lm_optimizer`.
-      muon: as in `lm_optimizer`.
-      adam: as in `lm_optimizer`.
-      router: as in `lm_optimizer`.
-      labels: as in `lm_optimizer`.
-      tied: as in `lm_optimizer`.
-      weight_decay: as in `lm_optimizer`.
-      groups: as in `lm_optimizer`.
-
-    Returns:
-      A `Plan`: a tuple of `PlanRow` whose ``str()`` is an aligned table.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, rowgeom
-      >>> S = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-      >>> params = {"embed": {"embedding": S(100, 16)},
-      ...           "layers": {"attn": {"query": {"kernel": S(16, 2, 4, 4)}},  # (d, L, H, Dh)
-      ...                      "norm": {"scale": S(16, 2)}},
-      ...           "lm_head": {"kernel": S(16, 100)}}
-      >>> print(rowgeom.describe(params, 1e-3))
-      path                      shape          label      geometry                    lr     wd
-      ------------------------  -------------  ---------  --------------------------  -----  ---
-      embed/embedding           (100, 16)      embedding  AdamW                       0.001  0.1
-      layers/attn/query/kernel  (16, 2, 4, 4)  hidden     Muon, in 0 out 2,3 batch 1  0.001  0.1
-      layers/norm/scale         (16, 2)        vector     AdamW                       0.001  0
-      lm_head/kernel            (16, 100)      head       RowNorm, vocab axis 1       0.005  0.1
-    """
-    options = plan_options(head=head, muon=muon, router=router, labels=labels, tied=tied)
-    return plan_of(params, options).with_groups(group_options(
-        learning_rate, head=options.head, muon=options.muon, adam=adam, router=options.router,
-        weight_decay=weight_decay, groups=groups))
 
 
 # --- `lm_optimizer`: one call for a language model, each parameter block in its own geometry.
@@ -1073,77 +941,3 @@ def lm_optimizer(
         return partition(updates).update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def label_table(labels: Any, params: Any) -> dict[Path, Any]:
-    """``{path: label}`` of a labels tree (or of ``labels(params)`` for a callable).
-
-    Labels boxed in Variables (a ``jax.tree.map`` over an ``nnx.State`` without ``is_leaf``) are
-    unboxed to their strings. Look a parameter up with ``lookup_prefix``: a labels tree may be a
-    prefix of the parameters.
-    """
-    return prefix_entries(labels(params) if callable(labels) else labels)
-
-
-def partition_by_label(
-    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
-) -> optax.GradientTransformationExtraArgs:
-    """``optax.partition`` with labels checked and matched to the tree by path.
-
-    `labels` is a tree of label strings (the same structure as the params or a prefix of
-    it) or a callable ``params -> such a tree``. Labels are looked up by normalised key
-    path, not by tree structure, so one labels tree serves both calls ``nnx.Optimizer``
-    makes: ``tx.init`` with an ``nnx.State`` of ``nnx.Variable`` and ``tx.update`` with the
-    plain arrays. (Plain ``optax.partition`` fails on the update when the labels tree still
-    holds Variables, e.g. ``jax.tree.map(f, state)`` without ``is_leaf``, or when the labels
-    are a dict but the params an ``nnx.State``.)
-
-    Every parameter needs a label and every label a transform; otherwise a ValueError at
-    init (and update) lists the missing labels and their paths.
-
-    Returns:
-      The ``optax.partition`` transformation.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, optax, rowgeom
-      >>> params = {"mlp": {"kernel": jnp.zeros((8, 8))}, "lm_head": {"kernel": jnp.zeros((8, 32))}}
-      >>> head = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
-      ...                    optax.scale_by_learning_rate(1e-2))
-      >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(1e-2), "head": head},
-      ...                                 rowgeom.label_params)
-      >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
-      >>> rowgeom.partition_by_label({"hidden": optax.sgd(1e-2)}, rowgeom.label_params).init(params)
-      Traceback (most recent call last):
-      ...
-      ValueError: partition_by_label: no transform for label(s) 'head' (used by lm_head/kernel). ...
-    """
-    if not isinstance(transforms, Mapping):
-        raise TypeError(f"transforms must be a mapping label -> transformation, got "
-                        f"{type(transforms).__name__}")
-    for name, tx in transforms.items():
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise TypeError(f"transforms[{name!r}] must be an optax GradientTransformation, "
-                            f"got {type(tx).__name__}")
-
-    return optax.partition(dict(transforms),
-                           functools.partial(_checked_labels, labels, transforms))
-
-
-def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:
-    """The labels tree of `params` (`label_table`), or a ValueError listing the parameters
-    without a label and the labels without a transform."""
-    table = label_table(labels, params)
-    found = [(path, lookup_prefix(table, path)) for path, _ in tree_paths(params)]
-    missing = [path_str(path) for path, (ok, _) in found if not ok]
-    if missing:
-        raise ValueError("partition_by_label: no label for parameter(s) " + ", ".join(missing))
-    no_tx: dict[str, list[str]] = {}
-    for path, (_, label) in found:
-        if label not in transforms:
-            no_tx.setdefault(label, []).append(path_str(path))
-    if no_tx:
-        detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in no_tx.items())
-        raise ValueError(f"partition_by_label: no transform for label(s) {detail}. "
-                         f"transforms has {sorted(map(str, transforms))}")
-    by_path = {path: label for path, (_, label) in found}
-    return map_with_paths(lambda path, _: by_path[path], params)

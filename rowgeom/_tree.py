@@ -271,8 +271,6 @@ def one_of(value, allowed, argname: str):
 
 def not_array(value, argname: str):
     """`value` unless it is a jax array (options objects are static Python values)."""
-    import jax
-
     if isinstance(value, jax.Array):
         raise TypeError(f"{argname} must be a Python value, not a jax array: options objects are "
                         "static (only lm_optimizer's float rates are injectable)")

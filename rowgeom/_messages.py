@@ -1,0 +1,185 @@
+"""The messages of the errors a tree that cannot be labelled or planned raises.
+
+Every problem of a tree is reported in one error, each leaf named with its shape, the labels that
+fit it and a fix to paste. The labeller (`rowgeom._labels`) and the plan (`rowgeom._recipe`)
+collect the problems; this module writes them, and runs only when a tree is wrong.
+
+A label problem kind is a list of ``(path, shape)`` (``not_hidden`` entries carry the reason
+too); `problems_message` writes the kinds in a fixed order.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from rowgeom._structure import is_position_embedding
+from rowgeom._tree import path_str
+
+# --- `label_params`' problems -----------------------------------------------------------------
+
+
+class Shapes(NamedTuple):
+    """What a message may say about the tree's sizes: the vocabulary sizes, ``d``, and where
+    ``V`` was read (``"V=100, from embed/embedding"``)."""
+
+    vocabs: set[int]
+    width: int | None
+    where_v: str
+
+
+def regex(path: tuple[str, ...]) -> str:
+    """A rule regex matching exactly this path (what error messages suggest)."""
+    return "^" + re.escape(path_str(path)) + "$"
+
+
+def show(entries) -> str:
+    """``"a/b (2, 3), c (4,)"``: leaves as messages list them."""
+    return ", ".join(f"{path_str(p)} {tuple(s)}" for p, s, *_ in entries)
+
+
+def fitting(shape, sizes: Shapes, nameless: bool) -> list[str]:
+    """The labels a leaf of this shape can have (what an error may offer for it)."""
+    vocabs, width = sizes.vocabs, sizes.width
+    if vocabs and not nameless:
+        if vocabs & set(shape) and len(shape) == 2:
+            return ["head", "embedding"]
+        return ["hidden", "router"] if len(shape) == 2 and width in shape else ["hidden"]
+    if len(shape) == 2:
+        return ["embedding", "head", "hidden", "vector"] if nameless else \
+            ["head", "embedding", "hidden"]
+    return ["hidden", "vector"] if nameless else ["hidden"]
+
+
+def _offer(entries, sizes: Shapes, nameless=False) -> str:
+    return ", ".join(f"{path_str(p)} {tuple(s)}: "
+                     + " or ".join(repr(x) for x in fitting(s, sizes, nameless))
+                     for p, s, *_ in entries)
+
+
+def _nameless(entries, sizes: Shapes, default) -> str:
+    path, shape = entries[0][:2]
+    return (f"{len(entries)} parameter(s) have no names in their paths (a tree of bare values, "
+            "such as penzai's unbind_params tuple), and a matrix is never labelled by its shape "
+            f"alone: {_offer(entries, sizes, nameless=True)}. Label them with "
+            f"lm_optimizer(labels=...) or label_params(rules=...), e.g. "
+            f"{{{path_str(path)!r}: {fitting(shape, sizes, True)[0]!r}, ...}} (a flat mapping "
+            "from paths to labels), or pass the tree whose paths carry the module names")
+
+
+def _not_hidden(entries, sizes: Shapes, default) -> str:
+    path, _, why = entries[0]
+    reason = "default='hidden'" if why == "default" else "its name"
+    return (f"{show(entries)} would be 'hidden' (by {reason}) but has an axis of the vocabulary "
+            f"size ({sizes.where_v}) and sits outside the repeated blocks: it is the output head "
+            f"or an embedding table, not a hidden matrix. Label it explicitly: "
+            f"rules=[({regex(path)!r}, 'head')] for the output matrix, or 'embedding' for a "
+            "lookup table ('hidden' only if it truly is one)")
+
+
+def _not_head(entries, sizes: Shapes, default) -> str:
+    path = entries[0][0]
+    return (f"{show(entries)} is named as the head but has no axis of the vocabulary size "
+            f"({sizes.where_v}). If it is not the LM head, label it with "
+            f"rules=[({regex(path)!r}, 'hidden')]; if it is, label the true token table with "
+            "rules=[(regex, 'embedding')]")
+
+
+def _unchecked(entries, sizes: Shapes, default) -> str:
+    path = entries[0][0]
+    return (f"default={default!r} cannot be checked for {show(entries)}: the vocabulary size "
+            "cannot be read from the tree (no token embedding or head is named), so each of these "
+            "matrices outside the repeated blocks may be the output head or an embedding table "
+            f"({_offer(entries, sizes)}). Label them with rules, e.g. "
+            f"rules=[({regex(path)!r}, 'head')], or name the token table with "
+            "extra_embedding_names=")
+
+
+def _unmatched(entries, sizes: Shapes, default, ambiguous=()) -> str:
+    path, shape = entries[0][:2]
+    note = ""
+    if ambiguous:
+        note = (f" ({show(ambiguous)} is (V, d)-shaped: the head stored (V, d) -> 'head', or a "
+                "lookup table -> 'embedding')")
+    return ("no label for these matrices: " + show(entries) + note
+            + f". Name them with a (regex, label) rule, e.g. rules=[({regex(path)!r}, "
+            f"{fitting(shape, sizes, False)[0]!r})] (labels that fit: {_offer(entries, sizes)}), "
+            "add their names with extra_hidden_names=/extra_head_names=/extra_embedding_names=, "
+            "or pass default='hidden' to send every unnamed matrix to Muon explicitly")
+
+
+_MESSAGES = {"nameless": _nameless, "not_hidden": _not_hidden, "not_head": _not_head,
+             "unchecked": _unchecked}
+
+
+def problems_message(problems: dict[str, list], sizes: Shapes, default) -> str | None:
+    """One message for every problem kind found (None when there is none), in a fixed order:
+    nameless trees, hidden matrices of vocabulary size, heads without one, unchecked defaults,
+    unlabelled matrices (``ambiguous``: the (V, d)-shaped ones among them)."""
+    parts = [write(problems[kind], sizes, default) for kind, write in _MESSAGES.items()
+             if problems.get(kind)]
+    if problems.get("unmatched"):
+        parts.append(_unmatched(problems["unmatched"], sizes, default,
+                                problems.get("ambiguous", ())))
+    return "label_params: " + " Also: ".join(parts) if parts else None
+
+
+def tied_without_head(embeds) -> str:
+    """An embedding table and no head, and no ``tied`` policy: the pattern of tied embeddings."""
+    tokens = [lf for lf in embeds if not is_position_embedding(lf.path)] or embeds
+    table = max(tokens, key=lambda lf: lf.shape[0] if lf.shape else 0)
+    return (f"label_params: found embedding table(s) {show(embeds)} but no head matrix: "
+            f"the pattern of tied embeddings (GPT-2, Gemma, OPT, nanodo), a token table "
+            f"{path_str(table.path)} {tuple(table.shape)} and no (d, V) or (V, d) output "
+            "matrix anywhere in the tree. If the logits reuse the token table (logits = "
+            "h @ E.T), pass tied='embedding' (train the table with AdamW as an embedding) or "
+            "tied='head' (train it with the head optimizer, uncentred RowNorm). If the model "
+            "has its own output matrix, label it with rules=[(regex, 'head')] or "
+            "extra_head_names=")
+
+
+# --- The plan's problems ------------------------------------------------------------------------
+
+
+def no_head_group(leaves, head: str, tied: str | None) -> str:
+    """Labels given as a tree or callable name no head (``leaves``: ``(path, shape, label)``)."""
+    matrices = [(p, s, lab) for p, s, lab in leaves if len(s) == 2]
+    largest = max((max(s) for _, s, _ in matrices), default=None)
+    candidates = ", ".join(f"{path_str(p)} {tuple(s)} (labelled {lab!r})"
+                           for p, s, lab in matrices if max(s) == largest)
+    seen = f" (the matrices with the largest axis: {candidates})" if candidates else ""
+    if tied == "head":
+        return ("lm_optimizer(tied='head'): no parameter is labelled 'head'; label the tied "
+                f"embedding table 'head'{seen}")
+    return (f"lm_optimizer(head={head!r}): no parameter is labelled 'head' by the given "
+            f"labels{seen}. Label the output matrix 'head', or pass tied='embedding' if the "
+            "logits reuse the embedding table (tied='head' trains that table with the head "
+            "optimizer: label it 'head')")
+
+
+def _axes(axes: tuple[int, ...]):
+    """Axes as `MuonDimensionNumbers` is written: one axis an int."""
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def undecided_muon_axes(errors) -> str:
+    """One message for every leaf whose Muon axes the shapes do not decide (``(path, shape,
+    StructureError, batch roles)``), with the mapping to pass (the likely reading where there
+    is one)."""
+    lines, entries = [], []
+    for path, shape, err, roles in errors:
+        lines.append(f"  {err}")
+        roles = {**roles, **err.roles}
+        dims, comment = "reduction_axis=..., output_axis=...", ""
+        if err.suggestion is not None:
+            red, out = err.suggestion
+            dims = f"reduction_axis={_axes(red)!r}, output_axis={_axes(out)!r}"
+            batch = [f"{a} ({roles.get(a, 'batch')})" for a in range(len(shape))
+                     if a not in set(red) | set(out)]
+            comment = f"  # batch axes {', '.join(batch)}" if batch else ""
+        entries.append(f"    {path_str(path)!r}: rowgeom.MuonDimensionNumbers({dims}),{comment}")
+    return (f"lm_optimizer: cannot infer Muon's matrix axes of {len(errors)} parameter(s) from "
+            "the shapes:\n" + "\n".join(lines) + "\nCheck the likely reading below (axes not "
+            "named in a side are batch axes: experts, layers), correct it where needed and pass "
+            "it; leaves not named there are still inferred:\n"
+            "muon=rowgeom.MuonOptions(dimension_numbers={\n" + "\n".join(entries) + "\n})")
