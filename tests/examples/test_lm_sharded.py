@@ -318,4 +318,4 @@ def test_plan_paper_190m_fits_the_papers_gpus_and_states_the_diameter_share(tmp_
     assert result["fits"] == {"H100": True, "H200": True}
     assert result["v5e"] is not None and result["v5e"]["peak_bytes"] <= 16 * 2**30
     assert 0 < result["diameter_share"] < 0.005
-    assert "fits 80.00 GiB (H100)" in capsys.readouterr().out
+    assert "fits in 80.00 GiB (H100)" in capsys.readouterr().out

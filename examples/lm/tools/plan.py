@@ -21,7 +21,7 @@ update.
 
 `--paper` plans each paper config where the paper ran it: 256 x 2,048 per update on 8 devices,
 data parallel, at the paper's micro-batch and accumulation (`configs.paper_config`). It prints
-the parameter count without padding beside the paper's, whether the step fits 80 GiB (H100) and
+the parameter count without padding beside the paper's, whether the step fits in 80 GiB (H100) and
 141 GiB (H200) per device, the micro-batch, accumulation and recomputation that fit a 16 GiB
 TPU v5e chip (FSDP over the 8 chips) with their recomputation cost (compiled matmul FLOPs over
 the model's count), and the exact head diameter's share of the training FLOPs: the diameter
@@ -159,7 +159,7 @@ def fit_split(cfg: configs.Config, ranks: int, compile_fn, budget: int, *, print
         fits = result["peak_bytes"] <= budget
         if print_fn:
             print_fn(f"  tried {split_text(candidate, ranks)}: peak {_gib(result['peak_bytes'])}"
-                     f" {'fits' if fits else 'does NOT fit'} {_gib(budget)}")
+                     f" {'fits in' if fits else 'does NOT fit in'} {_gib(budget)}")
         if fits:
             return candidate, result
     return None, None
@@ -211,7 +211,7 @@ def paper_plan(size: str, head: str, devices, *, print_fn=print) -> dict:
              f"{cfg.seq_len} per device x {cfg.optim.grad_accum_steps} accumulation = "
              f"{cfg.data.batch_size * cfg.optim.grad_accum_steps} sequences per update, remat "
              f"{cfg.model.remat}: peak {_gib(peak)} per device; "
-             + ", ".join(f"{'fits' if fits else 'does NOT fit'} {_gib(GPU_MEMORY[name])} "
+             + ", ".join(f"{'fits in' if fits else 'does NOT fit in'} {_gib(GPU_MEMORY[name])} "
                          f"({name})" for name, fits in out["fits"].items()))
     print_fn(f"  exact D every {cfg.eval.diameter_every} updates: {diameter:.3g} matmul FLOPs "
              f"per device against {update:.3g} for {cfg.eval.diameter_every} updates: "
@@ -227,7 +227,7 @@ def paper_plan(size: str, head: str, devices, *, print_fn=print) -> dict:
                       "peak_bytes": result["peak_bytes"],
                       "recompute": result["matmul_flops"] / result["model_flops"]}
     if out["v5e"] is None:
-        print_fn(f"  no micro-batch of {V5E_CANDIDATES} fits {_gib(V5E_MEMORY)} (TPU v5e)")
+        print_fn(f"  no micro-batch of {V5E_CANDIDATES} fits in {_gib(V5E_MEMORY)} (TPU v5e)")
     else:
         v = out["v5e"]
         print_fn(f"  TPU v5e ({_gib(V5E_MEMORY)}), fsdp 8: {v['sequences_per_device']} "
