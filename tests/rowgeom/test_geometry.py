@@ -215,9 +215,9 @@ def _view_of(shape, axis):
 
 @functools.cache
 def _distance_pass_grid():
-    """For every shape of BRACKET_SHAPES: its input, the view's rows in float64, the point and
-    sweep token, and each distance pass's result, from one jitted program (a program per shape
-    and formulation would be some 40 compiles)."""
+    """For every shape of BRACKET_SHAPES (drawn as the test's `rng` would): its input, point and
+    sweep token, and its `_token_view` with each distance pass's result, from one jitted
+    program (a program per shape and pass would be some 40 compiles)."""
     rng = np.random.default_rng(0)
     cases = []
     for shape, axis in BRACKET_SHAPES:
