@@ -202,42 +202,93 @@ BRACKET_SHAPES = [((300, 17), 0), ((17, 300), 1), ((3, 4, 130), -1), ((130, 3, 4
                   ((3, 40, 5), 1), ((2, 1), 0), ((1, 5), 0), ((1, 7), 1), ((20, 9), 1)]
 
 
-def test_distance_pass_matches_float64(rng):
+def _view_of(shape, axis):
+    """`_token_view`'s view shape and token axis for an input of `shape` (traced: no compile)."""
+    box = {}
+
+    def view(s):
+        x, box["t"] = _token_view(s, axis % len(shape))
+        return x
+
+    return jax.eval_shape(view, jax.ShapeDtypeStruct(shape, jnp.float32)).shape, box["t"]
+
+
+@functools.cache
+def _distance_pass_grid():
+    """For every shape of BRACKET_SHAPES (drawn as the test's `rng` would): its input, point and
+    sweep token, and its `_token_view` with each distance pass's result, from one jitted
+    program (a program per shape and pass would be some 40 compiles)."""
+    rng = np.random.default_rng(0)
+    cases = []
+    for shape, axis in BRACKET_SHAPES:
+        s = rng.normal(size=shape) * 2.0 + 1.5
+        vshape, t = _view_of(shape, axis)
+        point = np.expand_dims(rng.normal(size=vshape[:t] + vshape[t + 1:]), t)
+        cases.append((s, point, vshape[t] // 2))
+
+    def run(ss, points, tokens):
+        out = []
+        for (shape, axis), s, p, i in zip(BRACKET_SHAPES, ss, points, tokens, strict=True):
+            x, t = _token_view(s, axis % len(shape))
+            got = {"xla": _masked_sq_dists(x, t, p)}
+            if t == 1 and x.shape[0] > 1:
+                got["cpu"] = _cpu.sq_dists(x, p)
+            centre = jnp.mean(x, axis=t, keepdims=True)
+            row = _take_rows(x, t, jnp.reshape(i, (1,)))
+            got["sweep"] = _sweep_sq_dists(x, t, centre, _sq_dists(x, t, centre), row)
+            out.append((x, got))
+        return out
+
+    # numpy arguments: jnp.asarray would compile a conversion per shape
+    outs = jax.jit(run)([s.astype(np.float32) for s, _, _ in cases],
+                        [p.astype(np.float32) for _, p, _ in cases],
+                        [np.int32(i) for *_, i in cases])
+    return [(case, jax.tree.map(np.asarray, out)) for case, out in zip(cases, outs, strict=True)]
+
+
+def test_distance_pass_matches_float64():
     """||x_v - p||^2 to a given point, and a sweep's ||x_v - x_a||^2 to one of the rows (from the
     centred norms and one matrix-vector product), against float64, for every layout's view; with
     a leading feature axis also the CPU formulation's loop (`rowgeom._cpu`)."""
-    for shape, axis in BRACKET_SHAPES:
-        s = rng.normal(size=shape) * 2.0 + 1.5
-        x, t = _token_view(jnp.asarray(s, jnp.float32), axis % len(shape))
+    for (shape, axis), ((_, point, token), (x, got)) in zip(BRACKET_SHAPES, _distance_pass_grid(),
+                                                            strict=True):
+        _, t = _view_of(shape, axis)
         rows = np.moveaxis(np.asarray(x, np.float64), t, 0).reshape(x.shape[t], -1)
-        point = np.expand_dims(rng.normal(size=x.shape[:t] + x.shape[t + 1:]), t)
         want = ((rows - np.moveaxis(point, t, 0).reshape(1, -1)) ** 2).sum(axis=1)
-        fns = {"xla": lambda x, p, t=t: _masked_sq_dists(x, t, p)}
-        if t == 1 and x.shape[0] > 1:
-            fns["cpu"] = _cpu.sq_dists
-        for name, fn in fns.items():
-            got = jax.jit(fn)(x, jnp.asarray(point, jnp.float32))
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{shape} {name}")
-        token = x.shape[t] // 2
-
-        def sweep(x, i, t=t):
-            centre = jnp.mean(x, axis=t, keepdims=True)
-            row = _take_rows(x, t, jnp.asarray([i], jnp.int32))
-            return _sweep_sq_dists(x, t, centre, _sq_dists(x, t, centre), row)
-
+        assert set(got) == ({"xla", "cpu", "sweep"} if t == 1 and x.shape[0] > 1
+                            else {"xla", "sweep"})
+        for name in set(got) - {"sweep"}:
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{shape} {name}")
         want = ((rows - rows[token]) ** 2).sum(axis=1)
-        got = jax.jit(sweep)(x, token)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * want.max(), err_msg=str(shape))
+        np.testing.assert_allclose(got["sweep"], want, rtol=1e-5, atol=1e-5 * want.max(),
+                                   err_msg=str(shape))
+
+
+@functools.cache
+def _bracket_grid(formulation):
+    """Every shape of BRACKET_SHAPES (drawn as the test's `rng` would) and its bracket with 0 and
+    2 sweeps in `formulation`: one jitted program (a program per shape and sweep count would be
+    18 compiles)."""
+    rng = np.random.default_rng(0)
+    inputs = [(rng.normal(size=shape) * 2.0 + 1.5).astype(np.float32)  # numpy: no conversion
+              for shape, _ in BRACKET_SHAPES]                             # compile per shape
+
+    def run(xs):
+        return {(sweeps, i): row_diameter_bounds(x, vocab_axis=axis, sweeps=sweeps,
+                                                 impl=formulation)
+                for sweeps in (0, 2) for i, (x, (_, axis)) in enumerate(
+                    zip(xs, BRACKET_SHAPES, strict=True))}
+
+    return inputs, jax.tree.map(float, jax.jit(run)(inputs))
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("sweeps", [0, 2])
-def test_bracket_in_each_formulation_holds_and_matches_float64(rng, formulation, sweeps):
-    for shape, axis in BRACKET_SHAPES:
-        s = rng.normal(size=shape) * 2.0 + 1.5
-        x = jnp.asarray(s, jnp.float32)
-        lower, upper = jax.jit(lambda x, a=axis: row_diameter_bounds(
-                x, vocab_axis=a, sweeps=sweeps, impl=formulation))(x)
+def test_bracket_in_each_formulation_holds_and_matches_float64(formulation, sweeps):
+    inputs, bounds = _bracket_grid(formulation)
+    for i, ((shape, axis), x) in enumerate(zip(BRACKET_SHAPES, inputs, strict=True)):
+        lower, upper = bounds[sweeps, i]
         rows = np_rows(np.asarray(x, np.float64), axis % len(shape))
         n = np.linalg.norm(rows - rows.mean(axis=0), axis=1)
         np.testing.assert_allclose(float(upper), 2 * n.max(), rtol=1e-5, err_msg=str(shape))

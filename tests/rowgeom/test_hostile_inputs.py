@@ -364,13 +364,16 @@ def test_composes_with_apply_if_finite():
     worse["layers"]["0"]["mlp"]["kernel"] = worse["layers"]["0"]["mlp"]["kernel"].at[1].set(
         jnp.inf)
 
+    tx = optax.apply_if_finite(rowgeom.lm_optimizer(1e-2), max_consecutive_errors=5)
+    # Both runs share one compiled init and one compiled step (applying the update).
+    init = jax.jit(tx.init)
+    step = jax.jit(lambda g, state, p: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(g, state, p)))
+
     def run(seq):
-        tx = optax.apply_if_finite(rowgeom.lm_optimizer(1e-2), max_consecutive_errors=5)
-        step = jax.jit(tx.update)
-        p, state = params, tx.init(params)
+        p, state = params, init(params)
         for g in seq:
-            updates, state = step(g, state, p)
-            p = optax.apply_updates(p, updates)
+            p, state = step(g, state, p)
         return p, state
 
     clean_params, clean_state = run(grads)
@@ -454,6 +457,14 @@ def _representable(value):
     return value < np.finfo(np.float32).max / (1 + 1e-5)
 
 
+@functools.cache
+def _hilbert_perturbation_jit(axis):
+    return jax.jit(functools.partial(rowgeom.hilbert_perturbation, vocab_axis=axis))
+
+
+_hilbert_logits_jit = jax.jit(functools.partial(rowgeom.hilbert_distance, logits=True))
+
+
 @pytest.mark.slow
 @given(finite_arrays(), st.sampled_from([0, 1]))
 def test_property_tracker_and_hilbert_are_finite(x, axis):
@@ -465,13 +476,11 @@ def test_property_tracker_and_hilbert_are_finite(x, axis):
     if _representable(bound):  # upper = 2 max_i ||x_i - xbar|| may exceed float32 otherwise
         assert all(np.isfinite(leaf).all() for leaf in stats), (stats, bound)
     # Hidden states of norm <= 1: the perturbation is at most D, representable.
-    h = jnp.asarray(np.random.default_rng(0).standard_normal((3, x.shape[1 - axis])) / 8,
-                    jnp.float32)
-    delta = rowgeom.hilbert_perturbation(jnp.asarray(x), h, vocab_axis=axis)
+    h = (np.random.default_rng(0).standard_normal((3, x.shape[1 - axis])) / 8).astype(np.float32)
+    delta = _hilbert_perturbation_jit(axis)(x, h)  # jitted: once per shape (eagerly: per op)
     assert np.isfinite(delta).all()
     z = np.moveaxis(x, axis, -1)
-    dist = np.asarray(rowgeom.hilbert_distance(jnp.asarray(z), jnp.asarray(z[::-1]),
-                                               logits=True))
+    dist = np.asarray(_hilbert_logits_jit(z, z[::-1]))
     r = z.astype(np.float64) - z[::-1].astype(np.float64)
     ref = r.max(axis=-1) - r.min(axis=-1)
     assert not np.isnan(dist).any()

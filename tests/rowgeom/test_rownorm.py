@@ -75,6 +75,20 @@ def project(u, **kw):
     return np.asarray(jitted(**kw)(jnp.asarray(u, jnp.float32)), np.float64)
 
 
+@functools.cache
+def _jitted_many(key, formulation):
+    parts = [jitted(formulation=formulation, **dict(kw)) for _, kw in key]
+    return jax.jit(lambda us: [f(u) for f, u in zip(parts, us, strict=True)])
+
+
+def project_many(calls, formulation=None):
+    """`project` of several (input, options) pairs in one jitted program (one compile, not one
+    per shape and options; each part is the same jitted function `project` calls)."""
+    key = tuple((np.shape(u), tuple(sorted(kw.items()))) for u, kw in calls)
+    outs = _jitted_many(key, formulation)([np.asarray(u, np.float32) for u, _ in calls])
+    return [np.asarray(y, np.float64) for y in outs]
+
+
 def step(g, r, **kw):
     """Theorem 2's step S = -r P rownorm(P G), (V, d) layout (eps as small as allowed)."""
     return -r * project(g, eps=MIN_EPS, **kw)
@@ -406,20 +420,23 @@ def test_t7_within_jungs_factor_of_the_exact_diameter_optimum(rng):
     rho = 1.0
     cases = [rng.normal(size=(8, 2)), rng.normal(size=(7, 3)),
              rng.normal(size=(9, 1)) @ rng.normal(size=(1, 4))]  # rank 1: ratio exactly 1
-    for g in cases:
+    # Every case's step and rescaled step in one jitted program (one compile, not six).
+    tx = projected_rownorm(vocab_axis=0, eps=MIN_EPS, rescale="exact")
+    parts = [jitted(eps=MIN_EPS) for _ in cases]
+    steps, rescaled = jax.jit(lambda gs: ([f(g) for f, g in zip(parts, gs, strict=True)],
+                                          [tx.update(g, None)[0] for g in gs]))(
+        [g.astype(np.float32) for g in cases])
+    for g, projected, big in zip(cases, steps, rescaled, strict=True):
         k = np.linalg.matrix_rank(centred(g))
         _, opt = oracle.diameter_oracle(g, rho)
-        s = step(g, rho / 2)
+        s = -(rho / 2) * np.asarray(projected, np.float64)  # step(g, rho / 2)
         decrease = -(g * s).sum()
         assert np_diameter(s) <= rho * (1 + 1e-5)
         assert jung(k) * (1 - 1e-4) <= decrease / opt <= 1 + 1e-4
         if k == 1:
             np.testing.assert_allclose(decrease / opt, 1, rtol=1e-4)
         # Beyond the paper: S * rho / D(S) is still feasible and never worse.
-        tx = projected_rownorm(vocab_axis=0, eps=MIN_EPS, rescale="exact")
-        s_big = -(rho / 2) * np.asarray(
-            jax.jit(lambda u, tx=tx: tx.update(u, None)[0])(jnp.asarray(g, jnp.float32)),
-            np.float64)
+        s_big = -(rho / 2) * np.asarray(big, np.float64)
         assert decrease * (1 - 1e-5) <= -(g * s_big).sum() <= opt * (1 + 1e-4)
         np.testing.assert_allclose(np_diameter(s_big), rho, rtol=1e-5)
 
@@ -470,25 +487,25 @@ def test_t5_shift_and_scale_invariance(seed, scale):
 @pytest.mark.slow
 @pytest.mark.parametrize("formulation", FORMULATIONS)
 def test_t8_degenerate_input(rng, formulation):
-    project_ = functools.partial(project, formulation=formulation)
     c = rng.normal(size=(1, 5)) * 100
     rows = np.repeat(c, 9, axis=0)
-    assert np.all(project_(rows) == 0)  # G = 1c^T: exactly zero
-    assert np.all(project_(rows.T, vocab_axis=1) == 0)
-    assert np.all(project_(np.zeros((9, 5))) == 0)
-    assert np.all(project_(np.zeros((5, 9)), vocab_axis=1) == 0)
-    assert np.all(project_(c) == 0)  # V = 1
-    assert np.all(project_(c.T, vocab_axis=1) == 0)
     g = rng.normal(size=(9, 5))
     g[[2, 5]] = 0.0
-    plain = project_(g, center_input=False, center_output=False)
+    tiny = g * 1e-3
+    zero_cases = [(rows, {}), (rows.T, {"vocab_axis": 1}),  # G = 1c^T: exactly zero
+                  (np.zeros((9, 5)), {}), (np.zeros((5, 9)), {"vocab_axis": 1}),
+                  (c, {}), (c.T, {"vocab_axis": 1})]  # V = 1
+    eps_cases = [(x, {"eps": eps, "center_output": False})
+                 for eps in [MIN_EPS, 1e-8, 0.5, 10.0] for x in (g, tiny)]
+    plain_case = (g, {"center_input": False, "center_output": False})
+    outs = project_many([*zero_cases, plain_case, *eps_cases], formulation)  # one compile
+    for (x, kw), y in zip(zero_cases, outs[:len(zero_cases)], strict=True):
+        assert np.all(y == 0), (x.shape, kw)
+    plain = outs[len(zero_cases)]
     assert np.all(np.isfinite(plain)) and np.all(plain[[2, 5]] == 0)
-    for eps in [MIN_EPS, 1e-8, 0.5, 10.0]:
-        tiny = g * 1e-3
-        for x in (g, tiny):
-            y = project_(x, eps=eps, center_output=False)
-            assert np.all(np.isfinite(y))
-            assert np.linalg.norm(y, axis=1).max() <= 1 + 1e-6
+    for (_, kw), y in zip(eps_cases, outs[len(zero_cases) + 1:], strict=True):
+        assert np.all(np.isfinite(y)), kw
+        assert np.linalg.norm(y, axis=1).max() <= 1 + 1e-6, kw
 
 
 # --- Momentum commutes with centring; optax integration -------------------------------------------
@@ -586,9 +603,15 @@ def test_inside_partition_and_chain(rng):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exact", "bound"])
 def test_rescale(rng, mode):
-    g = jnp.asarray(rng.normal(size=(5, 30)), jnp.float32)
+    g = rng.normal(size=(5, 30)).astype(np.float32)
+    padded = np.concatenate([g, np.full((5, 4), 7.0, np.float32)], axis=1)
+    constant = np.ones((5, 30), np.float32)  # D = 0: no 0/0
     tx = projected_rownorm(vocab_axis=1, rescale=mode)
-    out = np.asarray(jax.jit(tx.update)(g, tx.init(g))[0], np.float64)
+    tx_pad = projected_rownorm(vocab_axis=1, rescale=mode, num_valid=30)
+    # One jitted program for the three updates (numpy inputs: no conversion compiles).
+    out, out_pad, out_constant = (np.asarray(y, np.float64) for y in jax.jit(
+        lambda g, padded, constant: (tx.update(g, tx.init(g))[0], tx_pad.update(padded, None)[0],
+                                     tx.update(constant, None)[0]))(g, padded, constant))
     base = np_project(g, 1)
     factor = float(np.vdot(out, base) / np.vdot(base, base))  # a positive multiple of base:
     assert factor > 0                                          # (entrywise ratios would blow
@@ -598,13 +621,9 @@ def test_rescale(rng, mode):
         np.testing.assert_allclose(diameter, 2, rtol=1e-5)
     else:
         assert 1 - 1e-5 <= diameter <= 2 * (1 + 1e-5)
-    padded = jnp.concatenate([g, jnp.full((5, 4), 7.0)], axis=1)
-    tx_pad = projected_rownorm(vocab_axis=1, rescale=mode, num_valid=30)
-    out_pad = np.asarray(jax.jit(lambda u: tx_pad.update(u, None)[0])(padded), np.float64)
     np.testing.assert_allclose(out_pad[:, :30], out, atol=1e-5)
     assert np.all(out_pad[:, 30:] == 0)
-    constant = jnp.ones((5, 30), jnp.float32)  # D = 0: no 0/0
-    assert np.all(np.asarray(jax.jit(tx.update)(constant, None)[0]) == 0)
+    assert np.all(out_constant == 0)
 
 
 # --- bad input ------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ run once after it at that scale. These tests hold the counts on XLA:CPU and the 
 against float64.
 """
 
+import functools
 import re
 
 import jax
@@ -22,6 +23,7 @@ from rowgeom._geometry import _bounds_and_sum, _take_row, _token_view
 VOCAB, DIM = 1024, 96
 
 
+@functools.cache
 def _tracker_hlo(shape, axis, impl):
     spec = jax.ShapeDtypeStruct(shape, jnp.float32)
     tx = rowgeom.track_row_diameter(vocab_axis=axis, impl=impl)
@@ -73,6 +75,13 @@ def _edge_cases():
     }
 
 
+@functools.cache
+def _bounds_jit(axis, impl):
+    """The bracket (two sweeps) of a (300, 17) or (17, 300) input, jitted once per layout and
+    formulation: every edge case is the same shape, so they share its compile."""
+    return jax.jit(lambda u: _bounds_and_sum(u, axis=axis, sweeps=2, impl=impl)[:2])
+
+
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
 @pytest.mark.parametrize("case", sorted(_edge_cases()))
 def test_bracket_on_both_paths_matches_float64(case, impl):
@@ -84,8 +93,7 @@ def test_bracket_on_both_paths_matches_float64(case, impl):
     exact = max((np.linalg.norm(a - b) for a in rows for b in rows), default=0.0)
     r_c = np.linalg.norm(rows - rows.mean(axis=0), axis=1).max()
     for s, axis in ((x, 0), (np.ascontiguousarray(x.T), 1)):
-        bounds = jax.jit(lambda u, a=axis: _bounds_and_sum(u, axis=a, sweeps=2, impl=impl)[:2])
-        lower, upper = (float(v) for v in bounds(jnp.asarray(s)))
+        lower, upper = (float(v) for v in _bounds_jit(axis, impl)(jnp.asarray(s)))
         assert np.isfinite([lower, upper]).all()
         assert lower <= exact * (1 + 1e-5) and exact <= upper * (1 + 1e-5), (axis, lower, upper)
         np.testing.assert_allclose(upper, 2 * r_c, rtol=1e-5, err_msg=f"axis={axis}")
@@ -95,7 +103,7 @@ def test_bracket_on_both_paths_matches_float64(case, impl):
 def test_tracker_stats_are_the_brackets_on_the_rescaling_branch():
     u = jnp.asarray(_edge_cases()["tiny_spread_on_offset"], jnp.float32)
     tx = rowgeom.track_row_diameter(vocab_axis=0)
-    stats = tx.update(u, tx.init(u))[1]
+    stats = jax.jit(lambda u: tx.update(u, tx.init(u))[1])(u)  # one compile (eagerly: 18)
     lower, upper = rowgeom.row_diameter_bounds(u, vocab_axis=0)
     assert (float(stats.lower), float(stats.upper)) == (float(lower), float(upper))
     np.testing.assert_allclose(float(stats.row_sum_residual),
