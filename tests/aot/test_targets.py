@@ -240,3 +240,79 @@ def test_tpu_hlo_convolutions_and_windowed_loops_are_counted():
     attention = 2 * (4 * 16 * 16) * 64  # 4 batched (16, 64) @ (64, 16)
     assert figures["matmul_flops"] == 2 * matmul + attention
     assert figures["collectives"]["collective-permute"] == 2 * 16 * 64 * 4
+
+
+_CHAINED = """HloModule m
+
+%start (a: bf16[2,64]) -> (bf16[2,64], bf16[16,64], s32[2]) {
+  %a = bf16[2,64]{1,0} parameter(0)
+  %g = bf16[16,64]{1,0} all-gather(%a) PIECE_START
+  %s = s32[2]{0} constant({0, 0})
+  ROOT %t = (bf16[2,64], bf16[16,64], s32[2]) tuple(%a, %g, %s)
+}
+
+%done (a: bf16[2,64]) -> bf16[16,64] {
+  %a = bf16[2,64]{1,0} parameter(0)
+  ROOT %g = bf16[16,64]{1,0} all-gather(%a) PIECE_NEXT
+}
+
+%step (a: bf16[2,64], x: f32[8,64]) -> (f32[8,64], bf16[16,64]) {
+  %a = bf16[2,64]{1,0} parameter(0)
+  %x = f32[8,64]{1,0} parameter(1)
+  %y = f32[8,64]{1,0} negate(%x)
+  %g = bf16[16,64]{1,0} all-gather(%a) PIECE_NEXT
+  ROOT %t = (f32[8,64], bf16[16,64]) tuple(%y, %g)
+}
+
+%body (p: (f32[8,64], s32[], bf16[2,64])) -> (f32[8,64], s32[], bf16[2,64]) {
+  %p = (f32[8,64], s32[], bf16[2,64]) parameter(0)
+  %x = f32[8,64]{1,0} get-tuple-element(%p), index=0
+  %i = s32[] get-tuple-element(%p), index=1
+  %a = bf16[2,64]{1,0} get-tuple-element(%p), index=2
+  %f = (f32[8,64], bf16[16,64]) fusion(%a, %x), kind=kOutput, calls=%step
+  %y = f32[8,64]{1,0} get-tuple-element(%f), index=0
+  %r = f32[8,64]{1,0} all-reduce(%y), channel_id=8, to_apply=%add
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (f32[8,64], s32[], bf16[2,64]) tuple(%r, %next, %a)
+}
+
+%cond (p: (f32[8,64], s32[], bf16[2,64])) -> pred[] {
+  %p = (f32[8,64], s32[], bf16[2,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=1
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: bf16[2,64], x: f32[8,64]) -> bf16[16,64] {
+  %a = bf16[2,64]{1,0} parameter(0)
+  %x = f32[8,64]{1,0} parameter(1)
+  %s = (bf16[2,64], bf16[16,64], s32[2]) fusion(%a), kind=kLoop, calls=%start
+  %zero = s32[] constant(0)
+  %init = (f32[8,64], s32[], bf16[2,64]) tuple(%x, %zero, %a)
+  %w = (f32[8,64], s32[], bf16[2,64]) while(%init), condition=%cond, body=%body
+  ROOT %d = bf16[16,64]{1,0} fusion(%a), kind=kLoop, calls=%done
+}
+"""
+_PIECE = (', channel_id=7, dimensions={0}, frontend_attributes={chain_id="0"}, '
+          'backend_config={"async_collective_fusion_config":{"flag_start":"%s","flag_end":"%s"}}')
+_CHAINED = (_CHAINED.replace(" PIECE_START", _PIECE % (-1, -1))
+            .replace(" PIECE_NEXT", _PIECE % (2, 8)))
+
+
+def test_tpu_async_collective_fusion_chain_counts_once():
+    """A collective the TPU compiler splits into a start, continuations inside a later loop's
+    body and a done (one `channel_id` and `chain_id`) is one collective, not one per piece and
+    loop trip; a plain collective in the same body still counts once per trip."""
+    from examples.lm.tools import compiled
+
+    figures = compiled.analyse_hlo(_CHAINED)
+    assert figures["loops_known"]
+    assert figures["collectives"]["all-gather"] == 16 * 64 * 2
+    assert figures["collectives"]["all-reduce"] == 4 * 8 * 64 * 4

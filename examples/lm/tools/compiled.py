@@ -16,6 +16,12 @@ what it costs from the program itself rather than from a timer:
 A collective counts the larger of its result and its operands: an all-gather's whole result, a
 reduce-scatter's whole input, so an all-reduce and the reduce-scatter a backend may lower it to
 count alike.
+
+The TPU compiler can run one collective as a chain of pieces ("async collective fusion"): a
+start fusion, continuation fusions (which may sit in a later while loop's body, e.g. the head's
+all-gather overlapped with the layer loop) and a done fusion, each holding an instruction of the
+collective's full shape, tagged with the same `channel_id` and `chain_id`. Such a chain is one
+collective: it counts once, as often as its least frequently run piece (its start).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ _CALLEE = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_c
                      r"%([\w.-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CHAIN = re.compile(r'\bchain_id="(\d+)"')
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f16": 2, "bf16": 2,
              "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
@@ -181,6 +189,14 @@ def _convolution_flops(shape: str, lhs: str, kernel: str, attributes: str) -> fl
     return 2.0 * math.prod(out[0]) * reads
 
 
+def _count(collectives: dict, largest: dict, kind: str, shape: str, moved: int,
+           times: int) -> None:
+    collectives[kind] += times * moved
+    entry = largest[kind, re.sub(r"\{[^{}]*\}", "", shape)]
+    entry[0] += times
+    entry[1] += times * moved
+
+
 def analyse_hlo(hlo_text: str) -> dict:
     """Matmul FLOPs and collective bytes (by kind) per device of one execution of the program,
     every loop body counted by its trip count; `loops_known`: whether all trip counts were;
@@ -190,6 +206,8 @@ def analyse_hlo(hlo_text: str) -> dict:
     collectives = dict.fromkeys(COLLECTIVES, 0)
     largest: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     flops = 0.0
+    # (channel, chain) -> [kind, result shape, bytes moved, runs of its least run piece]
+    chains: dict[tuple[str, str], list] = {}
     for computation, instructions in computations.items():
         times = runs[computation]
         for _, shape, op, operands, attributes in instructions:
@@ -198,10 +216,15 @@ def analyse_hlo(hlo_text: str) -> dict:
             if kind in collectives:
                 inputs = sum(shape_bytes(shapes.get(n, "")) for n in names)
                 moved = max(shape_bytes(shape), inputs)
-                collectives[kind] += times * moved
-                entry = largest[kind, re.sub(r"\{[^{}]*\}", "", shape)]
-                entry[0] += times
-                entry[1] += times * moved
+                chain = _CHAIN.search(attributes)
+                if chain:  # a piece of one collective: counted once per chain, below
+                    channel = _CHANNEL.search(attributes)
+                    key = (channel.group(1) if channel else "", chain.group(1))
+                    known_piece = chains.setdefault(key, [kind, shape, moved, times])
+                    known_piece[2] = max(known_piece[2], moved)
+                    known_piece[3] = min(known_piece[3], times)
+                    continue
+                _count(collectives, largest, kind, shape, moved, times)
             elif op == "dot" and names:
                 lhs = _dims(shapes.get(names[0], ""))
                 contracting = _CONTRACTING.search(attributes)
@@ -211,6 +234,8 @@ def analyse_hlo(hlo_text: str) -> dict:
             elif op == "convolution" and len(names) == 2:
                 flops += times * _convolution_flops(shape, shapes.get(names[0], ""),
                                                     shapes.get(names[1], ""), attributes)
+    for kind, shape, moved, times in chains.values():
+        _count(collectives, largest, kind, shape, moved, times)
     top = sorted(((b, kind, shape, n) for (kind, shape), (n, b) in largest.items()), reverse=True)
     return {"matmul_flops": flops, "collectives": collectives, "loops_known": known,
             "largest_collectives": [{"kind": kind, "shape": shape, "times": n, "bytes": b}
