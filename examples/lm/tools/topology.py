@@ -273,7 +273,7 @@ def fit_train_step(cfg, target: Target, *, fit: bool = True, step: str = "train_
     if fit and not result["fits"]:
         if print_fn:
             print_fn(f"  as configured ({plan.split_text(cfg, ranks)}): peak "
-                     f"{_gib(result['peak_bytes'])} does NOT fit {_gib(target.budget_bytes)}; "
+                     f"{_gib(result['peak_bytes'])} does NOT fit in {_gib(target.budget_bytes)}; "
                      "searching")
         chosen, found = plan.fit_split(cfg, ranks, compile_fn, target.budget_bytes,
                                        print_fn=print_fn, skip_own=True)
@@ -344,7 +344,7 @@ def format_report(result: dict, *, name: str) -> str:
                 f"micro-batch {result['batch']} x {result['grad_accum_steps']} accumulation, "
                 f"remat {result['remat']}: the {result['platform']} compiler refused it "
                 f"({result['refused']})")
-        return head + f"\n  does NOT fit {_gib(result['budget'])} per device"
+        return head + f"\n  does NOT fit in {_gib(result['budget'])} per device"
     lines = plan.report(result, name=name, device_memory=None).splitlines()
     lines[0] = lines[0].replace(f"{result['devices']} {result['platform']} devices",
                                 f"{result['target']} ({result['devices']} x "
@@ -367,7 +367,7 @@ def format_report(result: dict, *, name: str) -> str:
             f"sequences per update, remat {split['remat']}; recomputation cost: matmul FLOPs "
             f"{recompute:.2f}x the model's count, {per_update:.3g} per device per update "
             f"({compiles})")
-    lines.append(f"  {'fits' if result['fits'] else 'does NOT fit'} {of}: peak "
+    lines.append(f"  {'fits in' if result['fits'] else 'does NOT fit in'} {of}: peak "
                  f"{_gib(result['peak_bytes'])} per device, "
                  f"{result['peak_bytes'] / budget:.0%} of the budget")
     return "\n".join(lines)
