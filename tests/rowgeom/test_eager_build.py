@@ -25,9 +25,9 @@ def test_the_partition_is_built_when_lm_optimizer_is_called(monkeypatch):
     params = small_lm()
     tx = rowgeom.lm_optimizer(1e-3)
     after_call = len(built)
-    state = tx.init(params)
-    jax.jit(tx.update)(params, state, params)
-    tx.update(params, state, params)
+    # Traced, not compiled: the partition would be built while `init` or `update` runs.
+    state = jax.eval_shape(tx.init, params)
+    jax.eval_shape(tx.update, params, state, params)
     assert after_call > 0 and len(built) == after_call
 
 
@@ -42,14 +42,15 @@ def test_nnx_optimizer_plans_once_and_every_reader_gets_that_plan(monkeypatch):
         real = getattr(_recipe, name)
         monkeypatch.setattr(_recipe, name, lambda *a, real=real, seen=seen:
                             seen.append(real(*a)) or seen[-1])
-    model = TinyLM(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(1e-3), wrt=nnx.Param)
+    def build():  # nnx.Optimizer hands tx.init the model's Variables
+        model = TinyLM(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, rowgeom.lm_optimizer(1e-3), wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, optimizer):
+    def step(model, optimizer):  # ... and tx.update plain arrays
         optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
 
-    step(model, optimizer)
+    # Traced, not compiled: planning happens while init and update trace.
+    nnx.eval_shape(step, *nnx.eval_shape(build))
     assert len(planned) == 1  # init's Variables and update's arrays: one key
     # the labels, Muon's dimension numbers, the head's and the tracker's vocabulary axes, at
     # init and at update: each read the one plan
@@ -78,5 +79,5 @@ def test_a_chain_reading_params_of_another_dtype_gets_the_updates_plan(monkeypat
     state = tx.init(params)
     monkeypatch.setattr(_recipe, "_MEMO", {})
     grads = jax.tree.map(lambda x: jnp.ones_like(x, jnp.bfloat16), params)
-    updates, _ = jax.jit(tx.update)(grads, state, params)
+    updates, _ = jax.eval_shape(tx.update, grads, state, params)
     assert jax.tree.structure(updates) == jax.tree.structure(params)
