@@ -32,7 +32,7 @@ STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, a
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, small_corpus):
+def corpus(tmp_path_factory, small_corpus, shared_trainers):
     """~30 small stdlib modules as a text-directory corpus, and a shared tokenizer cache dir."""
     return small_corpus(tmp_path_factory.mktemp("lm"))
 
