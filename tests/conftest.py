@@ -167,3 +167,24 @@ def _final_checkpoint(workdir, steps: int):
     finally:
         ckpt.close()
     return jax.device_get(state), meta
+
+
+@pytest.fixture(scope="module")
+def shared_trainers():
+    """The example's `train.Trainer` built once per (config, mesh) for the module (as
+    test_lm_loop.py's `trainers`): runs and resumed runs of one config in one module share their
+    compiled functions instead of compiling them again. A Trainer holds no train state; a resume
+    in a fresh process, with its own compiles, is test_crash_resume.py's."""
+    from examples.lm import train
+
+    built: dict = {}
+    real = train.Trainer
+
+    def trainer(cfg, mesh):
+        if (cfg, mesh) not in built:
+            built[cfg, mesh] = real(cfg, mesh)
+        return built[cfg, mesh]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "Trainer", trainer)
+        yield trainer

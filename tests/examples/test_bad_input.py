@@ -21,7 +21,8 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus):
+def root(tmp_path_factory, small_corpus, shared_trainers):
+    # A copy of `finished` resumed with its config reuses its compiled functions.
     return small_corpus(tmp_path_factory.mktemp("bad_input"), tokenize=True)
 
 

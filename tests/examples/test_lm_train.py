@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 from _lm_fixtures import (
     config_on,
@@ -31,7 +32,7 @@ STEPS = 8  # the `test` config: eval at 4 and 8, checkpoints at 3 and 6 below, a
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, small_corpus):
+def corpus(tmp_path_factory, small_corpus, shared_trainers):
     """~30 small stdlib modules as a text-directory corpus, and a shared tokenizer cache dir."""
     return small_corpus(tmp_path_factory.mktemp("lm"))
 
@@ -296,8 +297,12 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
                                                    "model.valid_vocab_size": 300}),
                             mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
     from flax import nnx
-    model = nnx.merge(trainer.graphdef, state["params"], state["rest"])
-    probs = jax.nn.softmax(model(np.asarray(ids[:32])[None]), axis=-1)
+
+    @jax.jit  # one program, not one per operation of the forward pass
+    def probabilities(params, rest, tokens):
+        return jax.nn.softmax(nnx.merge(trainer.graphdef, params, rest)(tokens), axis=-1)
+
+    probs = probabilities(state["params"], state["rest"], np.asarray(ids[:32])[None])
     assert np.all(np.asarray(probs)[..., 300:] == 0)
 
 
@@ -334,24 +339,36 @@ def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
     test = configs.get_config("test")
     padded = configs.override(test, {"model.vocab_size": 384, "model.valid_vocab_size": 300})
     real = configs.override(test, {"model.vocab_size": 300})
-    model = model_lib.Transformer(padded.model, rngs=nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    # Built, and the gradients drawn, in one compiled program each (not one per operation).
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(
+        model_lib.Transformer(padded.model, rngs=nnx.Rngs(0)), nnx.Param)))()
     cut = lambda tree: {**tree, "lm_head": {"kernel": tree["lm_head"]["kernel"][:, :300]},
                         "embed": {"embedding": tree["embed"]["embedding"][:300]}}
     tx_padded, tx_real = optimizer.build_optimizer(padded), optimizer.build_optimizer(real)
-    state_padded, state_real = tx_padded.init(params), tx_real.init(cut(params))
+    state_padded, state_real = (jax.jit(tx_padded.init)(params),
+                                jax.jit(tx_real.init)(cut(params)))
     update_padded, update_real = jax.jit(tx_padded.update), jax.jit(tx_real.update)
-    keys = iter(jax.random.split(jax.random.key(1), 100))
-    for _ in range(3):
-        grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+
+    shapes, treedef = jax.tree.flatten(jax.tree.map(lambda p: p.shape, params),
+                                       is_leaf=lambda x: isinstance(x, tuple))
+
+    @jax.jit
+    def draw_grads(key):
+        keys = jax.random.split(key, len(shapes))
+        grads = jax.tree.unflatten(treedef, [jax.random.normal(k, shape)
+                                             for k, shape in zip(keys, shapes, strict=True)])
         # The masked loss gives the padding rows no gradient.
         grads["lm_head"]["kernel"] = grads["lm_head"]["kernel"].at[:, 300:].set(0)
         grads["embed"]["embedding"] = grads["embed"]["embedding"].at[300:].set(0)
+        return grads
+
+    for key in jax.random.split(jax.random.key(1), 3):
+        grads = draw_grads(key)
         up_padded, state_padded = update_padded(grads, state_padded, params)
         up_real, state_real = update_real(cut(grads), state_real, cut(params))
         assert np.all(np.asarray(up_padded["lm_head"]["kernel"][:, 300:]) == 0)
         assert np.all(np.asarray(up_padded["embed"]["embedding"][300:]) == 0)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
                      cut(up_padded), up_real)
-        params = jax.tree.map(lambda p, u: p + u, params, up_padded)
+        params = jax.jit(optax.apply_updates)(params, up_padded)
     assert np.all(np.asarray(params["lm_head"]["kernel"][:, 300:]) == 0)

@@ -82,10 +82,20 @@ def corpus(tmp_path_factory, small_corpus):
 def test_two_processes_equal_one(corpus, final_checkpoint):
     multi, single = corpus / "two_processes", corpus / "one_process"
     port = _free_port()
-    outs = _finish([_worker(0, 2, port, 4, corpus, multi), _worker(1, 2, port, 4, corpus, multi)])
+    # The reference runs beside the two processes (independent runs: a core the two leave idle
+    # while one of them compiles or waits for the other is used).
+    pair = [_worker(0, 2, port, 4, corpus, multi), _worker(1, 2, port, 4, corpus, multi)]
+    reference = [_worker(0, 1, 0, 8, corpus, single)]
+    try:
+        outs = _finish(pair)
+    except BaseException:  # the pair failed: stop the reference too
+        for p in reference:
+            p.kill()
+            p.communicate()
+        raise
     assert "8 cpu devices, 2 process(es)" in outs[0], outs[0][-2000:]
     assert "process 0 of 2 done" in outs[0] and "process 1 of 2 done" in outs[1]
-    (out,) = _finish([_worker(0, 1, 0, 8, corpus, single)])
+    (out,) = _finish(reference)
     assert "8 cpu devices, 1 process(es)" in out
 
     got = [metrics.deterministic_part(r) for r in metrics.read_metrics(multi)]

@@ -23,7 +23,9 @@ STEPS, SAVE_EVERY, RESUME_FROM = 4, 2, 2
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus):
+def root(tmp_path_factory, small_corpus, shared_trainers):
+    # The resumed run reuses the clean run's compiled functions (a fresh process's: see
+    # test_crash_resume.py).
     return small_corpus(tmp_path_factory.mktemp("resume_fast"), tokenize=True)
 
 

@@ -130,7 +130,7 @@ def test_lm_optimizer_head_rescale(rng):
     for rescale in (None, "exact"):
         tx = rowgeom.lm_optimizer(0.01, groups={"head": rowgeom.GroupOptions(lr, 0.0)},
                                   labels=labels, head=rowgeom.HeadOptions(rescale=rescale))
-        upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        upd, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
         step = np.asarray(upd["lm_head"]["kernel"], np.float64).T  # (V, d)
         diameter = oracle_table.diameter(step)
         if rescale is None:

@@ -88,8 +88,8 @@ def test_spectral_factor_and_plan():
     import rowgeom
 
     g = jax.random.normal(jax.random.key(0), (16, 64))
-    out = {s: rowgeom.muon_orthogonalize(scale=s).update(g, optax.EmptyState())[0]
-           for s in ("rms", "spectral")}
+    out = {s: jax.jit(lambda g, s=s: rowgeom.muon_orthogonalize(scale=s).update(
+        g, optax.EmptyState())[0])(g) for s in ("rms", "spectral")}  # one program each
     ratio = float(np.linalg.norm(out["spectral"]) / np.linalg.norm(out["rms"]))
     np.testing.assert_allclose(ratio, scale_ladder.spectral_factor(Point(16, 64)), rtol=1e-5)
     lines = []
@@ -204,18 +204,21 @@ def test_spectral_head_reparametrisation_is_the_spectral_muon_update():
     ref = rowgeom.lm_optimizer(schedule(cfg.optim.learning_rate), head="muon",
                                muon=rowgeom.MuonOptions(scale="spectral"), weight_decay=wd,
                                groups={"head": rowgeom.GroupOptions(schedule(lr), wd)})
-    net = model.Transformer(cfg.model, rngs=nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.split(net, nnx.Param, ...)[1])
-    states = [ours.init(params), ref.init(params)]
+    # One compiled program each for the model, the gradients and the updates (not one per
+    # operation).
+    params = jax.jit(lambda: nnx.to_pure_dict(
+        nnx.split(model.Transformer(cfg.model, rngs=nnx.Rngs(0)), nnx.Param, ...)[1]))()
+    states = [jax.jit(ours.init)(params), jax.jit(ref.init)(params)]
     updates = [jax.jit(ours.update), jax.jit(ref.update)]
+    draw = jax.jit(lambda k: jax.tree.map(lambda x: jax.random.normal(k, x.shape), params))
+    apply = jax.jit(optax.apply_updates)
     for step in range(2):
-        grads = jax.tree.map(lambda x, k=step: jax.random.normal(jax.random.key(k), x.shape),
-                             params)
+        grads = draw(jax.random.key(step))
         (u_ours, states[0]), (u_ref, states[1]) = (
             update(grads, st, params) for update, st in zip(updates, states, strict=True))
         np.testing.assert_allclose(u_ours["lm_head"]["kernel"], u_ref["lm_head"]["kernel"],
                                    rtol=2e-4, atol=1e-7)
-        params = optax.apply_updates(params, u_ours)
+        params = apply(params, u_ours)
 
 
 def test_sweep_extends_past_an_edge_and_still_makes_a_rule(tmp_path, monkeypatch):
