@@ -248,6 +248,15 @@ def check(name, tree_fn, mesh_name, axis_type, mode, *, kind="muon", steps=(5, 8
 
 
 _SAME_TREE = {replicated: per_block}  # the same tree and dimension numbers
+def program_text(lowered) -> str:
+    """The lowered StableHLO, its sharding-group ids numbered from 0 in order of appearance
+    (jax numbers the groups across the process: labels, not part of the program)."""
+    ids: dict[str, int] = {}
+    return re.sub(r"group_id=(\d+)",
+                  lambda m: f"group_id={ids.setdefault(m.group(1), len(ids))}",
+                  lowered.as_text())
+
+
 _PROGRAMS: dict = {}
 
 
@@ -257,7 +266,7 @@ def _compile(run, grads, mesh):
     the same StableHLO (arrays placed by `device_put`, a jit's `out_shardings` or Flax NNX
     annotations alike) run the same executable; each runs it on its own arrays."""
     lowered = run.lower(grads, grads)
-    key = (lowered.as_text(), tuple(d.id for d in mesh.devices.flat))
+    key = (program_text(lowered), tuple(d.id for d in mesh.devices.flat))
     if key not in _PROGRAMS:
         _PROGRAMS[key] = lowered.compile()
     return _PROGRAMS[key]

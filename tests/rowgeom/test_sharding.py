@@ -146,6 +146,15 @@ def _context(mesh, where):
     return jax.set_mesh(mesh) if where == "in_set_mesh" else contextlib.nullcontext()
 
 
+def program_text(lowered) -> str:
+    """The lowered StableHLO, its sharding-group ids numbered from 0 in order of appearance
+    (jax numbers the groups across the process: labels, not part of the program)."""
+    ids: dict[str, int] = {}
+    return re.sub(r"group_id=(\d+)",
+                  lambda m: f"group_id={ids.setdefault(m.group(1), len(ids))}",
+                  lowered.as_text())
+
+
 _PROGRAMS: dict = {}
 
 
@@ -154,7 +163,7 @@ def _compile(lowered, mesh):
     devices: where two modes trace to the same StableHLO (Auto axes inside and outside
     `jax.set_mesh`, for most functions) they run the same executable; each mode still traces
     (runs the library's code) in its own context."""
-    key = (lowered.as_text(), tuple(d.id for d in mesh.devices.flat))
+    key = (program_text(lowered), tuple(d.id for d in mesh.devices.flat))
     if key not in _PROGRAMS:
         compiled = lowered.compile()
         _PROGRAMS[key] = compiled, communication(compiled.as_text())
