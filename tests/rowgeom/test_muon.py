@@ -1,5 +1,6 @@
 """muon_orthogonalize: matrices of every layout, grouping, scaling, optax integration, errors."""
 
+import functools
 import math
 
 import chex
@@ -30,10 +31,16 @@ def randn(rng, *shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
+@functools.cache
+def _first_update(tx):
+    return jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+
+
 def apply(tx, updates):
-    """The first update from a fresh state, jitted: one compile (eagerly, every operation of
-    the Newton–Schulz iteration would compile on its own)."""
-    return jax.jit(lambda u: tx.update(u, tx.init(u))[0])(updates)
+    """The first update from a fresh state, jitted once per transform: one compile per
+    transform and input structure (eagerly, every operation of the Newton–Schulz iteration
+    would compile on its own; a fresh jitted function per call would recompile)."""
+    return _first_update(tx)(updates)
 
 
 @pytest.mark.parametrize("scale, factor", [
