@@ -84,14 +84,16 @@ BY_NAME = {c.name: c for c in CASES}
 
 
 def lm_params(dtype=jnp.float32, vocab: int = V) -> dict:
-    """A language model's parameter tree in Flax's naming (Dense kernels (d, V))."""
-    keys = jax.random.split(jax.random.key(0), 4)
+    """A language model's parameter tree in Flax's naming (Dense kernels (d, V)). Drawn with
+    numpy and converted once: eager jax.random ops would each compile per shape and dtype."""
+    rng = np.random.default_rng(0)
+    dtype = np.dtype(dtype)  # (bfloat16 through ml_dtypes) converted on the host
+    draw = lambda shape, scale=1.0: jnp.asarray((rng.standard_normal(shape) * scale).astype(dtype))
     return {
-        "embed": {"embedding": jax.random.normal(keys[0], (vocab, D), dtype)},
-        "layers": {0: {"mlp": {"up": {"kernel": jax.random.normal(keys[1], (D, HIDDEN),
-                                                                       dtype) / 4}}}},
-        "norm": {"scale": jnp.ones((D,), dtype)},
-        "lm_head": {"kernel": jax.random.normal(keys[2], (D, vocab), dtype) / 4},
+        "embed": {"embedding": draw((vocab, D))},
+        "layers": {0: {"mlp": {"up": {"kernel": draw((D, HIDDEN), 0.25)}}}},
+        "norm": {"scale": jnp.asarray(np.ones((D,), dtype))},
+        "lm_head": {"kernel": draw((D, vocab), 0.25)},
     }
 
 
@@ -116,7 +118,7 @@ def grads_for(params, seed: int = 0):
     """A deterministic gradient tree with the params' structure, shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(params)
     return jax.tree.unflatten(treedef, [
-        jnp.asarray(_noise(p.shape, seed + i), p.dtype) for i, p in enumerate(leaves)])
+        jnp.asarray(_noise(p.shape, seed + i).astype(p.dtype)) for i, p in enumerate(leaves)])
 
 
 def step(tx: optax.GradientTransformation, traces: list | None = None):

@@ -278,11 +278,23 @@ def test_read_row_diameter_without_tracker_says_so():
 # --------------------------------------------------------------------------- degenerate data
 
 
+HALF = (jnp.bfloat16, jnp.float16)
+
+
+@functools.cache
+def _half_precision(name):
+    """`name` of GOOD in each half-precision dtype, from one jitted program (not one per
+    dtype): {dtype: result}."""
+    fn = _jitted(name, 0)
+    outs = jax.jit(lambda xs: [fn(x) for x in xs])([GOOD.astype(dtype) for dtype in HALF])
+    return dict(zip(HALF, outs, strict=True))
+
+
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", HALF)
 def test_half_precision_is_computed_in_float32(name, dtype):
     x = jnp.asarray(GOOD.astype(dtype))
-    got = _call(name, x)
+    got = _half_precision(name)[dtype]
     want = _call(name, jnp.asarray(GOOD.astype(dtype).astype(np.float32)))
     for g, w, leaf in zip(_leaves(got), _leaves(want), jax.tree.leaves(got), strict=True):
         assert np.all(np.isfinite(g))
@@ -318,13 +330,29 @@ def test_padding_rows_may_hold_anything(bad):
     np.testing.assert_array_equal(got[-2:], 0.0)
 
 
+DEGENERATE_SHAPES = [(V, DIM), (1, DIM), (V, 1), (1, 1)]
+
+
+@functools.cache
+def _degenerate(name):
+    """`name` of zeros and of a random draw in every shape of DEGENERATE_SHAPES: one jitted
+    program over the four shapes (not one per shape), run on the zeros then on the draws.
+    {shape: (input, result) per kind}."""
+    fn = _jitted_matrix(name) if name in MATRIX_FUNCTIONS else _jitted(name, 0)
+    run = jax.jit(lambda xs: [fn(x) for x in xs])
+    kinds = ([np.zeros(shape, np.float32) for shape in DEGENERATE_SHAPES],
+             [np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+              for shape in DEGENERATE_SHAPES])
+    results = [list(zip(xs, run(xs), strict=True)) for xs in kinds]
+    per_shape = zip(*results, strict=True)
+    return dict(zip(DEGENERATE_SHAPES, per_shape, strict=True))
+
+
 @pytest.mark.parametrize("name", ALL + sorted(MATRIX_FUNCTIONS))
-@pytest.mark.parametrize("shape", [(V, DIM), (1, DIM), (V, 1), (1, 1)])
+@pytest.mark.parametrize("shape", DEGENERATE_SHAPES)
 def test_zeros_single_token_and_single_feature_are_finite(name, shape):
     """All-zero updates give zeros, V = 1 gives a zero step and diameter."""
-    rng = np.random.default_rng(1)
-    for x in (np.zeros(shape, np.float32), rng.standard_normal(shape).astype(np.float32)):
-        out = _call(name, jnp.asarray(x))
+    for x, out in _degenerate(name)[shape]:
         leaves = _leaves(out)
         assert all(np.all(np.isfinite(leaf)) for leaf in leaves), (name, x, out)
         if not x.any() or (shape[0] == 1 and name not in MATRIX_FUNCTIONS and
@@ -334,11 +362,18 @@ def test_zeros_single_token_and_single_feature_are_finite(name, shape):
     assert float(one) == 0.0  # a single outcome: every distribution is the same point
 
 
+@functools.cache
+def _lm_step(head):
+    """The recipe with `head`, its jitted init and update (shared by the tests below)."""
+    tx = rowgeom.lm_optimizer(1e-2, head=head)
+    return tx, jax.jit(tx.init), jax.jit(tx.update)
+
+
 def test_lm_optimizer_all_zero_and_tiny_gradients_are_finite():
     params = _lm_params()
     for head in ("rownorm", "adamw", "muon"):
-        tx = rowgeom.lm_optimizer(1e-3, head=head)
-        state, update = tx.init(params), jax.jit(tx.update)
+        tx, init, update = _lm_step(head)  # compiled once, shared with the property below
+        state = init(params)
         for scale in (0.0, 1e-30, 1e15):
             grads = jax.tree.map(lambda p, s=scale: jnp.asarray(
                 (s * np.arange(p.size, dtype=np.float32)).reshape(p.shape).astype(p.dtype)),
@@ -423,11 +458,23 @@ def _no_nan(out):
     return leaves
 
 
+@functools.cache
+def _jitted_together(names, axis):
+    """The head functions `names` of one input, in one jitted program (one compile per shape,
+    not one per function)."""
+    fns = [_jitted(name, axis) for name in names]
+    return jax.jit(lambda x: [fn(x) for fn in fns])
+
+
+def _diameter_and_bounds(x, axis):
+    d, (lower, upper) = _jitted_together(("row_diameter", "row_diameter_bounds"), axis)(x)
+    return float(d), float(lower), float(upper)
+
+
 @pytest.mark.slow
 @given(finite_arrays(), st.sampled_from([0, 1]))
 def test_property_diameters_finite_and_bracketed(x, axis):
-    d = float(_jitted("row_diameter", axis)(jnp.asarray(x)))
-    lower, upper = (float(b) for b in _jitted("row_diameter_bounds", axis)(jnp.asarray(x)))
+    d, lower, upper = _diameter_and_bounds(x, axis)
     rows = np.moveaxis(x.astype(np.float64), axis, 0).reshape(x.shape[axis], -1)
     ref = max((np.linalg.norm(a - b) for a in rows for b in rows), default=0.0)
     assert not np.isnan([d, lower, upper]).any(), (d, lower, upper, ref)
@@ -446,11 +493,12 @@ def test_property_diameters_finite_and_bracketed(x, axis):
 def test_property_clip_is_finite_and_clips(x, axis):
     # The cap holds for the exactly scaled update; storing it in float32 moves each entry by up
     # to half an ulp of max|y| (a large common offset keeps its full size under the scaling).
-    for name in ("clip_row_diameter_exact", "clip_row_diameter"):
-        y = _no_nan(_jitted(name, axis)(jnp.asarray(x)))[0]
-        assert np.isfinite(y).all()
+    names = ("clip_row_diameter_exact", "clip_row_diameter")
+    for name, out in zip(names, _jitted_together(names, axis)(x), strict=True):
+        y = _no_nan(out)[0]
+        assert np.isfinite(y).all(), name
         rounding = 2 * np.finfo(np.float32).eps * np.abs(y).max(initial=0.0) * np.sqrt(y.size)
-        assert float(_jitted("row_diameter", axis)(y)) <= 0.5 * (1 + 1e-5) + rounding
+        assert _diameter_and_bounds(y, axis)[0] <= 0.5 * (1 + 1e-5) + rounding, name
 
 
 def _representable(value):
@@ -458,8 +506,11 @@ def _representable(value):
 
 
 @functools.cache
-def _hilbert_perturbation_jit(axis):
-    return jax.jit(functools.partial(rowgeom.hilbert_perturbation, vocab_axis=axis))
+def _tracker_and_hilbert_jit(axis):
+    """The tracker's update of x and x's Hilbert perturbation for hidden states h: one jitted
+    program (eagerly: a compile per operation)."""
+    tracker = _jitted("track_row_diameter", axis)
+    return jax.jit(lambda x, h: (tracker(x), rowgeom.hilbert_perturbation(x, h, vocab_axis=axis)))
 
 
 _hilbert_logits_jit = jax.jit(functools.partial(rowgeom.hilbert_distance, logits=True))
@@ -468,16 +519,15 @@ _hilbert_logits_jit = jax.jit(functools.partial(rowgeom.hilbert_distance, logits
 @pytest.mark.slow
 @given(finite_arrays(), st.sampled_from([0, 1]))
 def test_property_tracker_and_hilbert_are_finite(x, axis):
-    update, state = _jitted("track_row_diameter", axis)(jnp.asarray(x))
+    # Hidden states of norm <= 1: the perturbation is at most D, representable.
+    h = (np.random.default_rng(0).standard_normal((3, x.shape[1 - axis])) / 8).astype(np.float32)
+    (update, state), delta = _tracker_and_hilbert_jit(axis)(x, h)
     np.testing.assert_array_equal(update, x)
     stats = _no_nan(state)
     rows = np.moveaxis(x.astype(np.float64), axis, 0).reshape(x.shape[axis], -1)
     bound = 2 * np.linalg.norm(rows - rows.mean(axis=0), axis=1).max()
     if _representable(bound):  # upper = 2 max_i ||x_i - xbar|| may exceed float32 otherwise
         assert all(np.isfinite(leaf).all() for leaf in stats), (stats, bound)
-    # Hidden states of norm <= 1: the perturbation is at most D, representable.
-    h = (np.random.default_rng(0).standard_normal((3, x.shape[1 - axis])) / 8).astype(np.float32)
-    delta = _hilbert_perturbation_jit(axis)(x, h)  # jitted: once per shape (eagerly: per op)
     assert np.isfinite(delta).all()
     z = np.moveaxis(x, axis, -1)
     dist = np.asarray(_hilbert_logits_jit(z, z[::-1]))
@@ -493,15 +543,18 @@ def test_property_tracker_and_hilbert_are_finite(x, axis):
 @pytest.mark.slow
 @given(finite_arrays())
 def test_property_orthogonalizers_are_finite(x):
-    for name in MATRIX_FUNCTIONS:
-        y = _no_nan(_jitted_matrix(name)(jnp.asarray(x)))[0]
-        assert np.isfinite(y).all()
+    fns = [_jitted_matrix(name) for name in MATRIX_FUNCTIONS]
+    for name, out in zip(MATRIX_FUNCTIONS, _orthogonalizers(*fns)(x), strict=True):
+        y = _no_nan(out)[0]
+        assert np.isfinite(y).all(), name
 
 
 @functools.cache
-def _lm_step(head):
-    tx = rowgeom.lm_optimizer(1e-2, head=head)
-    return tx, jax.jit(tx.update)
+def _orthogonalizers(*fns):
+    """Every matrix function of one input, in one jitted program (one compile per shape)."""
+    return jax.jit(lambda x: [fn(x) for fn in fns])
+
+
 
 
 @pytest.mark.slow
@@ -510,9 +563,9 @@ def _lm_step(head):
 def test_property_lm_optimizer_steps_are_finite(head, seed, log2, pattern):
     """Two steps of the whole recipe on gradients of any scale up to 2^55 stay finite."""
     params = _lm_params()
-    tx, update = _lm_step(head)
+    _, init, update = _lm_step(head)
     rng = np.random.default_rng(seed)
-    state = tx.init(params)
+    state = init(params)
     for _ in range(2):
         grads = {}
         for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -1,5 +1,6 @@
 """muon_orthogonalize: matrices of every layout, grouping, scaling, optax integration, errors."""
 
+import functools
 import math
 
 import chex
@@ -30,10 +31,16 @@ def randn(rng, *shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
+@functools.cache
+def _first_update(tx):
+    return jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+
+
 def apply(tx, updates):
-    """The first update from a fresh state, jitted: one compile (eagerly, every operation of
-    the Newton–Schulz iteration would compile on its own)."""
-    return jax.jit(lambda u: tx.update(u, tx.init(u))[0])(updates)
+    """The first update from a fresh state, jitted once per transform: one compile per
+    transform and input structure (eagerly, every operation of the Newton–Schulz iteration
+    would compile on its own; a fresh jitted function per call would recompile)."""
+    return _first_update(tx)(updates)
 
 
 @pytest.mark.parametrize("scale, factor", [
@@ -331,13 +338,13 @@ def test_stacked_matrices_are_scaled_each_on_its_own_unlike_optax_adaptive(rng):
     """optax 0.2.8's adaptive=True multiplies a stacked (L, m, n) leaf by <G, polar(G)> summed
     over all L matrices, so one layer's step depends on the others; rowgeom's scale is per
     matrix, so layer 0's update is the same whatever layer 1 holds."""
-    g0, g1 = randn(rng, 8, 20), randn(rng, 8, 20)
-    stack = lambda big: {"w": jnp.stack([g0, big * g1])}
+    g0, g1 = (np.asarray(randn(rng, 8, 20)) for _ in range(2))
+    stack = lambda big: {"w": np.stack([g0, np.float32(big) * g1])}  # numpy: no eager compiles
     theirs = optax.contrib.scale_by_muon(
             beta=0.0, nesterov=False, adaptive=True,
             weight_dimension_numbers={"w": optax.contrib.MuonDimensionNumbers(1, 2)})
-    layer0 = lambda tx, big: apply(tx, stack(big))["w"][0]
-    coupled = float(jnp.linalg.norm(layer0(theirs, 10.0)) / jnp.linalg.norm(layer0(theirs, 1.0)))
+    layer0 = lambda tx, big: np.asarray(apply(tx, stack(big))["w"][0])
+    coupled = float(np.linalg.norm(layer0(theirs, 10.0)) / np.linalg.norm(layer0(theirs, 1.0)))
     assert coupled > 5  # layer 1 grew 10x: optax's layer-0 step grew with it
     ours = muon_orthogonalize(dimension_numbers=MuonDimensionNumbers(1, 2))
     np.testing.assert_allclose(layer0(ours, 10.0), layer0(ours, 1.0), atol=1e-6)
@@ -357,7 +364,10 @@ def test_embedding_and_head_stay_off_muon_unlike_optax_default(rng):
                                "attn_norm": {"scale": jnp.ones(d)}}},
               "lm_head": {"kernel": randn(rng, d, v)}}
     grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
-    cosine = lambda a, b: float(jnp.sum(a * b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b)))
+    def cosine(a, b):  # float64 numpy (eager jnp would compile each operation per shape)
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.sum(a * b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
     polar = lambda x: -ns_reference(x)  # a descent step along the polar factor
 
     first_step = lambda tx: jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)

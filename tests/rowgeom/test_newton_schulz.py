@@ -150,6 +150,7 @@ def test_optax_028_table_length_handling(rng):
     dims = {"w": optax_muon.MuonDimensionNumbers()}
     rows = tuple(map(tuple, TABLE))
 
+    @functools.cache  # 7 steps is checked twice: one compile
     def optax_update(ns_steps):
         tx = optax.contrib.scale_by_muon(ns_coeffs=rows, ns_steps=ns_steps, beta=0.0,
                                          nesterov=False, eps=1e-7, weight_dimension_numbers=dims)

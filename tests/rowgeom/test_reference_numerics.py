@@ -121,12 +121,26 @@ def test_rownorm_matches_the_float64_reference_in_every_layout(rng, shape, vocab
     assert np.abs(ref_rownorm(u, other) - want).max() > 1e-2
 
 
-@pytest.mark.parametrize("center_input, center_output",
-                         [(False, True), (True, False), (False, False)])
+CENTRING_FLAGS = [(False, True), (True, False), (False, False)]
+
+
+@functools.cache
+def _centring_variants(shape, vocab_axis):
+    """The input (the `rng` fixture's first draw) and the transform with each of CENTRING_FLAGS
+    on it, from one jitted program (not one per flag pair): (u, {flags: float64 result})."""
+    u = gaussian(np.random.default_rng(0), shape, offset=1.0)
+    txs = {(ci, co): rowgeom.projected_rownorm(vocab_axis=vocab_axis, center_input=ci,
+                                               center_output=co) for ci, co in CENTRING_FLAGS}
+    outs = jax.jit(lambda u: {k: tx.update(u, tx.init(u))[0] for k, tx in txs.items()})(u)
+    assert all(y.shape == u.shape and y.dtype == jnp.float32 for y in outs.values())
+    return u, {k: np.asarray(y, np.float64) for k, y in outs.items()}
+
+
+@pytest.mark.parametrize("center_input, center_output", CENTRING_FLAGS)
 @pytest.mark.parametrize("shape, vocab_axis", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]])
-def test_rownorm_centring_flags(rng, shape, vocab_axis, center_input, center_output):
-    u = gaussian(rng, shape, offset=1.0)
-    got = rownorm(u, vocab_axis, center_input=center_input, center_output=center_output)
+def test_rownorm_centring_flags(shape, vocab_axis, center_input, center_output):
+    u, outs = _centring_variants(shape, vocab_axis)
+    got = outs[center_input, center_output]
     want = ref_rownorm(u, vocab_axis, center_input=center_input, center_output=center_output)
     np.testing.assert_allclose(got, want, atol=ATOL)
     # Each flag changes the result by far more than the tolerance (the offset sees to that).
@@ -280,6 +294,19 @@ def row_diameter_bounds(s, **static):
     return _jitted(rowgeom.row_diameter_bounds, **static)(s)
 
 
+@functools.cache
+def _measures_jit(vocab_axis):
+    return jax.jit(lambda s: (rowgeom.row_diameter(s, vocab_axis=vocab_axis),
+                              {k: rowgeom.row_diameter_bounds(s, vocab_axis=vocab_axis, sweeps=k)
+                               for k in (0, 2)}))
+
+
+def measures(s, vocab_axis):
+    """(`row_diameter`, {sweeps: `row_diameter_bounds`} for sweeps 0 and 2) of `s`, from one
+    jitted program (one compile per shape, not three)."""
+    return _measures_jit(vocab_axis)(s)
+
+
 # Small arrays: (shape, vocab_axis), several sizes of V including 2 (where D = 2 r_c).
 DIAMETER_CASES = [((2, 3), 0), ((7, 5), 0), ((5, 7), 1), ((2, 9, 3), 1), ((1, 4), 0)]
 
@@ -319,13 +346,12 @@ def check_bracket(lower, upper, s, vocab_axis, *, sweeps):
 def test_diameter_and_bracket_against_brute_force(rng, shape, vocab_axis, kind):
     s = diameter_input(rng, shape, vocab_axis, kind)
     exact = brute_diameter(s, vocab_axis)
-    got = float(row_diameter(s, vocab_axis=vocab_axis))
-    assert got == pytest.approx(exact, rel=REL, abs=1e-7)
+    diameter, brackets = measures(s, vocab_axis)
+    assert float(diameter) == pytest.approx(exact, rel=REL, abs=1e-7)
     if shape == (7, 5):  # blocks smaller than V: the scan over block pairs covers every pair
         assert float(row_diameter(s, vocab_axis=vocab_axis, block_size=2)) == \
             pytest.approx(exact, rel=REL, abs=1e-7)
-    for sweeps in (0, 2):
-        lower, upper = row_diameter_bounds(s, vocab_axis=vocab_axis, sweeps=sweeps)
+    for sweeps, (lower, upper) in brackets.items():
         assert lower.dtype == upper.dtype == jnp.float32
         check_bracket(lower, upper, s, vocab_axis, sweeps=sweeps)
 
@@ -341,10 +367,9 @@ def test_bracket_and_diameter_scale_with_the_input_near_float32_range(rng, shape
     scaled = (s.astype(np.float64) * 2.0**exponent).astype(np.float32)
     unit = 2.0**exponent
     exact = brute_diameter(s, vocab_axis)
-    got = float(row_diameter(scaled, vocab_axis=vocab_axis)) / unit
-    assert got == pytest.approx(exact, rel=REL)
-    for sweeps in (0, 2):
-        lower, upper = row_diameter_bounds(scaled, vocab_axis=vocab_axis, sweeps=sweeps)
+    diameter, brackets = measures(scaled, vocab_axis)
+    assert float(diameter) / unit == pytest.approx(exact, rel=REL)
+    for sweeps, (lower, upper) in brackets.items():
         check_bracket(float(lower) / unit, float(upper) / unit, s, vocab_axis, sweeps=sweeps)
 
 

@@ -89,6 +89,13 @@ def project_many(calls, formulation=None):
     return [np.asarray(y, np.float64) for y in outs]
 
 
+def project_layouts(u, formulation=None, **kw):
+    """`project` of a (V, d) `u` with vocab_axis=0 and of its (d, V) transpose with
+    vocab_axis=1, from one jitted program: [(V, d) result, (d, V) result]."""
+    return project_many([(u, dict(kw, vocab_axis=0)), (u.T, dict(kw, vocab_axis=1))],
+                        formulation)
+
+
 def step(g, r, **kw):
     """Theorem 2's step S = -r P rownorm(P G), (V, d) layout (eps as small as allowed)."""
     return -r * project(g, eps=MIN_EPS, **kw)
@@ -104,7 +111,23 @@ REFERENCE_CASES = [((40, 6), 0), ((6, 40), 1), ((3, 40, 2), 1), ((3, 2, 40), -1)
 @functools.cache
 def _reference_grid(formulation):
     """(inputs, outputs[flags][case][num_valid]) for every flag pair, layout and padding: one
-    jitted program per formulation (a program per combination would be 40 compiles)."""
+    jitted program per formulation (a program per combination would be 40 compiles). The public
+    function (formulation None) with its default impl traces the very program of the masked
+    formulation, for every combination (checked here by tracing: no compile), so it shares that
+    grid's outputs rather than compiling the same program again."""
+    if formulation is None:
+        for ci, co in FLAGS:
+            opts = dict(eps=1e-8, center_input=ci, center_output=co)
+            for shape, axis in REFERENCE_CASES:
+                for num_valid in (None, 23):
+                    a = axis % len(shape)
+                    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+                    public = jax.make_jaxpr(functools.partial(
+                        rownorm_direction, vocab_axis=axis, num_valid=num_valid, **opts))(spec)
+                    masked = jax.make_jaxpr(functools.partial(
+                        _masked, axis=a, num_valid=num_valid or shape[a], **opts))(spec)
+                    assert str(public) == str(masked), (shape, axis, num_valid, ci, co)
+        return _reference_grid("xla")
     rng = np.random.default_rng(0)
     inputs = [rng.normal(size=shape) + 0.5 for shape, _ in REFERENCE_CASES]
 
@@ -114,11 +137,8 @@ def _reference_grid(formulation):
             opts = dict(eps=1e-8, center_input=ci, center_output=co)
             for i, ((_, axis), u) in enumerate(zip(REFERENCE_CASES, us, strict=True)):
                 for num_valid in (None, 23):
-                    if formulation is None:
-                        y = rownorm_direction(u, vocab_axis=axis, num_valid=num_valid, **opts)
-                    else:
-                        a = axis % u.ndim
-                        y = _FNS[formulation](u, a, num_valid=num_valid or u.shape[a], **opts)
+                    a = axis % u.ndim
+                    y = _FNS[formulation](u, a, num_valid=num_valid or u.shape[a], **opts)
                     out[ci, co, i, num_valid or 0] = y  # sortable pytree keys
         return out
 
@@ -185,9 +205,8 @@ def test_padded_vocabulary(rng, formulation):
     valid = rng.normal(size=(6, 27))
     garbage = np.concatenate([np.full((6, 3), 1e30), np.full((6, 2), np.nan)], axis=1)
     u = np.concatenate([valid, garbage], axis=1)  # (d, V) with V = 32, 27 valid
-    for x, axis in ((u, 1), (u.T, 0)):
-        got = project(x, vocab_axis=axis, num_valid=27, formulation=formulation)
-        got = got if axis == 1 else got.T
+    for got in project_layouts(u.T, formulation, num_valid=27):
+        got = got.T if got.shape == u.T.shape else got
         assert np.all(got[:, 27:] == 0)
         np.testing.assert_allclose(got[:, :27], np_project(valid, 1), atol=2e-6)
 
@@ -207,10 +226,9 @@ def test_large_common_row_plus_tiny_spread(rng, formulation):
     """Rows = big common vector + tiny noise: centring must not lose the noise's direction."""
     common = 1e3 * rng.normal(size=(1, 16))
     u = (common + 1e-2 * rng.normal(size=(64, 16))).astype(np.float32)
-    for x, axis in ((u, 0), (u.T, 1)):
+    for (x, axis), got in zip(((u, 0), (u.T, 1)), project_layouts(u, formulation), strict=True):
         want = np_project(x, axis)  # exact on the float32 input
-        np.testing.assert_allclose(project(x, vocab_axis=axis, formulation=formulation), want,
-                                   atol=1e-5)
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)
@@ -219,8 +237,8 @@ def test_huge_and_tiny_inputs_follow_the_float64_reference(rng, formulation, sca
     """Squared norms of entries ~1e30 overflow float32: the guard rescales by a power of two.
     Rows below eps (1e-8) are divided by eps, as the reference does."""
     u = rng.normal(size=(50, 12))
-    for x, axis in ((u, 0), (u.T, 1)):
-        got = project(x * scale, vocab_axis=axis, formulation=formulation)
+    for (x, axis), got in zip(((u, 0), (u.T, 1)), project_layouts(u * scale, formulation),
+                              strict=True):
         assert np.all(np.isfinite(got))
         want = np_project(np.float32(x * scale), axis)
         np.testing.assert_allclose(got, want, atol=3e-6 * max(1.0, float(np.abs(want).max())))
@@ -235,9 +253,8 @@ def test_eps_rule_unit_rows_at_least_eps_long_shorter_ones_over_eps(rng, formula
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     norms = MIN_EPS * np.array([4.0, 1.5, 1.0 + 1e-3, 0.5, 1e-3, 0.0])
     x = (directions * norms[:, None]).astype(np.float32)
-    for u, axis in ((x, 0), (x.T, 1)):
-        got = project(u, vocab_axis=axis, eps=MIN_EPS, center_input=False, center_output=False,
-                      formulation=formulation)
+    for axis, got in enumerate(project_layouts(x, formulation, eps=MIN_EPS, center_input=False,
+                                               center_output=False)):
         got = got if axis == 0 else got.T
         lengths = np.linalg.norm(got, axis=1)
         np.testing.assert_allclose(lengths[:3], 1.0, rtol=1e-5)
@@ -265,9 +282,8 @@ def test_huge_input_rows_far_below_the_largest_are_never_longer_than_one(rng, fo
     x = rng.normal(size=(6, 8)) * 100.0
     x[0] *= 2.0**54  # largest entry ~2**61: rows shorter than ~2 may come out short
     x[1] *= 1e-7
-    for u, axis in ((x, 0), (x.T, 1)):
-        got = project(u, vocab_axis=axis, center_input=False, center_output=False,
-                      formulation=formulation)
+    for axis, got in enumerate(project_layouts(x, formulation, center_input=False,
+                                               center_output=False)):
         lengths = np.linalg.norm(got if axis == 0 else got.T, axis=1)
         assert np.all(np.isfinite(lengths)) and lengths.max() <= 1 + 1e-6, lengths
         np.testing.assert_allclose(lengths[[0, 2, 3, 4, 5]], 1.0, rtol=1e-5)
@@ -280,8 +296,8 @@ def test_non_finite_input_is_never_a_finite_wrong_answer(rng, formulation):
     for bad in (np.nan, np.inf, -np.inf):
         x = u.copy()
         x[3, 4] = bad
-        for v, axis in ((x, 0), (x.T, 1)):
-            assert not np.all(np.isfinite(project(v, vocab_axis=axis, formulation=formulation)))
+        for axis, got in enumerate(project_layouts(x, formulation)):
+            assert not np.all(np.isfinite(got)), (bad, axis)
 
 
 def test_writes_in_place_over_a_donated_input(rng):
@@ -441,13 +457,24 @@ def test_t7_within_jungs_factor_of_the_exact_diameter_optimum(rng):
         np.testing.assert_allclose(np_diameter(s_big), rho, rtol=1e-5)
 
 
-@pytest.mark.parametrize("k", [2, 3, 5])
+SIMPLEX_KS = (2, 3, 5)
+
+
+@functools.cache
+def _simplex_steps():
+    """k -> (G, step(G, 0.5)) for the regular simplices of SIMPLEX_KS: one jitted program."""
+    gs = [np.eye(k + 1) - 1.0 / (k + 1) for k in SIMPLEX_KS]  # k+1 rows spanning k dimensions
+    outs = project_many([(g, {"eps": MIN_EPS}) for g in gs])
+    return {k: (g, -0.5 * y) for k, g, y in zip(SIMPLEX_KS, gs, outs, strict=True)}
+
+
+@pytest.mark.parametrize("k", SIMPLEX_KS)
 def test_t7_regular_simplex_attains_jungs_factor(k):
     oracle = pytest.importorskip("rowgeom.testing._oracle")
     pytest.importorskip("clarabel")
-    g = np.eye(k + 1) - 1.0 / (k + 1)  # k+1 rows: a regular simplex spanning k dimensions
+    g, s = _simplex_steps()[k]
     _, opt = oracle.diameter_oracle(g, 1.0)
-    decrease = -(g * step(g, 0.5)).sum()
+    decrease = -(g * s).sum()
     np.testing.assert_allclose(decrease / opt, jung(k), rtol=1e-4)
 
 
