@@ -55,23 +55,6 @@ def _cfg(root, **changes):
 
 
 @pytest.fixture(scope="module")
-def trainers():
-    """`train.Trainer` built once per (config, mesh) for the module: runs and resumed runs share
-    their compiled functions (a Trainer holds no train state)."""
-    built: dict = {}
-    real = train.Trainer
-
-    def trainer(cfg, mesh):
-        if (cfg, mesh) not in built:
-            built[cfg, mesh] = real(cfg, mesh)
-        return built[cfg, mesh]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "Trainer", trainer)
-        yield trainer
-
-
-@pytest.fixture(scope="module")
 def micro_batches():
     """The indices the loop asks of the training sampler, in order (reset per run)."""
     calls: list[int] = []
@@ -95,7 +78,7 @@ def _run(cfg, workdir, calls):
 
 
 @pytest.fixture(scope="module")
-def clean(root, trainers, micro_batches):
+def clean(root, shared_trainers, micro_batches):
     """An uninterrupted run: (workdir, training indices asked for, printed lines)."""
     workdir = root / "clean"
     calls, out = _run(_cfg(root), workdir, micro_batches)
@@ -162,14 +145,14 @@ def _tokens(rng, cfg, batch, sharding):
                                 sharding) for _ in range(2))
 
 
-def test_accumulation_trains_like_the_larger_batch(root, trainers, clean):
+def test_accumulation_trains_like_the_larger_batch(root, shared_trainers, clean):
     """Two optimizer steps: two micro-batches of 4 accumulated, against their 8 sequences as one
     batch without accumulation (same model, seed and schedule); between the micro-batches of a
     step the parameters do not move."""
     cfg, mesh = _cfg(root), _one_device()
-    one = trainers(cfg, mesh)
-    big = trainers(_cfg(root, optim__grad_accum_steps=1, data__batch_size=ACCUM * MICRO_BATCH),
-                   mesh)
+    one = shared_trainers(cfg, mesh)
+    big = shared_trainers(
+        _cfg(root, optim__grad_accum_steps=1, data__batch_size=ACCUM * MICRO_BATCH), mesh)
     rng, placed = np.random.default_rng(0), mesh_lib.batch_sharding(mesh)
     with jax.set_mesh(mesh):  # as the loop runs them: its compiled functions
         state, ref = one.init(), big.init()
@@ -200,12 +183,12 @@ def _np_diameter(matrix, vocab_axis):
     return float(np.sqrt(max(float(d2.max()), 0.0)))
 
 
-def test_head_probe_step_without_decay_adds_the_decay_back(root, trainers, clean):
+def test_head_probe_step_without_decay_adds_the_decay_back(root, shared_trainers, clean):
     """The probe of one real (accumulated) update, against float64 numpy: the diameter of the
     full change `new - old` and of the step `new - old + lr wd old`, with a rate and decay large
     enough that `new - old - lr wd old` would be far off."""
     cfg, mesh = _cfg(root), _one_device()
-    trainer = trainers(cfg, mesh)
+    trainer = shared_trainers(cfg, mesh)
     rng, lr, wd = np.random.default_rng(1), 0.5, 0.4
     with jax.set_mesh(mesh):  # as the loop runs them: its compiled functions
         state = trainer.init()

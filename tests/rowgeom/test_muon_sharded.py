@@ -34,6 +34,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rowgeom
+from tests._programs import compile_once
 
 pytestmark = [pytest.mark.sharded, pytest.mark.usefixtures("sharded_devices")]
 D, F, BLOCKS, LAYERS = 32, 96, 5, 3
@@ -248,28 +249,12 @@ def check(name, tree_fn, mesh_name, axis_type, mode, *, kind="muon", steps=(5, 8
 
 
 _SAME_TREE = {replicated: per_block}  # the same tree and dimension numbers
-def program_text(lowered) -> str:
-    """The lowered StableHLO, its sharding-group ids numbered from 0 in order of appearance
-    (jax numbers the groups across the process: labels, not part of the program)."""
-    ids: dict[str, int] = {}
-    return re.sub(r"group_id=(\d+)",
-                  lambda m: f"group_id={ids.setdefault(m.group(1), len(ids))}",
-                  lowered.as_text())
-
-
-_PROGRAMS: dict = {}
-
-
 def _compile(run, grads, mesh):
     """`run` lowered for `(grads, grads)` (traced in this mode, the library's code run) and
     compiled once per distinct lowered program on the mesh's devices: modes whose tracing gives
     the same StableHLO (arrays placed by `device_put`, a jit's `out_shardings` or Flax NNX
     annotations alike) run the same executable; each runs it on its own arrays."""
-    lowered = run.lower(grads, grads)
-    key = (program_text(lowered), tuple(d.id for d in mesh.devices.flat))
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = lowered.compile()
-    return _PROGRAMS[key]
+    return compile_once(run.lower(grads, grads), mesh)
 
 
 def spread_bytes(tree, dims) -> int:

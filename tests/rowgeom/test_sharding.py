@@ -21,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rowgeom
+from tests._programs import compile_once
 
 pytestmark = [pytest.mark.sharded, pytest.mark.usefixtures("sharded_devices")]
 V, D = 512, 64
@@ -146,28 +147,12 @@ def _context(mesh, where):
     return jax.set_mesh(mesh) if where == "in_set_mesh" else contextlib.nullcontext()
 
 
-def program_text(lowered) -> str:
-    """The lowered StableHLO, its sharding-group ids numbered from 0 in order of appearance
-    (jax numbers the groups across the process: labels, not part of the program)."""
-    ids: dict[str, int] = {}
-    return re.sub(r"group_id=(\d+)",
-                  lambda m: f"group_id={ids.setdefault(m.group(1), len(ids))}",
-                  lowered.as_text())
-
-
-_PROGRAMS: dict = {}
-
-
 def _compile(lowered, mesh):
-    """(compiled, its communication), compiled once per distinct lowered program on the mesh's
-    devices: where two modes trace to the same StableHLO (Auto axes inside and outside
-    `jax.set_mesh`, for most functions) they run the same executable; each mode still traces
-    (runs the library's code) in its own context."""
-    key = (program_text(lowered), tuple(d.id for d in mesh.devices.flat))
-    if key not in _PROGRAMS:
-        compiled = lowered.compile()
-        _PROGRAMS[key] = compiled, communication(compiled.as_text())
-    return _PROGRAMS[key]
+    """(compiled, its communication), compiled once per distinct lowered program
+    (`tests/_programs.py`): where two modes trace to the same StableHLO (Auto axes inside and
+    outside `jax.set_mesh`, for most functions) they run the same executable."""
+    compiled = compile_once(lowered, mesh)
+    return compiled, communication(compiled.as_text())
 
 
 @functools.cache
