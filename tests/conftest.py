@@ -1,10 +1,8 @@
 """Strict test configuration shared by every test module.
 
 - Rank promotion raises, so a silently broadcast axis is a test failure.
-- Tests compile with XLA's defaults: the program users run. `ROWGEOM_TEST_CHEAP_COMPILES=1`
-  opts into cheaper compiles for local runs (`jax_disable_most_optimizations` and XLA:CPU's
-  older loop emitters: about a third faster each; numbers change within float32 rounding); CI
-  never sets it.
+- Tests compile with XLA's defaults, the program users run: nothing here changes a compile
+  option.
 - Hypothesis: a `ci` profile (few examples) and a `thorough` profile (>= 1000 examples per
   property), chosen with HYPOTHESIS_PROFILE.
 - Markers are strict. `slow` marks end-to-end and long tests, which `-m "not slow"` skips.
@@ -32,10 +30,6 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, settings
 
-if os.environ.get("ROWGEOM_TEST_CHEAP_COMPILES") == "1":
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
-
 # Set before jax is imported, so that this process and its children read it at import. The
 # first process to get here (pytest's, or xdist's controller, whose workers inherit it) owns it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -43,11 +37,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
-import jax  # noqa: E402  (after XLA_FLAGS and the cache's directory)
+import jax  # noqa: E402  (after the cache's directory)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-if os.environ.get("ROWGEOM_TEST_CHEAP_COMPILES") == "1":
-    jax.config.update("jax_disable_most_optimizations", True)
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True,
@@ -171,10 +163,10 @@ def _final_checkpoint(workdir, steps: int):
 
 @pytest.fixture(scope="module")
 def shared_trainers():
-    """The example's `train.Trainer` built once per (config, mesh) for the module (as
-    test_lm_loop.py's `trainers`): runs and resumed runs of one config in one module share their
-    compiled functions instead of compiling them again. A Trainer holds no train state; a resume
-    in a fresh process, with its own compiles, is test_crash_resume.py's."""
+    """The example's `train.Trainer` built once per (config, mesh) for the module: runs and
+    resumed runs of one config in one module share their compiled functions instead of compiling
+    them again. A Trainer holds no train state; a resume in a fresh process, with its own
+    compiles, is test_crash_resume.py's."""
     from examples.lm import train
 
     built: dict = {}
