@@ -7,9 +7,8 @@ Run from the repository root, as a module:
     python -m examples.lm.train --workdir runs/a     # rerun on a workdir: resume its latest one
     python -m examples.lm.train --config 190m --mesh.fsdp 8 --workdir gs://bucket/run
 
-This file is the whole training program, top to bottom: `Trainer` (the state, its shardings, the
-jitted step and probes), `start` (resume or fresh, mesh, data), `train` (the loop; SIGTERM saves
-the current step and exits 0), `benchmark` (`--benchmark N`) and `main`.
+Top to bottom: `Trainer` (the state, its shardings, the jitted step and probes), `start` (resume
+or fresh, mesh, data), `train` (the loop; SIGTERM saves the current step and exits 0) and `main`.
 """
 
 from __future__ import annotations
@@ -35,14 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 import rowgeom
 from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding
 from examples.lm import model as model_lib
 from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
 from examples.lm.tools import tokenizer as bpe
-
-# ----------------------------------------------------------------------------- state and step
 
 
 class Trainer:
@@ -85,10 +83,7 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
             self.shardings)
         self._init = jax.jit(init_state, out_shardings=self.shardings)
-        self._build_functions()
-
-    def _build_functions(self):
-        gd, tx = self.graphdef, self.tx
+        gd = self.graphdef
         batch = sharding.batch_sharding(self.mesh)
         repl = sharding.replicated(self.mesh)
         compute = self.compute_params
@@ -153,9 +148,6 @@ class Trainer:
             return self._init()
 
 
-# ----------------------------------------------------------------------------- run setup
-
-
 class UsageError(ValueError):
     """A problem with the command line, the data or the work directory, explained in one line."""
 
@@ -180,7 +172,11 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
     """
     ckpt = None
     try:
-        cfg = with_tokenizer_vocab(cfg.validate())
+        cfg = cfg.validate()
+        if cfg.data.tokenizer is not None:  # its size, padded up to a multiple of 128
+            n = bpe.vocab_size(bpe.load_tokenizer(cfg.data.tokenizer))
+            cfg = configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
+                                         "model.valid_vocab_size": n})
         for flag, path in (("--workdir", workdir), ("--checkpoint.dir", cfg.checkpoint.dir)):
             if (path is not None and not checkpointing.is_remote(path) and os.path.exists(path)
                     and not os.path.isdir(path)):
@@ -189,8 +185,38 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
         ckpt = checkpointing.Checkpointer(
             cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
             keep=cfg.checkpoint.keep)
-        return _start_with(cfg, workdir, ckpt, explicit=explicit, overwrite=overwrite,
-                           change_horizon=change_horizon, out=out)
+        latest = ckpt.latest_step()
+        if overwrite and (latest is not None or ckpt.damaged()):
+            listed = ckpt.all_steps() + [p.name for p in ckpt.damaged()]
+            out(f"--overwrite: deleting checkpoints {listed} in {ckpt.directory}")
+            ckpt.delete_all()
+            latest = None
+        if latest is not None or ckpt.damaged():
+            latest, meta = _newest_intact(ckpt, ckpt.restore_meta, out)
+            cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
+                                                 change_horizon=change_horizon)
+            _report_changes(changed, meta["step"], cfg, out)
+        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        sharding.check_batch(cfg.data.batch_size, mesh)
+        if cfg.effective_warmup() != cfg.optim.warmup_steps:
+            out(f"--optim.warmup_steps {cfg.optim.warmup_steps} does not fit --steps "
+                f"{cfg.steps}: warming up over {cfg.effective_warmup()} steps instead")
+        data_dir = cfg.data.dir or str(  # the token cache is memory-mapped: keep it local
+            Path("~/.cache/rowgeom/lm-data").expanduser() if checkpointing.is_remote(workdir)
+            else Path(workdir) / "data")
+        tokens = data.prepare_tokens(source=cfg.data.source, workdir=data_dir,
+                                     vocab_size=cfg.model.num_tokens,
+                                     tokenizer=cfg.data.tokenizer)
+        need = cfg.data.batch_size * cfg.seq_len + 1
+        if len(tokens.train) < need:
+            raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
+                             f"batch of batch_size x seq_len + 1 = {need}; use more data or a "
+                             "smaller --data.batch_size / --model.max_seq_len")
+        val_set = data.ValidationSet(
+            tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
+            eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
+            process_count=jax.process_count())
+        return Run(cfg, mesh, ckpt, latest, tokens, val_set)
     except BaseException as e:
         if ckpt is not None:
             _close(ckpt)
@@ -212,8 +238,8 @@ def _close(ckpt: checkpointing.Checkpointer) -> None:
 
 
 def _newest_intact(ckpt: checkpointing.Checkpointer, read, out):
-    """(step, read(step)) for the newest checkpoint `read` can read, or (None, None). Each
-    damaged one on the way is set aside (`<step>.damaged`, never deleted), one line each."""
+    """(step, read(step)) for the newest checkpoint `read` can read. Each damaged one on the way
+    is set aside (`<step>.damaged`, never deleted), one line each; none left is a UsageError."""
     while (step := ckpt.latest_step()) is not None:
         try:
             return step, read(step)
@@ -221,61 +247,10 @@ def _newest_intact(ckpt: checkpointing.Checkpointer, read, out):
             moved = ckpt.set_aside(step)
             out(f"warning: {e}; moved it aside to {moved} and falling back to the previous "
                 "checkpoint")
-    return None, None
-
-
-def _no_intact_checkpoint(ckpt: checkpointing.Checkpointer) -> UsageError:
     names = ", ".join(p.name for p in ckpt.damaged())
-    return UsageError(f"no intact checkpoint in {ckpt.directory} (damaged, kept for "
-                      f"inspection: {names}): rerun with --overwrite to start fresh (it deletes "
-                      "them), or use a new --workdir")
-
-
-def _start_with(cfg, workdir, ckpt, *, explicit, overwrite, change_horizon, out) -> Run:
-    latest = ckpt.latest_step()
-    if overwrite and (latest is not None or ckpt.damaged()):
-        listed = ckpt.all_steps() + [p.name for p in ckpt.damaged()]
-        out(f"--overwrite: deleting checkpoints {listed} in {ckpt.directory}")
-        ckpt.delete_all()
-        latest = None
-    if latest is not None:
-        latest, meta = _newest_intact(ckpt, ckpt.restore_meta, out)
-        if latest is None:
-            raise _no_intact_checkpoint(ckpt)
-    elif ckpt.damaged():
-        raise _no_intact_checkpoint(ckpt)
-    if latest is not None:
-        cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
-                                             change_horizon=change_horizon)
-        _report_changes(changed, meta["step"], cfg, out)
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    sharding.check_batch(cfg.data.batch_size, mesh)
-    if cfg.effective_warmup() != cfg.optim.warmup_steps:
-        out(f"--optim.warmup_steps {cfg.optim.warmup_steps} does not fit --steps {cfg.steps}: "
-            f"warming up over {cfg.effective_warmup()} steps instead")
-    tokens = data.prepare_tokens(source=cfg.data.source,
-                                 workdir=cfg.data.dir or _default_data_dir(workdir),
-                                 vocab_size=cfg.model.num_tokens, tokenizer=cfg.data.tokenizer)
-    need = cfg.data.batch_size * cfg.seq_len + 1
-    if len(tokens.train) < need:
-        raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
-                         f"batch of batch_size x seq_len + 1 = {need}; use more data or a "
-                         "smaller --data.batch_size / --model.max_seq_len")
-    val_set = data.ValidationSet(
-        tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
-        eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
-        process_count=jax.process_count())
-    return Run(cfg, mesh, ckpt, latest, tokens, val_set)
-
-
-def with_tokenizer_vocab(cfg: configs.Config) -> configs.Config:
-    """With `data.tokenizer`: model.vocab_size = the tokenizer's size rounded up to a multiple of
-    128 and model.valid_vocab_size = the tokenizer's size (the rest is padding)."""
-    if cfg.data.tokenizer is None:
-        return cfg
-    n = bpe.vocab_size(bpe.load_tokenizer(cfg.data.tokenizer))
-    return configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
-                                  "model.valid_vocab_size": n})
+    raise UsageError(f"no intact checkpoint in {ckpt.directory} (damaged, kept for inspection: "
+                     f"{names}): rerun with --overwrite to start fresh (it deletes them), or use "
+                     "a new --workdir")
 
 
 def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:
@@ -290,12 +265,6 @@ def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:
         out(f"resuming with changed settings: {listed}")
 
 
-def _default_data_dir(workdir: str) -> str:
-    if checkpointing.is_remote(workdir):  # the token cache is memory-mapped: keep it local
-        return str(Path("~/.cache/rowgeom/lm-data").expanduser())
-    return str(Path(workdir) / "data")
-
-
 def restore_or_init(setup: Run, trainer: Trainer, out=print):
     """The train state: restored from `setup.latest` onto the trainer's shardings, or fresh."""
     ckpt = setup.ckpt
@@ -306,8 +275,6 @@ def restore_or_init(setup: Run, trainer: Trainer, out=print):
                     ckpt, lambda s: ckpt.restore(s, trainer.abstract_state), out)
             except ValueError as e:  # the layout differs from this config's
                 raise UsageError(str(e)) from e
-            if step is None:
-                raise _no_intact_checkpoint(ckpt)
             state = restored[0]
             out(f"resumed from step {step} ({ckpt.directory})")
         else:
@@ -454,7 +421,8 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     describe(setup, trainer, state, out)
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     loop = _Loop(setup, trainer, writer)
-    bar = _progress(total=cfg.steps, initial=done, enabled=progress and lead)
+    bar = tqdm(total=cfg.steps, initial=done, unit="step", dynamic_ncols=True,
+               disable=not (progress and lead))
     preemption = PreemptionWatcher(setup.ckpt)
     try:
         with jax.set_mesh(setup.mesh):
@@ -463,10 +431,16 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                 if record:
                     bar.set_postfix(loss=f"{record['train_loss']:.4f}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}")
-                saved = loop.maybe_save(state, step)
+                saved = step % cfg.checkpoint.every == 0 or step == cfg.steps
+                if saved:
+                    loop.save(state, step)
                 bar.update(1)
                 if step < end and preemption.reached(step):
-                    loop.save_on_preemption(state, step, saved, out)
+                    if not saved:
+                        loop.save(state, step)
+                    setup.ckpt.wait()
+                    out(f"preempted (SIGTERM): saved a checkpoint at step {step} in "
+                        f"{setup.ckpt.directory}; rerun the same command to resume")
                     end = step
                     break
     except Exception as e:
@@ -478,8 +452,15 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
         bar.close()
         writer.close()
         _close(setup.ckpt)
-    return _finish(loop.last_eval, finished=end == cfg.steps, writer=writer, workdir=workdir,
-                   lead=lead, out=out)
+    last_eval = loop.last_eval
+    if end == cfg.steps:  # finished: the plot and the summary line
+        writer.plot()
+        if not last_eval and lead:  # resumed a finished run: report its last evaluation
+            evals = [r for r in metrics.read_metrics(workdir) if "val_loss" in r]
+            last_eval = evals[-1] if evals else {}
+        if last_eval:
+            out(summary_line(last_eval))
+    return last_eval
 
 
 def _out_of_memory(error: Exception) -> bool:
@@ -542,12 +523,6 @@ class _Batches:
                      for x in self.source.get(index))
 
 
-def _sampler(tokens, cfg, *, batch_size, seed, replicated=False):
-    share = (0, 1) if replicated else (jax.process_index(), jax.process_count())
-    return data.BatchSampler(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed,
-                             process_index=share[0], process_count=share[1])
-
-
 def _scalar(x) -> float:
     return float(np.asarray(jax.device_get(x)))
 
@@ -563,13 +538,15 @@ class _Loop:
         cfg, mesh = setup.cfg, setup.mesh
         self.setup, self.cfg, self.trainer, self.writer = setup, cfg, trainer, writer
         self.accum = cfg.optim.grad_accum_steps
-        self.train_batches = _Batches(
-            _sampler(setup.tokens.train, cfg, batch_size=cfg.data.batch_size, seed=cfg.seed),
+        self.train_batches = _Batches(data.BatchSampler(
+            setup.tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
+            seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count()),
             mesh)
         self.val_batches = _Batches(setup.val_set, mesh)
-        self.probe_inputs = _Batches(
-            _sampler(setup.tokens.val, cfg, batch_size=cfg.eval.hilbert_sequences,
-                     seed=PROBE_SEED, replicated=True), mesh, replicated=True).get(0)[0]
+        # The probe's sequences: the same on every process, and replicated.
+        probe = data.BatchSampler(setup.tokens.val, batch_size=cfg.eval.hilbert_sequences,
+                                  seq_len=cfg.seq_len, seed=PROBE_SEED)
+        self.probe_inputs = _Batches(probe, mesh, replicated=True).get(0)[0]
         self.tokens_per_step = cfg.data.batch_size * cfg.seq_len * self.accum
         self.flops_per_token = model_lib.flops_per_token(cfg.model)
         self.peak_flops = peak_flops()
@@ -636,32 +613,8 @@ class _Loop:
         self.window_start, self.window_steps = time.perf_counter(), 0
         return out
 
-    def maybe_save(self, state, step: int) -> bool:
-        if step % self.cfg.checkpoint.every and step != self.cfg.steps:
-            return False
+    def save(self, state, step: int) -> None:
         self.setup.ckpt.save(step, state, checkpoint_meta(self.cfg, step, self.setup.mesh))
-        return True
-
-    def save_on_preemption(self, state, step: int, saved: bool, out) -> None:
-        ckpt = self.setup.ckpt
-        if not saved:
-            ckpt.save(step, state, checkpoint_meta(self.cfg, step, self.setup.mesh))
-        ckpt.wait()
-        out(f"preempted (SIGTERM): saved a checkpoint at step {step} in {ckpt.directory}; "
-            "rerun the same command to resume")
-
-
-def _finish(last_eval: dict, *, finished: bool, writer, workdir, lead, out) -> dict:
-    """At the end of the run: the plot and the summary line; return the last evaluation."""
-    if not finished:
-        return last_eval
-    writer.plot()
-    if not last_eval and lead:  # resumed a finished run: report its last evaluation
-        evals = [r for r in metrics.read_metrics(workdir) if "val_loss" in r]
-        last_eval = evals[-1] if evals else {}
-    if last_eval:
-        out(summary_line(last_eval))
-    return last_eval
 
 
 def summary_line(record: dict) -> str:
@@ -671,50 +624,6 @@ def summary_line(record: dict) -> str:
             f"(step without decay {record['head_step_diameter']:.4g})  "
             f"hilbert_rms {record['hilbert_rms']:.4g} "
             f"(step without decay {record['head_step_hilbert_rms']:.4g})")
-
-
-def _progress(*, total, initial, enabled):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                disable=not enabled)
-
-
-def benchmark(cfg: configs.Config, *, steps: int = 20, print_fn=print) -> dict:
-    """Time the jitted step with and without the optimizer update, interleaved, on one batch.
-
-    Both variants run the forward and backward pass on the same batch; the difference is the
-    optimizer (rowgeom.lm_optimizer + clipping) and the parameter update. Timings alternate
-    between the two so machine noise hits both alike; medians are reported.
-    """
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    trainer = Trainer(cfg, mesh)
-    rng = np.random.default_rng(0)
-    local = rng.integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.seq_len + 1),
-                         dtype=np.int32)
-    with jax.set_mesh(mesh):
-        inputs = sharding.global_batch(local[:, :-1], mesh)
-        targets = sharding.global_batch(local[:, 1:], mesh)
-        state = trainer.init()
-        full, grad_only = [], []
-        for i in range(steps + 2):
-            t0 = time.perf_counter()
-            state, loss = trainer.train_step(state, inputs, targets)
-            loss.block_until_ready()
-            t1 = time.perf_counter()
-            jax.block_until_ready(trainer.grad_step(state, inputs, targets))
-            t2 = time.perf_counter()
-            if i >= 2:  # the first two include compilation
-                full.append(t1 - t0)
-                grad_only.append(t2 - t1)
-    full_s, grad_s = float(np.median(full)), float(np.median(grad_only))
-    result = {"step_s": full_s, "grad_only_s": grad_s,
-              "optimizer_share": (full_s - grad_s) / full_s,
-              "tokens_per_sec": cfg.data.batch_size * cfg.seq_len / full_s}
-    print_fn(f"step {full_s * 1e3:.1f} ms, forward+backward only {grad_s * 1e3:.1f} ms "
-             f"(median of {steps}, interleaved): optimizer share {result['optimizer_share']:.1%}, "
-             f"{result['tokens_per_sec']:.0f} tokens/s")
-    return result
 
 
 def main(argv=None) -> dict:
@@ -728,6 +637,8 @@ def main(argv=None) -> dict:
         parser.error(str(e))
     sharding.maybe_initialize_distributed(args.distributed)
     if args.benchmark:
+        from examples.lm.tools.benchmark import benchmark
+
         return benchmark(cfg, steps=args.benchmark)
     workdir = args.workdir or f"runs/{args.config or configs.DEFAULT_CONFIG}"
     try:
