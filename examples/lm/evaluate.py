@@ -1,19 +1,12 @@
-"""Evaluation: the geometry of the last head update as the softmax sees it.
+"""Evaluation: the geometry of the last head update as the softmax sees it (the README's "head
+diagnostics" lists every key).
 
-Two changes are measured (the README's "head diagnostics" lists every key):
-
-- the *full head change* `ΔW = W_new - W_old`, decoupled weight decay included: what the softmax
-  sees (`head_diameter`, `hilbert_*`);
-- the *head step* `-lr·U`, the optimizer's direction times the head rate without the decay term
-  (`head_step_*`); for projected RowNorm `head_step_diameter <= 2·lr`.
-
-For each: the row diameter `D` (exact, `rowgeom.row_diameter`, up to `exact_diameter_max_elements`
-elements, else the upper end of the O(Vd) bracket `rowgeom.row_diameter_bounds`), and the Hilbert
-perturbation `δ_n = range_v((ΔW·h_n)_v)` (`rowgeom.hilbert_perturbation`, exact by Lemma 1 of
-arXiv 2608.22253) over the final hidden states `h_n` of fixed validation sequences: RMS, max and
-the tightness `max_n δ_n / (||h_n||·D)` <= 1. `centring_diagnostics` compares a RowNorm head's
-step with the uncentred one of the paper's code; `tracked_head_stats` reads the bracket rowgeom's
-tracker recorded in the optimizer state.
+Two changes: the full head change `ΔW = W_new - W_old`, decay included (`head_diameter`,
+`hilbert_*`), and the head step `-lr·U` without the decay term (`head_step_*`; for projected
+RowNorm `head_step_diameter <= 2·lr`). For each, the row diameter `D` (exact up to
+`exact_diameter_max_elements` elements, else the O(Vd) bracket's upper end) and the Hilbert
+perturbation `δ_n = range_v((ΔW·h_n)_v)` over fixed validation hidden states: RMS, max and the
+tightness `max_n δ_n / (||h_n||·D)` <= 1.
 """
 
 from __future__ import annotations
@@ -101,12 +94,9 @@ def head_ema(opt_state, head_shape: tuple[int, ...]):
 
 def centring_diagnostics(step, ema, count, head_lr, *, momentum: float, debias: bool,
                          eps: float, vocab_axis: int, exact: bool) -> dict:
-    """How far projected RowNorm's step is from the uncentred one (arXiv 2608.22253's code).
-
-    step: the head step without decay, real-token rows only; ema: the head's EMA moment, all
-    rows (its padding rows are dropped here); count: the EMA's update count. The uncentred
-    direction divides each (debiased) EMA row by its norm + eps; ours is `-step / head_lr`.
-    """
+    """How far projected RowNorm's step (`-step / head_lr`, real-token rows) is from the
+    uncentred one of arXiv 2608.22253's code: each (debiased) row of the head's EMA `ema` (all
+    rows; `count` updates) divided by its norm + eps."""
     num = step.shape[vocab_axis]
     b = jax.lax.slice_in_dim(ema.astype(jnp.float32), 0, num, axis=vocab_axis)
     if debias:  # optax.ema(debias=True): divide by 1 - momentum^count
@@ -139,12 +129,9 @@ def make_centring_probe(graphdef, head_matrix, head_shape, *, momentum: float, d
 
 
 def tracked_head_stats(opt_state) -> dict:
-    """rowgeom's O(Vd) RowDiameterStats of the last full head step (max over head leaves), as
-    `tracked_lower`, `tracked_upper` and `tracked_row_sum_residual` floats.
-
-    Empty when no parameter is in the head group (a tied table trained as the embedding), or
-    when the tracker did not measure the last step (see `optimizer.track_every_k_steps`).
-    """
+    """rowgeom's O(Vd) RowDiameterStats of the last head step (max over head leaves) as
+    `tracked_lower`, `tracked_upper` and `tracked_row_sum_residual`; empty without a head group
+    (a tied table) or when the tracker did not measure the last step."""
     stats = rowgeom.read_row_diameter(opt_state)
     host = lambda x: float(np.asarray(jax.device_get(x)))
     fresh = [host(m) == host(c) for m, c in zip(jax.tree.leaves(stats.measured_at),

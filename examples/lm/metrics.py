@@ -1,10 +1,8 @@
-"""Metric sinks: DIR/metrics.jsonl, TensorBoard event files, and a PNG plot of the curves.
+"""Metric sinks: DIR/metrics.jsonl, TensorBoard event files (a local DIR only), a PNG plot.
 
-Floats are written with `repr`, which round-trips exactly. Every value except the wall-clock ones
-(`WALL_CLOCK_KEYS`) is a deterministic function of the run, so a resumed run writes the same
-records as an uninterrupted one once those are left out (`deterministic_part`). DIR may be remote
-(`gs://...`, through `etils.epath`); TensorBoard files are written for a local DIR only. Only
-process 0 writes; other processes get a writer whose methods do nothing.
+Floats round-trip exactly; every value but the wall-clock ones (`WALL_CLOCK_KEYS`) is a
+deterministic function of the run, so a resumed run writes the same records as an uninterrupted
+one (`deterministic_part`). Only process 0 writes.
 """
 
 from __future__ import annotations
@@ -59,11 +57,8 @@ class MetricsWriter:
             self.workdir.mkdir(parents=True, exist_ok=True)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records with step > `step`: they belong to steps a resumed run is about to redo.
-
-        metrics.jsonl loses those lines; TensorBoard's old event files are left as they are and
-        the new one starts with a purge at `step + 1` (tensorboardX's `purge_step`: TensorBoard
-        discards the earlier files' points from that step on), so no step shows twice."""
+        """Drop records with step > `step`, which a resumed run is about to redo: from
+        metrics.jsonl, and from TensorBoard by a `purge_step` in the next event file."""
         if not self.enabled:
             return
         if self.tensorboard and (self.workdir / TENSORBOARD_DIR).exists():
@@ -79,8 +74,8 @@ class MetricsWriter:
             tmp.replace(path)
 
     def clear(self) -> list[str]:
-        """Delete what a run wrote here, metrics.jsonl, metrics.png and the TensorBoard event
-        files (a fresh start with --overwrite); return the names deleted."""
+        """Delete metrics.jsonl, metrics.png and the TensorBoard events (--overwrite); return the
+        names deleted."""
         if not self.enabled:
             return []
         self.close()

@@ -1,15 +1,9 @@
-"""A small decoder-only transformer in flax.nnx for the rowgeom LM example.
-
-Pre-norm blocks (RMSNorm -> causal self-attention with RoPE, RMSNorm -> SwiGLU MLP), a final
-RMSNorm and an LM head (`nnx.Linear`, kernel (d, V)) or, with `tied_embeddings`, the embedding
-table (V, d). Shapes are suffixed to names: B batch, T sequence, D model width, N heads, H head
-width, F MLP width, V vocabulary, L layers.
-
-Every parameter and activation is named by logical axes ("embed", "activation_batch", ...), which
-sharding.py maps onto the mesh; the constraints apply only inside `jax.set_mesh`, so the same code
-runs on one device or on a mesh of `AxisType.Auto` axes. Parameters are stored in `param_dtype`
-and computed in `compute_dtype`; norm statistics, RoPE, the attention softmax and the logits are
-float32.
+"""A decoder-only transformer in flax.nnx: pre-norm blocks (RMSNorm -> causal attention with
+RoPE, RMSNorm -> SwiGLU MLP), a final RMSNorm and an LM head (kernel (d, V)) or the tied embedding
+table (V, d). Shape suffixes: B batch, T sequence, D width, N heads, H head width, F MLP width,
+V vocabulary, L layers. Every parameter and activation is named by logical axes, which
+sharding.py maps onto the mesh (inside `jax.set_mesh` only). Norm statistics, RoPE, the softmax
+and the logits are float32 whatever `compute_dtype`.
 """
 
 import dataclasses
@@ -36,8 +30,8 @@ REMAT_POLICIES = ("none", "block", "dots")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The transformer's shape, dtypes and vocabulary; validated on creation. Its fields are the
-    trainer's `--model.*` flags, and its errors name them so."""
+    """The transformer's shape, dtypes and vocabulary, validated on creation; its fields are the
+    trainer's `--model.*` flags."""
 
     vocab_size: int
     d_model: int
@@ -136,22 +130,15 @@ def _zero_padding(init, num_tokens: int, vocab_axis: int):
 
 
 def _sharded(names: tuple) -> dict:
-    """Variable metadata for a parameter whose axes have the logical names `names`.
-
-    Metadata only (`eager_sharding=False`): flax would otherwise shard each variable as it is
-    created, which needs an active mesh and fails when a mesh axis does not divide the dimension
-    (a vocabulary of 50257 over 4 "tensor" devices). The trainer places the parameters.
-    """
+    """Variable metadata naming a parameter's logical axes. `eager_sharding=False`: flax would
+    otherwise shard the variable as it is created, which fails when a mesh axis does not divide
+    the dimension (a vocabulary of 50257 over 4 devices); the trainer places the parameters."""
     return {"out_sharding": names, "eager_sharding": False}
 
 
 def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, *, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), half-split layout.
-
-    Feature pairs (i, i + H/2) are rotated by angle position * theta^(-2i/H), so the dot product of
-    a rotated query at position m and a rotated key at position n depends on m - n only. Computed
-    in fp32 (bf16 angles lose the low bits of large positions) and cast back to the input dtype.
-    """
+    """Rotary position embedding (arXiv 2104.09864), half-split: feature pairs (i, i + H/2)
+    rotated by position * theta^(-2i/H). In fp32 (bf16 angles lose large positions' low bits)."""
     half = x_BTNH.shape[-1] // 2
     inv_freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle_TK = positions_T.astype(jnp.float32)[:, None] * inv_freq_K[None, :]
@@ -164,11 +151,8 @@ def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, *, theta: float) -> ja
 
 
 def _linear(d_in, d_out, names, cfg, rngs, *, std=None):
-    """A bias-free Linear whose kernel (d_in, d_out) is sharded over `names`.
-
-    Default init is LeCun normal (std 1/sqrt(d_in)), which keeps activations O(1) after a pre-norm;
-    `cfg.init_std` overrides every choice (the paper's N(0, 0.02^2)).
-    """
+    """A bias-free Linear, kernel (d_in, d_out) named `names`; LeCun normal init (activations
+    O(1) after a pre-norm) unless `std`, and `cfg.init_std` (the paper's 0.02) over both."""
     if cfg.init_std is not None:
         std = cfg.init_std
     elif std is None:
@@ -261,8 +245,8 @@ class Block(nnx.Module):
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """`cfg.num_layers` blocks as one Block whose parameters have a leading layer axis (logical
-    name "layers"), each layer initialised from its own split of `rngs`."""
+    """`cfg.num_layers` blocks as one Block with a leading "layers" axis, each layer initialised
+    from its own split of `rngs`."""
 
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -343,11 +327,8 @@ class Transformer(nnx.Module):
         return constrain(self.final_norm(x_BTD), *_BTD)
 
     def head(self) -> tuple[jax.Array, int]:
-        """The head matrix in compute dtype and its vocabulary axis: the kernel (D, V) and 1, or
-        the tied table (V, D) and 0 (padding rows included).
-
-        Gathered whole along the model width (vocabulary split over "tensor" only), once: the
-        loss's chunks all multiply the same head, and its backward needs it again."""
+        """The head in compute dtype, padding rows included, and its vocabulary axis: (kernel
+        (D, V), 1) or (table (V, D), 0). Gathered whole along D once: every loss chunk uses it."""
         if self.lm_head is None:
             table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
             return constrain(table_VD, "activation_vocab", "activation_embed"), 0
@@ -355,8 +336,7 @@ class Transformer(nnx.Module):
         return constrain(kernel_DV, "activation_embed", "activation_vocab"), 1
 
     def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
-        """Logits (B, T, V) in float32; with `return_hidden`, also the final normed hidden state
-        (B, T, D) in compute dtype, i.e. exactly what the head multiplies."""
+        """Logits (B, T, V) in float32; with `return_hidden`, also `hidden(tokens_BT)`."""
         h_BTD = self.hidden(tokens_BT)
         head, vocab_axis = self.head()
         logits_BTV = constrain(loss_lib.logits(h_BTD, head, vocab_axis=vocab_axis,
@@ -364,9 +344,8 @@ class Transformer(nnx.Module):
         return (logits_BTV, h_BTD) if return_hidden else logits_BTV
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
-        """Mean next-token cross entropy (float32) of `targets_BT` given `tokens_BT`, over
-        `cfg.loss_chunk` positions at a time (loss.py): the same value as the cross entropy of
-        `self(tokens_BT)`, to float32 rounding."""
+        """Mean next-token cross entropy (float32), `cfg.loss_chunk` positions at a time (loss.py):
+        that of `self(tokens_BT)`'s logits, to float32 rounding."""
         head, vocab_axis = self.head()
         # One head-gradient accumulator per batch shard, summed once (see loss.py).
         groups = num_shards(tokens_BT.shape[0], "activation_batch")
@@ -385,15 +364,9 @@ def head_matrix(model: Transformer) -> tuple[jax.Array, int]:
     return model.lm_head.kernel[...][:, :n], 1
 
 
-def count_params(model: Transformer) -> int:
-    """Number of trainable scalars (a tied table is counted once)."""
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
 def param_count(cfg: ModelConfig) -> int:
-    """Trainable scalars of `cfg`'s model without the padding rows of a padded vocabulary (they
-    are zero and never trained), from the abstract model: nothing is allocated. The paper counts
-    parameters this way (its 190M model: 185,680,896 with V = 50,257)."""
+    """Trainable scalars of `cfg`'s model, not counting a padded vocabulary's (zero, untrained)
+    padding rows, as the paper counts (its 190M: 185,680,896); nothing is allocated."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     padding_rows = cfg.vocab_size - cfg.num_tokens
@@ -402,11 +375,9 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward) for MFU, following PaLM (arXiv 2204.02311, B):
-    6 N for the matmul parameters N (per layer 4 d^2 attention + 3 d F MLP, plus the d V head, which
-    the tied table also costs) and 12 L d T for the attention scores and values at context T; the
-    embedding lookup and the norms are not matmuls and are left out.
-    """
+    """Training FLOPs per token for MFU, as PaLM (arXiv 2204.02311, B): 6 per matmul parameter
+    (per layer 4 d^2 + 3 d F, plus the d V head, tied or not) and 12 L d T for attention; the
+    embedding lookup and the norms are not matmuls."""
     d, L = cfg.d_model, cfg.num_layers
     matmul_params = L * (4 * d * d + 3 * d * cfg.mlp_dim) + d * cfg.vocab_size
     return float(6 * matmul_params + 12 * L * d * cfg.max_seq_len)
