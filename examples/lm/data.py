@@ -168,9 +168,6 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
     return open_splits(source, paths, vocab_size)
 
 
-# ----------------------------------------------------------------------------- batches
-
-
 class BatchSampler:
     """Random windows of `seq_len + 1` tokens (inputs the first `seq_len`, targets the last),
     a pure function of (seed, step). Every process draws the same `batch_size` window starts and

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 import rowgeom
+from examples.lm.model import head_matrix
 
 
 def _diameter(delta, *, vocab_axis, exact: bool):
@@ -33,7 +34,7 @@ def _hilbert(delta, hidden, diameter, *, vocab_axis):
     return jnp.sqrt(jnp.mean(jnp.square(delta_n))), jnp.max(delta_n), jnp.max(tight)
 
 
-def _change(graphdef, head_matrix, params, rest, head_old, head_lr, head_wd):
+def _change(graphdef, params, rest, head_old, head_lr, head_wd):
     """(model, vocab axis, full change, step without decay) of the update just applied, float32.
     The step adds the decay term back: `W <- (1 - lr·wd)·W - lr·U` gives `-lr·U = ΔW + lr·wd·W`."""
     model = nnx.merge(graphdef, params, rest)
@@ -44,39 +45,27 @@ def _change(graphdef, head_matrix, params, rest, head_old, head_lr, head_wd):
     return model, vocab_axis, delta, step
 
 
-def make_head_probe(graphdef, head_matrix, *, exact: bool, out_sharding):
-    """Jitted (params, rest, head_old, inputs, head_lr, head_wd) -> the diameters and Hilbert
-    perturbations of the full change and of the step, over the final hidden states of `inputs`
-    under the updated model."""
-
-    def probe(params, rest, head_old, inputs, head_lr, head_wd):
-        model, vocab_axis, delta, step = _change(graphdef, head_matrix, params, rest, head_old,
-                                                 head_lr, head_wd)
-        hidden = model.hidden(inputs).astype(jnp.float32)
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        out = {}
-        for prefix, change in (("head", delta), ("head_step", step)):
-            d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
-            rms, mx, tight = _hilbert(change, hidden, d, vocab_axis=vocab_axis)
-            name = "hilbert" if prefix == "head" else "head_step_hilbert"
-            out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
-                    f"{prefix}_diameter_upper": upper, f"{name}_rms": rms, f"{name}_max": mx,
-                    f"{name}_tightness": tight}
-        return out
-
-    return jax.jit(probe, out_shardings=out_sharding)
+def head_probe(graphdef, params, rest, head_old, inputs, head_lr, head_wd, *, exact: bool):
+    """The diameters and Hilbert perturbations of the full change and of the step, over the final
+    hidden states of `inputs` under the updated model."""
+    model, vocab_axis, delta, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
+    hidden = model.hidden(inputs).astype(jnp.float32)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    out = {}
+    for prefix, change in (("head", delta), ("head_step", step)):
+        d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
+        rms, mx, tight = _hilbert(change, hidden, d, vocab_axis=vocab_axis)
+        name = "hilbert" if prefix == "head" else "head_step_hilbert"
+        out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
+                f"{prefix}_diameter_upper": upper, f"{name}_rms": rms, f"{name}_max": mx,
+                f"{name}_tightness": tight}
+    return out
 
 
-def make_step_diameter(graphdef, head_matrix, *, exact: bool, out_sharding):
-    """Jitted (params, rest, head_old, head_lr, head_wd) -> {"head_step_diameter": D} (no
-    forward pass)."""
-
-    def diameter(params, rest, head_old, head_lr, head_wd):
-        _, vocab_axis, _, step = _change(graphdef, head_matrix, params, rest, head_old, head_lr,
-                                         head_wd)
-        return {"head_step_diameter": _diameter(step, vocab_axis=vocab_axis, exact=exact)[0]}
-
-    return jax.jit(diameter, out_shardings=out_sharding)
+def step_diameter(graphdef, params, rest, head_old, head_lr, head_wd, *, exact: bool):
+    """{"head_step_diameter": D} alone (no forward pass)."""
+    _, vocab_axis, _, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
+    return {"head_step_diameter": _diameter(step, vocab_axis=vocab_axis, exact=exact)[0]}
 
 
 def head_ema(opt_state, head_shape: tuple[int, ...]):
@@ -113,19 +102,12 @@ def centring_diagnostics(step, ema, count, head_lr, *, momentum: float, debias: 
             "uncentred_step_diameter": d}
 
 
-def make_centring_probe(graphdef, head_matrix, head_shape, *, momentum: float, debias: bool,
-                        eps: float, exact: bool, out_sharding):
-    """Jitted (params, rest, opt_state, head_old, head_lr, head_wd) -> `centring_diagnostics`
-    of the update just applied."""
-
-    def probe(params, rest, opt_state, head_old, head_lr, head_wd):
-        _, vocab_axis, _, step = _change(graphdef, head_matrix, params, rest, head_old, head_lr,
-                                         head_wd)
-        ema, count = head_ema(opt_state, head_shape)
-        return centring_diagnostics(step, ema, count, head_lr, momentum=momentum,
-                                    debias=debias, eps=eps, vocab_axis=vocab_axis, exact=exact)
-
-    return jax.jit(probe, out_shardings=out_sharding)
+def centring_probe(graphdef, params, rest, opt_state, head_old, head_lr, head_wd, *,
+                   head_shape, **options):
+    """`centring_diagnostics` of the update just applied (`options`: its keywords)."""
+    _, vocab_axis, _, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
+    ema, count = head_ema(opt_state, head_shape)
+    return centring_diagnostics(step, ema, count, head_lr, vocab_axis=vocab_axis, **options)
 
 
 def tracked_head_stats(opt_state) -> dict:

@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # `python examples/lm/train.py`: the package is n
     raise SystemExit(2)
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -44,12 +45,10 @@ from examples.lm.tools import tokenizer as bpe
 
 
 class Trainer:
-    """Model, optimizer, jitted functions and shardings for one config on one mesh.
-
-    `init()` builds the state `{params, rest, opt_state, micro_step, rng}` in place on the mesh;
-    a checkpoint is restored onto `abstract_state`. `train_step(state, inputs, targets)` applies
-    one micro-batch; `grad_step` is its forward and backward pass alone (for timing).
-    """
+    """Model, optimizer, jitted functions and shardings for one config on one mesh: `init()`
+    builds the state `{params, rest, opt_state, micro_step, rng}` in place, `abstract_state` is
+    what a checkpoint restores onto, `train_step` applies one micro-batch, `grad_step` is its
+    forward and backward pass alone (for timing)."""
 
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
@@ -115,10 +114,9 @@ class Trainer:
         head_shape = jax.eval_shape(head_of, self.abstract_state["params"],
                                     self.abstract_state["rest"]).shape
         self.exact_diameter = math.prod(head_shape) <= self.cfg.eval.exact_diameter_max_elements
-        self.head_probe = evaluate.make_head_probe(
-            gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
-        self.step_diameter = evaluate.make_step_diameter(
-            gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
+        exact, jit = self.exact_diameter, functools.partial(jax.jit, out_shardings=repl)
+        self.head_probe = jit(functools.partial(evaluate.head_probe, gd, exact=exact))
+        self.step_diameter = jit(functools.partial(evaluate.step_diameter, gd, exact=exact))
         # With eval.centring, a RowNorm head's step against the uncentred one, where the
         # optimizer state holds the head's EMA moment.
         self.centring_probe = None
@@ -127,10 +125,10 @@ class Trainer:
         if (self.cfg.eval.centring and rownorm and full_head is not None
                 and evaluate.head_ema(self.abstract_state["opt_state"], full_head.shape)):
             o = self.cfg.optim
-            self.centring_probe = evaluate.make_centring_probe(
-                gd, model_lib.head_matrix, full_head.shape, momentum=self.head_group.momentum,
-                debias=o.head_bias_correction, eps=1e-8 if o.head_eps is None else o.head_eps,
-                exact=self.exact_diameter, out_sharding=repl)
+            self.centring_probe = jit(functools.partial(
+                evaluate.centring_probe, gd, head_shape=full_head.shape,
+                momentum=self.head_group.momentum, debias=o.head_bias_correction,
+                eps=1e-8 if o.head_eps is None else o.head_eps, exact=exact))
 
     def compute_params(self, params):
         """`params` in the model's compute dtype, each kept on its own sharding (so the cast runs
@@ -284,8 +282,7 @@ def restore_or_init(setup: Run, trainer: Trainer, out=print):
 
 
 def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
-    """Print the mesh, the head, the parameter count, the data, and each parameter's label,
-    geometry, peak learning rate and decay (`rowgeom.describe`)."""
+    """Print the mesh, head, parameter count and data, and `rowgeom.describe`'s table."""
     cfg, tokens = setup.cfg, setup.tokens
     head = ("tied head (trained as the embedding)" if cfg.model.tied_embeddings
             else f"{cfg.head} head")
@@ -299,26 +296,17 @@ def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
 
 
 def checkpoint_meta(cfg: configs.Config, step: int, mesh) -> dict:
-    """The JSON saved next to the state. `config` is the whole run definition (the schedule
-    horizon included): a resumed run follows it."""
+    """The JSON saved next to the state; a resumed run follows its `config`."""
     return {"step": step, "data_position": step * cfg.optim.grad_accum_steps,
             "config": dataclasses.asdict(cfg),
             "mesh": {a: int(mesh.shape[a]) for a in sharding.AXES},
             "process_count": jax.process_count()}
 
 
-# ----------------------------------------------------------------------------- preemption
-
-
 class PreemptionWatcher:
-    """Whether to save and stop after a step because the machine is going away.
-
-    One process: SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) sets a flag
-    that the loop checks after each step. Several processes: JAX's preemption notifier (started by
-    `jax.distributed.initialize`) receives the SIGTERM, and orbax's `reached_preemption` tells
-    every host the same step at which to save; no Python handler is installed then, as it would
-    replace JAX's.
-    """
+    """Whether to save and stop after a step because the machine is going away: one process, on
+    SIGTERM; several, when orbax's `reached_preemption` says so, the same step on every host (a
+    Python handler would replace the one of JAX's preemption notifier)."""
 
     def __init__(self, ckpt):
         self.ckpt, self.signalled, self._previous = ckpt, False, None
@@ -330,9 +318,7 @@ class PreemptionWatcher:
         self.signalled = True
 
     def reached(self, step: int) -> bool:
-        if jax.process_count() > 1 and self.ckpt.reached_preemption(step):
-            return True
-        return self.signalled
+        return (jax.process_count() > 1 and self.ckpt.reached_preemption(step)) or self.signalled
 
     def close(self):
         if self._previous is not None:
@@ -340,26 +326,15 @@ class PreemptionWatcher:
             self._previous = None
 
 
-# ----------------------------------------------------------------------------- throughput
 # MFU = `model.flops_per_token` x tokens/s / the peak FLOP/s of all devices. `device_kind` prefix
 # (lower case) -> dense bf16 FLOP/s per chip or GPU, from the vendors' data sheets; for an unknown
 # device (a CPU, a new chip) MFU is not reported rather than guessed.
+# ("tpu v5 lite" is a v5e, "tpu v6 lite" a v6e; the H100 figure is the SXM part's.)
 PEAK_FLOPS = {
-    "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,  # v5e
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v5": 459e12,
-    "tpu v6 lite": 918e12,  # v6e (Trillium)
-    "tpu v6e": 918e12,
-    "tpu7x": 2307e12,
-    "nvidia h200": 989e12,
-    "nvidia h100": 989e12,  # SXM; PCIe parts are lower
-    "nvidia gh200": 989e12,
-    "nvidia b200": 2250e12,
-    "nvidia a100": 312e12,
-    "nvidia l4": 121e12,
-    "nvidia a10g": 125e12,
+    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
+    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12, "tpu7x": 2307e12,
+    "nvidia h200": 989e12, "nvidia h100": 989e12, "nvidia gh200": 989e12,
+    "nvidia b200": 2250e12, "nvidia a100": 312e12, "nvidia l4": 121e12, "nvidia a10g": 125e12,
 }
 
 
@@ -373,8 +348,6 @@ def peak_flops(device=None) -> float | None:
     return None
 
 
-# ----------------------------------------------------------------------------- the loop
-
 # The head probe's validation sequences use a fixed seed, independent of the training seed, so
 # runs are comparable (the validation set itself is the start of the validation split).
 PROBE_SEED = 0x5EED + 1
@@ -385,12 +358,9 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
           print_fn=print) -> dict:
     """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
 
-    A workdir with checkpoints is resumed from the latest complete one, following the run's
-    saved config (`configs.resolve_config`: `explicit` and `change_horizon`). overwrite: delete
-    what the run wrote and start fresh. stop_after: stop after this many optimizer steps without
-    a final save, as if interrupted (for tests of exact resumption). On SIGTERM the run saves a
-    checkpoint at the current step and returns. Problems with the config, the data or the
-    workdir raise `UsageError`.
+    A workdir with checkpoints resumes (`start`). stop_after: stop after this many steps without
+    a final save, as if interrupted (tests of exact resumption). SIGTERM saves the current step
+    and returns. Problems with the config, the data or the workdir raise `UsageError`.
     """
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
@@ -489,10 +459,8 @@ def attention_bytes(cfg: configs.Config, mesh) -> int:
 
 
 def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
-    """Raise UsageError, before anything is compiled, when one layer's attention scores alone
-    exceed the device memory (`limit`, default the device's `bytes_limit`; on CPU devices the
-    host's memory shared among them). The rest is caught when the first step runs out of
-    memory."""
+    """Raise UsageError, before anything compiles, when one layer's attention scores alone exceed
+    the device memory (`limit`; default the device's, or on CPU the host's shared among them)."""
     if limit is None:
         # this host's first device of the mesh: only addressable devices report memory (on a
         # multi-host mesh, devices.flat[0] may belong to another process)
