@@ -24,10 +24,6 @@ DAMAGED = ".damaged"  # suffix of a checkpoint directory set aside as unreadable
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose files cannot be read (truncated, deleted, corrupt)."""
 
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
-
 
 def is_remote(path: str | os.PathLike) -> bool:
     """True for URL-style paths (`gs://`, `s3://`, ...), which must not go through pathlib."""
@@ -96,10 +92,6 @@ class Checkpointer:
         self._manager.reload()
         return target
 
-    def is_empty(self) -> bool:
-        """Whether the directory holds nothing at all (or does not exist)."""
-        return not self.directory.exists() or not any(self.directory.iterdir())
-
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `state` (a pytree of arrays) and JSON-serialisable `meta` at `step`."""
         self._manager.save(
@@ -110,7 +102,7 @@ class Checkpointer:
         first = (str(error).strip().splitlines() or [""])[0][:200]
         return DamagedCheckpoint(
             f"checkpoint {step} in {self.directory} cannot be read (truncated, corrupt or not "
-            f"written by this trainer): {type(error).__name__}: {first}", step)
+            f"written by this trainer): {type(error).__name__}: {first}")
 
     def restore_meta(self, step: int) -> dict:
         """Only the JSON metadata of checkpoint `step` (cheap; check it before restoring)."""

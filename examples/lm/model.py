@@ -44,23 +44,15 @@ class ModelConfig:
     norm_eps: float = 1e-6
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
-    # Token ids >= valid_vocab_size are padding (a vocabulary rounded up to a multiple of 128):
-    # their embedding and head rows start at zero and their logits are masked, so they are never
-    # predicted and get no gradient. None: every id is a token.
+    # Ids >= valid_vocab_size are padding (a vocabulary padded to a multiple of 128): zero rows,
+    # masked logits, never predicted, no gradient. None: every id is a token.
     valid_vocab_size: int | None = None
-    # The blocks as one stacked (L, ...) parameter each, run by nnx.scan (a checkpoint of one
-    # layout does not restore into the other).
-    scan_layers: bool = False
+    scan_layers: bool = False  # stacked (L, ...) blocks under nnx.scan (another checkpoint layout)
     remat: str = "none"  # one of REMAT_POLICIES
-    # Sequence positions per chunk of the loss (loss.py): the logits of one chunk exist at a
-    # time. None: the whole sequence at once.
-    loss_chunk: int | None = None
-    # The switches that separate the paper's block (arXiv 2608.22253, Table 1) from this
-    # example's default one. qk_norm: RMS-normalise each head's query and key (no gain, eps
-    # norm_eps) before RoPE. norm_gain: every RMSNorm learns a gain vector (False: the model has
-    # no vector parameters at all). init_std: every embedding, linear and head weight drawn from
-    # N(0, init_std^2), with no depth scaling (None: LeCun, depth-scaled residual writes and a
-    # unit-variance embedding).
+    loss_chunk: int | None = None  # loss positions per logits chunk (loss.py); None: all at once
+    # The paper's block (arXiv 2608.22253, Table 1): qk_norm (RMS-normalised queries and keys
+    # before RoPE), no norm gains (no vector parameters at all), every weight from N(0, init_std^2)
+    # (None: LeCun with depth-scaled residual writes and a unit-variance embedding).
     qk_norm: bool = False
     norm_gain: bool = True
     init_std: float | None = None
@@ -172,8 +164,8 @@ def _rmsnorm(cfg, rngs, features=None):
 
 
 def _residual_std(fan_in: int, cfg: ModelConfig) -> float:
-    # GPT-2 style: shrink the projections that write into the residual stream by 1/sqrt(2L) so its
-    # variance at init does not grow with depth (2 residual writes per block).
+    # GPT-2 style: residual writes shrunk by 1/sqrt(2L), so the stream's variance at init does not
+    # grow with depth (2 writes per block).
     return 1.0 / math.sqrt(fan_in * 2 * cfg.num_layers)
 
 
@@ -197,12 +189,10 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        cfg = self.cfg
         B, T, _ = x_BTD.shape
-        N, H, theta = cfg.num_heads, cfg.head_dim, cfg.rope_theta
-        positions_T = jnp.arange(T)
+        N, H = self.cfg.num_heads, self.cfg.head_dim
         heads = lambda y_BTD: constrain(y_BTD.reshape(B, T, N, H), *_BTNH)
-        rope = lambda y_BTNH: apply_rope(y_BTNH, positions_T, theta=theta)
+        rope = lambda y_BTNH: apply_rope(y_BTNH, jnp.arange(T), theta=self.cfg.rope_theta)
         q_BTNH, k_BTNH = heads(self.q_proj(x_BTD)), heads(self.k_proj(x_BTD))
         if self.q_norm is not None:
             q_BTNH, k_BTNH = self.q_norm(q_BTNH), self.k_norm(k_BTNH)
@@ -270,8 +260,7 @@ def _rematted(policy: str, *, in_scan: bool):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only LM: tokens (B, T) int -> logits (B, T, V) float32; `loss` gives the mean
-    next-token cross entropy without forming all the logits at once."""
+    """Decoder-only LM: tokens (B, T) -> logits (B, T, V) float32, or `loss`."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

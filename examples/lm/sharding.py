@@ -24,24 +24,17 @@ AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 
-def _multi_process_environment() -> bool:
-    """True when a launcher describes several processes (Cloud TPU pod, SLURM, MPI, explicit)."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if len([h for h in hosts.split(",") if h.strip()]) > 1:
-        return True
-    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES"):
-        if int(os.environ.get(var, "1") or 1) > 1:
-            return True
-    return False
-
-
 def maybe_initialize_distributed(mode: str = "auto") -> None:
-    """`jax.distributed.initialize()` (arguments from the environment, which JAX reads itself on
-    Cloud TPU and SLURM) with `mode` "on", or "auto" in a multi-process launch; never with "off".
-    Must run before any other JAX call touches the backend."""
-    if mode == "on" or (mode == "auto" and _multi_process_environment()):
+    """`jax.distributed.initialize()` (which reads its arguments from the environment) with `mode`
+    "on", or "auto" when a launcher describes several processes (Cloud TPU pod, SLURM, MPI, an
+    explicit coordinator). Must run before any other JAX call touches the backend."""
+    if mode == "auto":
+        hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+        several = (os.environ.get("JAX_COORDINATOR_ADDRESS") or len(hosts) > 1
+                   or any(int(os.environ.get(var, "1") or 1) > 1
+                          for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES")))
+        mode = "on" if several else "off"
+    if mode == "on":
         jax.distributed.initialize()
 
 

@@ -229,7 +229,7 @@ def _close(ckpt: checkpointing.Checkpointer) -> None:
     if checkpointing.is_remote(ckpt.directory):
         return
     try:
-        if ckpt.directory.exists() and ckpt.is_empty():
+        if ckpt.directory.exists() and not any(ckpt.directory.iterdir()):
             ckpt.directory.rmdir()
     except OSError:  # best effort: never hide the error that ended the run
         pass
