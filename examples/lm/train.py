@@ -193,7 +193,18 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
             latest, meta = _newest_intact(ckpt, ckpt.restore_meta, out)
             cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
                                                  change_horizon=change_horizon)
-            _report_changes(changed, meta["step"], cfg, out)
+            step = meta["step"]
+            if "steps" in changed:
+                old = dataclasses.replace(cfg, steps=changed["steps"][0])
+                before = _scalar(lr_schedule(cfg.optim.learning_rate, old)(step))
+                after = _scalar(lr_schedule(cfg.optim.learning_rate, cfg)(step))
+                out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; "
+                    f"the learning rate of update {step + 1} changes from {before:.6g} to "
+                    f"{after:.6g}")
+            if changed:
+                listed = ", ".join(f"--{name} {was!r} -> {now!r}"
+                                   for name, (was, now) in changed.items())
+                out(f"resuming with changed settings: {listed}")
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         sharding.check_batch(cfg.data.batch_size, mesh)
         if cfg.effective_warmup() != cfg.optim.warmup_steps:
@@ -249,36 +260,6 @@ def _newest_intact(ckpt: checkpointing.Checkpointer, read, out):
     raise UsageError(f"no intact checkpoint in {ckpt.directory} (damaged, kept for inspection: "
                      f"{names}): rerun with --overwrite to start fresh (it deletes them), or use "
                      "a new --workdir")
-
-
-def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:
-    if "steps" in changed:
-        old = dataclasses.replace(cfg, steps=changed["steps"][0])
-        before = _scalar(lr_schedule(cfg.optim.learning_rate, old)(step))
-        after = _scalar(lr_schedule(cfg.optim.learning_rate, cfg)(step))
-        out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; the "
-            f"learning rate of update {step + 1} changes from {before:.6g} to {after:.6g}")
-    if changed:
-        listed = ", ".join(f"--{name} {was!r} -> {now!r}" for name, (was, now) in changed.items())
-        out(f"resuming with changed settings: {listed}")
-
-
-def restore_or_init(setup: Run, trainer: Trainer, out=print):
-    """The train state: restored from `setup.latest` onto the trainer's shardings, or fresh."""
-    ckpt = setup.ckpt
-    with jax.set_mesh(setup.mesh):
-        if setup.latest is not None:
-            try:
-                step, restored = _newest_intact(
-                    ckpt, lambda s: ckpt.restore(s, trainer.abstract_state), out)
-            except ValueError as e:  # the layout differs from this config's
-                raise UsageError(str(e)) from e
-            state = restored[0]
-            out(f"resumed from step {step} ({ckpt.directory})")
-        else:
-            state = trainer.init()
-            out(f"no checkpoint in {setup.ckpt.directory}: starting fresh")
-    return state
 
 
 def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
@@ -368,6 +349,7 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     setup = start(cfg, workdir, explicit=explicit, overwrite=overwrite,
                   change_horizon=change_horizon, out=out)
     cfg = setup.cfg
+    writer = bar = preemption = None
     try:
         check_fits(cfg, setup.mesh)
         trainer = Trainer(cfg, setup.mesh)
@@ -376,25 +358,30 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
             deleted = writer.clear()
             if deleted:
                 out(f"--overwrite: deleting {', '.join(deleted)} in {workdir}")
-        state = restore_or_init(setup, trainer, out)
-    except BaseException as e:
-        _close(setup.ckpt)
-        if isinstance(e, Exception) and _out_of_memory(e):  # the state itself does not fit
-            raise UsageError(_out_of_memory_message(cfg, e)) from e
-        raise
-    done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
-    writer.truncate_after(done)
-    if done >= cfg.steps:
-        out(f"the run in {workdir} is finished: {done} of --steps {cfg.steps} done; to train "
-            f"further, rerun with a larger --steps N and --change_horizon (the schedule is "
-            "rebuilt for N), or start over with --overwrite")
-    describe(setup, trainer, state, out)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    loop = _Loop(setup, trainer, writer)
-    bar = tqdm(total=cfg.steps, initial=done, unit="step", dynamic_ncols=True,
-               disable=not (progress and lead))
-    preemption = PreemptionWatcher(setup.ckpt)
-    try:
+        ckpt = setup.ckpt
+        if setup.latest is None:
+            state = trainer.init()
+            out(f"no checkpoint in {ckpt.directory}: starting fresh")
+        else:
+            try:
+                with jax.set_mesh(setup.mesh):
+                    step, (state, _) = _newest_intact(
+                        ckpt, lambda s: ckpt.restore(s, trainer.abstract_state), out)
+            except ValueError as e:  # the layout differs from this config's
+                raise UsageError(str(e)) from e
+            out(f"resumed from step {step} ({ckpt.directory})")
+        done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
+        writer.truncate_after(done)
+        if done >= cfg.steps:
+            out(f"the run in {workdir} is finished: {done} of --steps {cfg.steps} done; to train "
+                f"further, rerun with a larger --steps N and --change_horizon (the schedule is "
+                "rebuilt for N), or start over with --overwrite")
+        describe(setup, trainer, state, out)
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        loop = _Loop(setup, trainer, writer)
+        bar = tqdm(total=cfg.steps, initial=done, unit="step", dynamic_ncols=True,
+                   disable=not (progress and lead))
+        preemption = PreemptionWatcher(setup.ckpt)
         with jax.set_mesh(setup.mesh):
             for step in range(done + 1, end + 1):
                 state, record = loop.step(state, step)
@@ -414,13 +401,13 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                     end = step
                     break
     except Exception as e:
-        if _out_of_memory(e):
+        if _out_of_memory(e):  # the state or the step does not fit
             raise UsageError(_out_of_memory_message(cfg, e)) from e
         raise
     finally:
-        preemption.close()
-        bar.close()
-        writer.close()
+        for opened in (preemption, bar, writer):
+            if opened is not None:
+                opened.close()
         _close(setup.ckpt)
     last_eval = loop.last_eval
     if end == cfg.steps:  # finished: the plot and the summary line
