@@ -133,8 +133,7 @@ class Checkpointer:
                              f"state ({len(problems)} differences): " + "; ".join(problems[:5]))
 
     def restore(self, step: int, abstract_state):
-        """(state, meta) of checkpoint `step`, laid out as `abstract_state` (`ShapeDtypeStruct`s
-        with the current mesh's shardings) says."""
+        """(state, meta) of checkpoint `step`, laid out and sharded as `abstract_state` says."""
         self.check_layout(step, abstract_state)
         try:
             out = self._manager.restore(

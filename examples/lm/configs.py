@@ -179,8 +179,7 @@ class Config:
         return self
 
     def effective_warmup(self) -> int:
-        """`optim.warmup_steps`, or half the run when it would fill the whole run (so that any
-        `steps >= 1` trains)."""
+        """`optim.warmup_steps`, or half the run when it would fill it (any `steps >= 1` trains)."""
         warmup = self.optim.warmup_steps
         return warmup if warmup < self.steps else self.steps // 2
 
@@ -436,13 +435,6 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def _metavar(path: str) -> str:
-    typ, optional = field_types()[path]
-    text = ("{" + ",".join(CHOICES[path]) + "}" if path in CHOICES
-            else typ.__name__.upper())
-    return text + ("|none" if optional else "")
-
-
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `--config` and one `--<dotted path>` option per Config field, None when not given
     (`explicit_fields`), parsed by the field's type (`none` for an optional one)."""
@@ -450,9 +442,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"named configuration (default: {DEFAULT_CONFIG})")
     group = parser.add_argument_group("config fields (each overrides the named config)")
     defaults = flatten(get_config(DEFAULT_CONFIG))
-    for path in field_types():
+    for path, (typ, optional) in field_types().items():
+        metavar = "{" + ",".join(CHOICES[path]) + "}" if path in CHOICES else typ.__name__.upper()
         group.add_argument(f"--{path}", dest=f"field__{path}", default=None,
-                           metavar=_metavar(path),
+                           metavar=metavar + ("|none" if optional else ""),
                            help=f"(default: {defaults[path]!r} in {DEFAULT_CONFIG})")
 
 

@@ -27,13 +27,6 @@ def _diameter(delta, *, vocab_axis, exact: bool):
     return d, lower, upper
 
 
-def _hilbert(delta, hidden, diameter, *, vocab_axis):
-    delta_n = rowgeom.hilbert_perturbation(delta, hidden, vocab_axis=vocab_axis)
-    bound = jnp.linalg.norm(hidden, axis=-1) * diameter
-    tight = jnp.where(bound > 0, delta_n / jnp.where(bound > 0, bound, 1.0), 0.0)
-    return jnp.sqrt(jnp.mean(jnp.square(delta_n))), jnp.max(delta_n), jnp.max(tight)
-
-
 def _change(graphdef, params, rest, head_old, head_lr, head_wd):
     """(model, vocab axis, full change, step without decay) of the update just applied, float32.
     The step adds the decay term back: `W <- (1 - lr·wd)·W - lr·U` gives `-lr·U = ΔW + lr·wd·W`."""
@@ -54,11 +47,14 @@ def head_probe(graphdef, params, rest, head_old, inputs, head_lr, head_wd, *, ex
     out = {}
     for prefix, change in (("head", delta), ("head_step", step)):
         d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
-        rms, mx, tight = _hilbert(change, hidden, d, vocab_axis=vocab_axis)
+        delta_n = rowgeom.hilbert_perturbation(change, hidden, vocab_axis=vocab_axis)
+        bound = jnp.linalg.norm(hidden, axis=-1) * d
+        tight = jnp.where(bound > 0, delta_n / jnp.where(bound > 0, bound, 1.0), 0.0)
         name = "hilbert" if prefix == "head" else "head_step_hilbert"
         out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
-                f"{prefix}_diameter_upper": upper, f"{name}_rms": rms, f"{name}_max": mx,
-                f"{name}_tightness": tight}
+                f"{prefix}_diameter_upper": upper,
+                f"{name}_rms": jnp.sqrt(jnp.mean(jnp.square(delta_n))),
+                f"{name}_max": jnp.max(delta_n), f"{name}_tightness": jnp.max(tight)}
     return out
 
 

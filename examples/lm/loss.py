@@ -127,8 +127,7 @@ def cross_entropy(hidden_BTD: jax.Array, head: jax.Array, targets_BT: jax.Array,
 
 
 def _chunks(x_BT, chunk_size: int):
-    """`x_BT...` padded with zeros along axis 1 to a multiple of `chunk_size`, and the number of
-    chunks."""
+    """`x_BT...` zero-padded along axis 1 to a multiple of `chunk_size`, and the chunk count."""
     num_chunks = math.ceil(x_BT.shape[1] / chunk_size)
     pad = num_chunks * chunk_size - x_BT.shape[1]
     if pad:
@@ -146,23 +145,6 @@ def _unchunk(x_KBc, T: int):
     return jnp.moveaxis(x_KBc, 0, 1).reshape(B, K * c, *x_KBc.shape[3:])[:, :T]
 
 
-def _forward(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, constrain):
-    """Per-token `lse` and target logits `(B, T)` float32, one logits chunk at a time."""
-    T = hidden_BTD.shape[1]
-    hidden_BTD, num_chunks = _chunks(hidden_BTD, chunk_size)
-    targets_BT, _ = _chunks(targets_BT, chunk_size)
-
-    def step(carry, i):
-        z_BcV = constrain(logits(_chunk(hidden_BTD, i, chunk_size), head, vocab_axis=vocab_axis,
-                                 num_valid=num_valid))
-        t_Bc = _chunk(targets_BT, i, chunk_size)
-        target_Bc = jnp.take_along_axis(z_BcV, t_Bc[..., None], axis=-1)[..., 0]
-        return carry, (jax.nn.logsumexp(z_BcV, axis=-1), target_Bc)
-
-    _, (lse_KBc, target_KBc) = jax.lax.scan(step, None, jnp.arange(num_chunks))
-    return _unchunk(lse_KBc, T), _unchunk(target_KBc, T)
-
-
 def _identity(x):
     return x
 
@@ -176,10 +158,22 @@ def _chunked(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, ba
 
 def _chunked_fwd(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batch_groups,
                  constrain):
+    """Per-token `lse` and target logits, one logits chunk at a time: the same per-token values
+    and the same mean as optax's loss on the whole logits."""
     del batch_groups  # the backward's
-    lse_BT, target_BT = _forward(hidden_BTD, head, targets_BT, vocab_axis, num_valid,
-                                 chunk_size, constrain)
-    # The same per-token values and the same mean as optax's loss on the whole logits.
+    T = hidden_BTD.shape[1]
+    hidden_cut, num_chunks = _chunks(hidden_BTD, chunk_size)
+    targets_cut, _ = _chunks(targets_BT, chunk_size)
+
+    def step(carry, i):
+        z_BcV = constrain(logits(_chunk(hidden_cut, i, chunk_size), head, vocab_axis=vocab_axis,
+                                 num_valid=num_valid))
+        t_Bc = _chunk(targets_cut, i, chunk_size)
+        target_Bc = jnp.take_along_axis(z_BcV, t_Bc[..., None], axis=-1)[..., 0]
+        return carry, (jax.nn.logsumexp(z_BcV, axis=-1), target_Bc)
+
+    _, (lse_KBc, target_KBc) = jax.lax.scan(step, None, jnp.arange(num_chunks))
+    lse_BT, target_BT = _unchunk(lse_KBc, T), _unchunk(target_KBc, T)
     return (lse_BT - target_BT).mean(), (hidden_BTD, head, targets_BT, lse_BT)
 
 

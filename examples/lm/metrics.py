@@ -89,14 +89,6 @@ class MetricsWriter:
         self._purge_step = None
         return deleted
 
-    def _tensorboard(self):
-        if self._tb is None:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR),
-                                     purge_step=self._purge_step)
-        return self._tb
-
     def write(self, record: dict) -> None:
         """Append `record` (with a `step`) to jsonl and log it to TensorBoard."""
         if not self.enabled:
@@ -109,10 +101,14 @@ class MetricsWriter:
             return
         with path.open("a") as f:
             f.write(line)
-        tb = self._tensorboard()
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR),
+                                     purge_step=self._purge_step)
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                tb.add_scalar(key, value, step)
+                self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -234,18 +234,6 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """`cfg.num_layers` blocks as one Block with a leading "layers" axis, each layer initialised
-    from its own split of `rngs`."""
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(rngs):
-        return Block(cfg, rngs=rngs)
-
-    return create(rngs)
-
-
 def _apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
     return block(x_BTD)
 
@@ -274,7 +262,13 @@ class Transformer(nnx.Module):
             embedding_init=_zero_padding(nnx.initializers.normal(embed_std), cfg.num_tokens, 0),
             embedding_metadata=_sharded(("vocab", "embed")), rngs=rngs)
         if cfg.scan_layers:
-            self.layers = _stacked_blocks(cfg, rngs)
+            # One Block with a leading "layers" axis, each layer from its own split of `rngs`.
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked(rngs):
+                return Block(cfg, rngs=rngs)
+
+            self.layers = stacked(rngs)
         else:
             self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _rmsnorm(cfg, rngs)

@@ -116,8 +116,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch(batch_size: int, mesh: Mesh) -> None:
-    """Raise ValueError unless the global batch splits evenly over the data-parallel devices and
-    the processes (each feeds its own rows)."""
+    """Raise ValueError unless the batch splits evenly over data-parallel devices and processes."""
     dp = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if batch_size % dp or batch_size % jax.process_count():
         raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
@@ -217,8 +216,7 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
 
 
 def num_shards(dim: int, name: str) -> int:
-    """Into how many pieces an axis of size `dim` with logical `name` is split on the current
-    mesh (1 without a mesh)."""
+    """Into how many pieces the current mesh splits an axis of size `dim` named `name`."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1

@@ -41,6 +41,7 @@ import rowgeom
 from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding
 from examples.lm import model as model_lib
 from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
+from examples.lm.tools import plan
 from examples.lm.tools import tokenizer as bpe
 
 
@@ -136,9 +137,8 @@ class Trainer:
         dtype = jnp.dtype(self.cfg.model.compute_dtype)
         if dtype == jnp.dtype(self.cfg.model.param_dtype):
             return params
-        shardings = self.shardings["params"]
-        return jax.tree.map(
-            lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params, shardings)
+        return jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
+                            params, self.shardings["params"])
 
     def init(self):
         """A fresh train state, created in place with its shardings."""
@@ -307,28 +307,6 @@ class PreemptionWatcher:
             self._previous = None
 
 
-# MFU = `model.flops_per_token` x tokens/s / the peak FLOP/s of all devices. `device_kind` prefix
-# (lower case) -> dense bf16 FLOP/s per chip or GPU, from the vendors' data sheets; for an unknown
-# device (a CPU, a new chip) MFU is not reported rather than guessed.
-# ("tpu v5 lite" is a v5e, "tpu v6 lite" a v6e; the H100 figure is the SXM part's.)
-PEAK_FLOPS = {
-    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
-    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12, "tpu7x": 2307e12,
-    "nvidia h200": 989e12, "nvidia h100": 989e12, "nvidia gh200": 989e12,
-    "nvidia b200": 2250e12, "nvidia a100": 312e12, "nvidia l4": 121e12, "nvidia a10g": 125e12,
-}
-
-
-def peak_flops(device=None) -> float | None:
-    """Peak bf16 FLOP/s of `device` (default: the first device), or None when unknown."""
-    kind = (device or jax.devices()[0]).device_kind.lower()
-    # Longest prefix first, so "tpu v5 lite" wins over "tpu v5".
-    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if kind.startswith(prefix):
-            return PEAK_FLOPS[prefix]
-    return None
-
-
 # The head probe's validation sequences use a fixed seed, independent of the training seed, so
 # runs are comparable (the validation set itself is the start of the validation split).
 PROBE_SEED = 0x5EED + 1
@@ -388,20 +366,20 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                 if record:
                     bar.set_postfix(loss=f"{record['train_loss']:.4f}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}")
-                saved = step % cfg.checkpoint.every == 0 or step == cfg.steps
-                if saved:
-                    loop.save(state, step)
+                preempted = step < end and preemption.reached(step)
+                if preempted or step % cfg.checkpoint.every == 0 or step == cfg.steps:
+                    setup.ckpt.save(step, state, checkpoint_meta(cfg, step, setup.mesh))
                 bar.update(1)
-                if step < end and preemption.reached(step):
-                    if not saved:
-                        loop.save(state, step)
+                if preempted:
                     setup.ckpt.wait()
                     out(f"preempted (SIGTERM): saved a checkpoint at step {step} in "
                         f"{setup.ckpt.directory}; rerun the same command to resume")
                     end = step
                     break
     except Exception as e:
-        if _out_of_memory(e):  # the state or the step does not fit
+        # XLA's RESOURCE_EXHAUSTED: the state or the step does not fit the device.
+        if isinstance(e, MemoryError) or (isinstance(e, jax.errors.JaxRuntimeError) and (
+                "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e))):
             raise UsageError(_out_of_memory_message(cfg, e)) from e
         raise
     finally:
@@ -420,13 +398,6 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     return last_eval
 
 
-def _out_of_memory(error: Exception) -> bool:
-    """Whether `error` is XLA's RESOURCE_EXHAUSTED (the step does not fit the device)."""
-    return isinstance(error, MemoryError) or (
-        isinstance(error, jax.errors.JaxRuntimeError)
-        and ("RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)))
-
-
 def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
     return (f"the training step does not fit the device memory ({first}); use a smaller "
@@ -436,31 +407,11 @@ def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
             "python -m examples.lm.tools.plan checks a config without running it")
 
 
-def attention_bytes(cfg: configs.Config, mesh) -> int:
-    """Bytes per device of one layer's attention scores, (batch, heads, T, T) in the compute
-    dtype: a lower bound on the step's memory that grows with the square of the sequence."""
-    ranks = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
-    batch = -(-cfg.data.batch_size // ranks)
-    heads = -(-cfg.model.num_heads // int(mesh.shape["tensor"]))
-    return batch * heads * cfg.seq_len**2 * jnp.dtype(cfg.model.compute_dtype).itemsize
-
-
 def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
     """Raise UsageError, before anything compiles, when one layer's attention scores alone exceed
-    the device memory (`limit`; default the device's, or on CPU the host's shared among them)."""
-    if limit is None:
-        # this host's first device of the mesh: only addressable devices report memory (on a
-        # multi-host mesh, devices.flat[0] may belong to another process)
-        device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
-                      mesh.devices.flat[0])
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
-            try:
-                limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                limit //= max(1, len(jax.local_devices(backend="cpu")))
-            except (ValueError, OSError):
-                limit = None
-    need = attention_bytes(cfg, mesh)
+    the device memory (`limit`; default `plan.device_memory`)."""
+    need = plan.attention_bytes(cfg, mesh)
+    limit = plan.device_memory(mesh) if limit is None else limit
     if limit and need > limit:
         raise UsageError(_out_of_memory_message(
             cfg, f"one layer's attention scores alone take {need / 2**30:.1f} GiB per device, "
@@ -491,7 +442,7 @@ class _Loop:
 
     def __init__(self, setup: Run, trainer: Trainer, writer: metrics.MetricsWriter):
         cfg, mesh = setup.cfg, setup.mesh
-        self.setup, self.cfg, self.trainer, self.writer = setup, cfg, trainer, writer
+        self.cfg, self.trainer, self.writer = cfg, trainer, writer
         self.accum = cfg.optim.grad_accum_steps
         self.train_batches = _Batches(data.BatchSampler(
             setup.tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
@@ -504,7 +455,7 @@ class _Loop:
         self.probe_inputs = _Batches(probe, mesh, replicated=True).get(0)[0]
         self.tokens_per_step = cfg.data.batch_size * cfg.seq_len * self.accum
         self.flops_per_token = model_lib.flops_per_token(cfg.model)
-        self.peak_flops = peak_flops()
+        self.peak_flops = plan.peak_flops()  # None for an unknown device: no MFU
         self.lr = lr_schedule(cfg.optim.learning_rate, cfg)
         self.last_eval: dict = {}
         self.window_start, self.window_steps = time.perf_counter(), 0
@@ -568,9 +519,6 @@ class _Loop:
         self.window_start, self.window_steps = time.perf_counter(), 0
         return out
 
-    def save(self, state, step: int) -> None:
-        self.setup.ckpt.save(step, state, checkpoint_meta(self.cfg, step, self.setup.mesh))
-
 
 def summary_line(record: dict) -> str:
     """The run's last printed line: validation loss, head diameter and Hilbert RMS."""
@@ -582,8 +530,7 @@ def summary_line(record: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    """The command line (configs.py): train, or time the step with `--benchmark N`. A user error
-    prints one line, `train.py: error: ...`, and exits with status 2."""
+    """The command line (configs.py); a user error prints `train.py: error: ...`, exit status 2."""
     parser = configs.parser(description=__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
     try:
