@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 from etils import epath
 
@@ -17,6 +18,28 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
 WALL_CLOCK_KEYS = ("tokens_per_sec", "sec_per_step", "mfu")
+
+
+# Dense bf16 FLOP/s per chip or GPU by `device_kind` prefix (lower case), from the vendors' data
+# sheets: the trainer's MFU is model FLOPs/s over this times the device count; an unknown device
+# (a CPU, a new chip) has none rather than a guess. ("tpu v5 lite" is a v5e, "tpu v6 lite" a v6e;
+# the H100 figure is the SXM part's.)
+PEAK_FLOPS = {
+    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
+    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12, "tpu7x": 2307e12,
+    "nvidia h200": 989e12, "nvidia h100": 989e12, "nvidia gh200": 989e12,
+    "nvidia b200": 2250e12, "nvidia a100": 312e12, "nvidia l4": 121e12, "nvidia a10g": 125e12,
+}
+
+
+def peak_flops(device=None) -> float | None:
+    """Peak bf16 FLOP/s of `device` (default: the first device), or None when unknown."""
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    # Longest prefix first, so "tpu v5 lite" wins over "tpu v5".
+    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if kind.startswith(prefix):
+            return PEAK_FLOPS[prefix]
+    return None
 
 
 def deterministic_part(record: dict) -> dict:

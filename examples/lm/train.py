@@ -41,7 +41,6 @@ import rowgeom
 from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding
 from examples.lm import model as model_lib
 from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
-from examples.lm.tools import plan
 from examples.lm.tools import tokenizer as bpe
 
 
@@ -407,11 +406,37 @@ def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
             "python -m examples.lm.tools.plan checks a config without running it")
 
 
+def attention_bytes(cfg: configs.Config, mesh) -> int:
+    """Bytes per device of one layer's attention scores, (batch, heads, T, T) in the compute
+    dtype: a lower bound on the step's memory that grows with the square of the sequence (the
+    trainer's check before it compiles anything, `check_fits`)."""
+    ranks = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+    batch = -(-cfg.data.batch_size // ranks)
+    heads = -(-cfg.model.num_heads // int(mesh.shape["tensor"]))
+    return batch * heads * cfg.seq_len**2 * jnp.dtype(cfg.model.compute_dtype).itemsize
+
+
+def device_memory(mesh) -> int | None:
+    """Bytes of memory of this host's first device of `mesh` (only addressable devices report
+    memory: on a multi-host mesh, devices.flat[0] may belong to another process); for a CPU
+    device, the host's memory shared among its CPU devices; None when unknown."""
+    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                  mesh.devices.flat[0])
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
+        try:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            limit //= max(1, len(jax.local_devices(backend="cpu")))
+        except (ValueError, OSError):
+            limit = None
+    return limit
+
+
 def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
     """Raise UsageError, before anything compiles, when one layer's attention scores alone exceed
-    the device memory (`limit`; default `plan.device_memory`)."""
-    need = plan.attention_bytes(cfg, mesh)
-    limit = plan.device_memory(mesh) if limit is None else limit
+    the device memory (`limit`; default `device_memory`)."""
+    need = attention_bytes(cfg, mesh)
+    limit = device_memory(mesh) if limit is None else limit
     if limit and need > limit:
         raise UsageError(_out_of_memory_message(
             cfg, f"one layer's attention scores alone take {need / 2**30:.1f} GiB per device, "
@@ -455,7 +480,7 @@ class _Loop:
         self.probe_inputs = _Batches(probe, mesh, replicated=True).get(0)[0]
         self.tokens_per_step = cfg.data.batch_size * cfg.seq_len * self.accum
         self.flops_per_token = model_lib.flops_per_token(cfg.model)
-        self.peak_flops = plan.peak_flops()  # None for an unknown device: no MFU
+        self.peak_flops = metrics.peak_flops()  # None for an unknown device: no MFU
         self.lr = lr_schedule(cfg.optim.learning_rate, cfg)
         self.last_eval: dict = {}
         self.window_start, self.window_steps = time.perf_counter(), 0

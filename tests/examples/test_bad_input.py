@@ -229,9 +229,7 @@ def test_a_sequence_too_long_for_the_device_is_refused_up_front():
     cfg = configs.override(configs.get_config("cpu-tiny"), {"model.max_seq_len": 100_000})
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
     # 16 sequences x 4 heads x 100,000^2 float32 scores: 2,384 GiB for one layer.
-    from examples.lm.tools import plan
-
-    assert plan.attention_bytes(cfg, mesh) == 16 * 4 * 100_000**2 * 4
+    assert train.attention_bytes(cfg, mesh) == 16 * 4 * 100_000**2 * 4
     with pytest.raises(train.UsageError, match="attention scores alone take 2384.2 GiB"):
         train.check_fits(cfg, mesh, limit=80 * 2**30)
     train.check_fits(configs.get_config("cpu-tiny"), mesh, limit=80 * 2**30)

@@ -124,54 +124,6 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     return out
 
 
-# Dense bf16 FLOP/s per chip or GPU by `device_kind` prefix (lower case), from the vendors' data
-# sheets: the trainer's MFU is model FLOPs/s over this times the device count; an unknown device
-# (a CPU, a new chip) has none rather than a guess. ("tpu v5 lite" is a v5e, "tpu v6 lite" a v6e;
-# the H100 figure is the SXM part's.)
-PEAK_FLOPS = {
-    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
-    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12, "tpu7x": 2307e12,
-    "nvidia h200": 989e12, "nvidia h100": 989e12, "nvidia gh200": 989e12,
-    "nvidia b200": 2250e12, "nvidia a100": 312e12, "nvidia l4": 121e12, "nvidia a10g": 125e12,
-}
-
-
-def peak_flops(device=None) -> float | None:
-    """Peak bf16 FLOP/s of `device` (default: the first device), or None when unknown."""
-    kind = (device or jax.devices()[0]).device_kind.lower()
-    # Longest prefix first, so "tpu v5 lite" wins over "tpu v5".
-    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if kind.startswith(prefix):
-            return PEAK_FLOPS[prefix]
-    return None
-
-
-def attention_bytes(cfg: configs.Config, mesh) -> int:
-    """Bytes per device of one layer's attention scores, (batch, heads, T, T) in the compute
-    dtype: a lower bound on the step's memory that grows with the square of the sequence (the
-    trainer's check before it compiles anything, `train.check_fits`)."""
-    ranks = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
-    batch = -(-cfg.data.batch_size // ranks)
-    heads = -(-cfg.model.num_heads // int(mesh.shape["tensor"]))
-    return batch * heads * cfg.seq_len**2 * jnp.dtype(cfg.model.compute_dtype).itemsize
-
-
-def device_memory(mesh) -> int | None:
-    """Bytes of memory of this host's first device of `mesh` (only addressable devices report
-    memory: on a multi-host mesh, devices.flat[0] may belong to another process); for a CPU
-    device, the host's memory shared among its CPU devices; None when unknown."""
-    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
-                  mesh.devices.flat[0])
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-    if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
-        try:
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            limit //= max(1, len(jax.local_devices(backend="cpu")))
-        except (ValueError, OSError):
-            limit = None
-    return limit
-
-
 # Per-device memory of the GPUs the paper's configs are planned for, and of a TPU v5e chip.
 GPU_MEMORY = {"H100": 80 * GIB, "H200": 141 * GIB}
 V5E_MEMORY = 16 * GIB
