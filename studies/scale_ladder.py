@@ -150,7 +150,7 @@ PAPER_SHAPES = {name: (m["d"], m["V"]) for name, m in PAPER_TABLE.items()}
 RUNS_ADAMW_HEAD = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}
 
 # Per-step wall time (s) of the jitted train step, measured by `--time-shapes`
-# (examples/lm/train.py benchmark: median of 4 steps after 2, seq 64, batch 16) on 2 otherwise
+# (examples/lm/tools/benchmark.py: median of 4 steps after 2, seq 64, batch 16) on 2 otherwise
 # idle CPU cores, 2026-11-30 13:31 UTC (under a running test suite the same steps took 1.2-3x
 # longer). Keyed by (d, V, layers, head kind).
 STEP_COST_S = {
@@ -577,13 +577,13 @@ def time_shapes(ladder: Ladder, *, steps: int = 4, log=print) -> dict:
     import jax
 
     import rowgeom
-    from examples.lm import train
+    from examples.lm.tools.benchmark import benchmark
 
     costs, probes = {}, {}
     for point in ladder.points:
         for head in ("adamw", "muon", "rownorm"):
             cfg = configs.override(point_config(point, quick=ladder.quick), {"head": head})
-            costs[_cost_key(point, head)] = train.benchmark(
+            costs[_cost_key(point, head)] = benchmark(
                 cfg, steps=steps, print_fn=lambda *a: None)["step_s"]
             log(f"{point.name} {head}: {costs[_cost_key(point, head)]:.3f} s/step")
         x = jax.random.normal(jax.random.key(0), (point.d, point.V))

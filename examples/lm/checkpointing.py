@@ -1,18 +1,11 @@
-"""Checkpoints with orbax: the train state plus JSON metadata (the run's config).
+"""Checkpoints with orbax: the train state plus JSON metadata (the run's config), local or remote.
 
-- Saves are asynchronous (`wait` before reading them or exiting). Orbax writes each checkpoint
-  into a temporary directory and renames it when complete, and only finalized checkpoints are
-  seen, so a run killed mid-save resumes from the previous complete one.
-- `restore` takes an abstract target carrying the *target* shardings, so a checkpoint written on
-  one mesh restores onto another; arrays are read straight into their shards. Before it, the
-  stored tree, shapes and dtypes are compared with the target (orbax would cast a dtype
-  silently). Nothing is unpickled.
-- Paths are `etils.epath` paths, local or remote (`gs://...`).
-- `reached_preemption(step)` is orbax's multi-host preemption sync point, so that every host
-  saves at the same step; a single process relies on the trainer's SIGTERM handler.
-- An unreadable checkpoint raises `DamagedCheckpoint`; `set_aside` renames it `<step>.damaged`
-  (orbax ignores it) so the trainer can fall back to the previous one and the files stay to
-  inspect. Only `delete_all` (`--overwrite`) removes them.
+Saves are asynchronous and complete-only (orbax renames a finished temporary directory), so a
+run killed mid-save resumes from the previous one. `restore` reads arrays straight into the
+*target* shardings (another mesh is fine) after comparing the stored tree, shapes and dtypes
+with the target (orbax would cast a dtype silently). An unreadable checkpoint raises
+`DamagedCheckpoint`; `set_aside` renames it `<step>.damaged`, out of orbax's sight, so the trainer
+falls back to the previous one and the files stay to inspect (only `delete_all` removes them).
 """
 
 from __future__ import annotations
@@ -30,10 +23,6 @@ DAMAGED = ".damaged"  # suffix of a checkpoint directory set aside as unreadable
 
 class DamagedCheckpoint(ValueError):
     """A checkpoint whose files cannot be read (truncated, deleted, corrupt)."""
-
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
-        self.step = step
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -69,13 +58,11 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether every host has reached JAX's preemption sync point at `step` (multi-host
-        runs; False when JAX's preemption service is not running)."""
+        """Whether every host has reached JAX's preemption sync point at `step` (multi-host)."""
         return self._manager.reached_preemption(step)
 
     def delete_all(self) -> None:
-        """Delete every checkpoint, those set aside as damaged included (for a fresh start with
-        --overwrite)."""
+        """Delete every checkpoint, damaged ones included (--overwrite)."""
         self._manager.wait_until_finished()
         for step in self.all_steps():
             self._manager.delete(step)
@@ -105,10 +92,6 @@ class Checkpointer:
         self._manager.reload()
         return target
 
-    def is_empty(self) -> bool:
-        """Whether the directory holds nothing at all (or does not exist)."""
-        return not self.directory.exists() or not any(self.directory.iterdir())
-
     def save(self, step: int, state, meta: dict) -> None:
         """Start saving `state` (a pytree of arrays) and JSON-serialisable `meta` at `step`."""
         self._manager.save(
@@ -119,7 +102,7 @@ class Checkpointer:
         first = (str(error).strip().splitlines() or [""])[0][:200]
         return DamagedCheckpoint(
             f"checkpoint {step} in {self.directory} cannot be read (truncated, corrupt or not "
-            f"written by this trainer): {type(error).__name__}: {first}", step)
+            f"written by this trainer): {type(error).__name__}: {first}")
 
     def restore_meta(self, step: int) -> dict:
         """Only the JSON metadata of checkpoint `step` (cheap; check it before restoring)."""
@@ -150,10 +133,7 @@ class Checkpointer:
                              f"state ({len(problems)} differences): " + "; ".join(problems[:5]))
 
     def restore(self, step: int, abstract_state):
-        """Return (state, meta) of checkpoint `step`, laid out as `abstract_state` says.
-
-        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with shardings for the current mesh.
-        """
+        """(state, meta) of checkpoint `step`, laid out and sharded as `abstract_state` says."""
         self.check_layout(step, abstract_state)
         try:
             out = self._manager.restore(

@@ -1,12 +1,7 @@
-"""Training configurations of the example language model.
-
-One nested, frozen `Config`: the model (`model.ModelConfig` itself), the data, the optimizer,
-evaluation, checkpoints and the mesh, plus the run-level fields `steps`, `head`, `seed` and
-`log_every`. A field has one name, its dotted path (`model.d_model`, `steps`), which is also its
-command-line flag (`--model.d_model`; `parser`) and its spelling in every error message.
-
-Named configs (`get_config`): `test` (unit tests), `cpu-tiny` (the default, ~1.5M parameters),
-`cpu-small` (~7.6M) and the paper's `190m`, `380m`, `640m` (`paper_config`).
+"""Training configurations: one nested, frozen `Config` (model, data, optim, eval, checkpoint,
+mesh, and the run fields). A field's dotted path (`model.d_model`) is also its command-line flag
+(`--model.d_model`) and its name in every error message. Named configs (`get_config`): `test`,
+`cpu-tiny` (the default, ~1.5M parameters), `cpu-small` (~7.6M), the paper's `190m`, `380m`, `640m`.
 """
 
 from __future__ import annotations
@@ -40,34 +35,28 @@ NON_NEGATIVE = ("optim.learning_rate", "optim.head_learning_rate",
 COUNTS = ("data.batch_size", "optim.grad_accum_steps", "steps", "eval.every", "eval.batches",
           "eval.tokens", "eval.hilbert_sequences", "log_every", "checkpoint.every",
           "checkpoint.keep")
-# A padded vocabulary (a --data.tokenizer run, the paper's GPT-2 one) is a multiple of this
-# (lane- and shard-friendly).
-VOCAB_MULTIPLE = 128
+VOCAB_MULTIPLE = 128  # a padded vocabulary's multiple (lane- and shard-friendly)
 
 
 def padded_vocab(num_tokens: int) -> int:
-    """`num_tokens` rounded up to a multiple of VOCAB_MULTIPLE: the model's `vocab_size` for a
-    vocabulary of `num_tokens` real tokens (its `valid_vocab_size`; the rest are padding rows)."""
+    """The `vocab_size` for `num_tokens` real tokens: rounded up to a multiple of VOCAB_MULTIPLE."""
     return -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """`source` None: the interpreter's standard library; else token files (a directory or glob of
-    llm.c / rowgeom shards, a nanoGPT directory) or text / jsonl (see data.py)."""
+    """`source`: token files or text / jsonl (data.py); None: the standard library."""
 
     source: str | None = None
     dir: str | None = None  # tokenizer / token cache; None -> WORKDIR/data
-    # A Hugging Face tokenizer.json: the vocabulary follows it, padded up to a multiple of 128
-    # (model.vocab_size), with model.valid_vocab_size its real size.
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # a tokenizer.json: model.vocab_size follows it, padded
     batch_size: int = 16  # sequences per micro-batch (global, over all processes)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """rowgeom.lm_optimizer's rates and decays (peak values of the schedule), the schedule,
-    clipping and accumulation. None rates and decays: `rowgeom.group_options`' defaults."""
+    """rowgeom.lm_optimizer's peak rates and decays (None: `rowgeom.group_options`' defaults),
+    the schedule, clipping and accumulation."""
 
     # Muon's step is RMS-matched to AdamW (rowgeom: scale="rms"), so one base rate serves the
     # hidden (Muon), embedding and vector (AdamW) groups.
@@ -83,20 +72,18 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
     grad_clip: float | None = 1.0  # global-norm clipping of the gradient; None: off
     grad_accum_steps: int = 1  # micro-batches per optimizer step (optax.MultiSteps)
-    # rowgeom.MuonOptions' scale and eps: "rms" matches AdamW's step RMS (one base rate for
-    # every group); "keller" is sqrt(max(1, fan_out / fan_in)), the paper's.
+    # rowgeom.MuonOptions: "rms" matches AdamW's step RMS; "keller" (the paper's) is
+    # sqrt(max(1, fan_out / fan_in)).
     muon_scale: str = "rms"
     muon_eps: float = 1e-7
     # rowgeom.AdamOptions' b2 and eps (the embedding, vector and an AdamW head's groups).
     adam_b2: float = 0.95
     adam_eps: float = 1e-8
-    # A RowNorm head's EMA debiased by 1 - momentum^t (rowgeom.HeadOptions.bias_correction),
-    # and its eps (None: rowgeom's 1e-8).
+    # A RowNorm head's EMA debiased (HeadOptions.bias_correction), and its eps (None: 1e-8).
     head_bias_correction: bool = False
     head_eps: float | None = None
-    # Which formulation the head's O(Vd) ops trace (rowgeom.HeadOptions.impl): "auto" decides by
-    # where the head lives; "xla" is what accelerators and meshes run (compiling for a TPU or GPU
-    # target from a one-CPU host needs it said: examples/lm/tools/topology.py).
+    # rowgeom.HeadOptions.impl: "auto" decides by where the head lives; compiling for a TPU or GPU
+    # target from a one-CPU host (tools/topology.py) needs "xla" said.
     head_impl: str = "auto"
 
 
@@ -105,22 +92,15 @@ class EvalConfig:
     """Validation loss and the head-step probe."""
 
     every: int = 100
-    # The fixed validation set: the first `tokens` tokens of the validation split, in whole
-    # batches of data.batch_size sequences (None: `batches` batches, 32 x 16 x 128 = 65536 tokens
-    # here). The same at every evaluation and in every run on the same data.
+    # The fixed validation set: the validation split's first `tokens` tokens, in whole batches
+    # (None: `batches` batches).
     tokens: int | None = None
     batches: int = 32
     hilbert_sequences: int = 4  # validation sequences whose final hidden states probe the head
     exact_diameter_max_elements: int = 1 << 24  # V*d above this: report the O(Vd) bracket only
-    # Also probe the head step (diameter, Hilbert perturbation; no validation loss) on each of the
-    # last `probe_last_steps` steps, so that "mean over the last K steps" can be computed.
-    probe_last_steps: int = 0
-    # Every this many updates (and on the last), the exact row diameter of the head step without
-    # its decoupled decay, `head_step_diameter` in a record of its own; 0: off.
-    diameter_every: int = 0
-    # At evaluations, a RowNorm head's step against the uncentred one of the paper's code
-    # (evaluate.centring_diagnostics: centring_ratio, uncentred_step_diameter, ...).
-    centring: bool = False
+    probe_last_steps: int = 0  # also probe the head (no val loss) on each of the last K steps
+    diameter_every: int = 0  # the head step's diameter alone every N updates and the last; 0: off
+    centring: bool = False  # evaluate.centring_diagnostics at evaluations (a RowNorm head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +112,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh over (data, fsdp, tensor). At most one axis is -1: it takes the remaining devices.
-    Setting an axis to -1 (`override`, the command line) sets the others that are -1 to 1."""
+    """Mesh over (data, fsdp, tensor); at most one axis is -1, taking the remaining devices."""
 
     data: int = -1
     fsdp: int = 1
@@ -149,8 +128,7 @@ def _cpu_tiny_model() -> ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything a training run needs; `steps` counts optimizer steps. Validated on creation
-    (the model by `ModelConfig`, the rest here), so a bad value fails where it is set."""
+    """Everything a training run needs (`steps` counts optimizer steps), validated on creation."""
 
     model: ModelConfig = dataclasses.field(default_factory=_cpu_tiny_model)
     data: DataConfig = DataConfig()
@@ -168,7 +146,6 @@ class Config:
 
     @property
     def seq_len(self) -> int:
-        """Training sequence length: the model's `max_seq_len`."""
         return self.model.max_seq_len
 
     def validate(self) -> Config:
@@ -202,9 +179,7 @@ class Config:
         return self
 
     def effective_warmup(self) -> int:
-        """Warmup updates actually used: `optim.warmup_steps`, or half the run when the warmup
-        would fill the whole run (so that any `steps >= 1` trains, with part of the run left to
-        decay)."""
+        """`optim.warmup_steps`, or half the run when it would fill it (any `steps >= 1` trains)."""
         warmup = self.optim.warmup_steps
         return warmup if warmup < self.steps else self.steps // 2
 
@@ -215,13 +190,6 @@ class Config:
         return self.eval.batches * self.data.batch_size * self.seq_len
 
 
-# ----------------------------------------------------------------------------- dotted paths
-
-
-def _is_group(value) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
-
-
 def flatten(tree) -> dict[str, Any]:
     """{"model.d_model": 128, ..., "steps": 600}: every leaf field of a Config, or of its
     `dataclasses.asdict` form, by its dotted path."""
@@ -229,7 +197,8 @@ def flatten(tree) -> dict[str, Any]:
              else ((f.name, getattr(tree, f.name)) for f in dataclasses.fields(tree)))
     out: dict[str, Any] = {}
     for name, value in items:
-        if isinstance(value, Mapping) or _is_group(value):
+        if isinstance(value, Mapping) or (dataclasses.is_dataclass(value)
+                                          and not isinstance(value, type)):
             out |= {f"{name}.{k}": v for k, v in flatten(value).items()}
         else:
             out[name] = value
@@ -238,11 +207,7 @@ def flatten(tree) -> dict[str, Any]:
 
 def override(cfg: Config, changes: Mapping[str, Any]) -> Config:
     """`cfg` with `{dotted path: value}` applied and validated; an unknown path raises ValueError.
-
-    A mesh axis set to -1 takes the devices the other axes leave, so the axes that `changes`
-    does not set and that are -1 in `cfg` become 1: `{"mesh.fsdp": -1}` on a config whose
-    `mesh.data` is -1 means FSDP over every device.
-    """
+    Setting a mesh axis to -1 sets the others that are -1 to 1 (`{"mesh.fsdp": -1}`: all FSDP)."""
     unknown = sorted(set(changes) - set(field_types()))
     if unknown:
         raise ValueError(f"unknown config field --{unknown[0]}")
@@ -307,9 +272,6 @@ def parse_value(name: str, text: str):
         raise ValueError(f"--{name} expects {typ.__name__}, got {text!r}") from None
 
 
-# ----------------------------------------------------------------------------- named configs
-
-
 def _model(**fields) -> ModelConfig:
     return dataclasses.replace(_cpu_tiny_model(), **fields)
 
@@ -338,10 +300,8 @@ PAPER_EVAL_TOKENS = 5_242_880  # the first 2,560 validation sequences of 2,048
 
 
 def paper_config(size: str, head: str = "rownorm") -> Config:
-    """The paper's model `size` ("190m", "380m", "640m") trained by its recipe (Table 2) with
-    `head`: 256 x 2,048 tokens per update as its per-GPU micro-batch x accumulation on 8 devices,
-    Nesterov Muon 8e-3 (eps 1e-5, `keller` scale), AdamW 4e-3 embedding, and the head at Table 2's
-    rate (examples/lm/README.md, "Configs", has the whole recipe and its diagnostics)."""
+    """The paper's model `size` trained by its recipe (Table 2) with `head` (examples/lm/README.md,
+    "Configs", has the whole recipe)."""
     if size not in PAPER_MODELS:
         raise ValueError(f"size must be one of {sorted(PAPER_MODELS)}, got {size!r}")
     if head not in PAPER_HEADS:
@@ -394,10 +354,8 @@ DEFAULT_CONFIG = "cpu-tiny"
 
 
 def get_config(name: str, *, head: str | None = None) -> Config:
-    """The named config `name` (one of `CONFIGS`) training `head` (None: the config's own).
-
-    A paper config's head rate and decay depend on the head (Table 2): `paper_config`. Any
-    other config only sets its `head` field."""
+    """The named config `name` training `head` (None: its own); a paper config's head rate and
+    decay follow the head (`paper_config`)."""
     if name not in CONFIGS:
         raise ValueError(f"--config must be one of {sorted(CONFIGS)}, got {name!r}")
     if head is None:
@@ -407,12 +365,8 @@ def get_config(name: str, *, head: str | None = None) -> Config:
     return override(CONFIGS[name], {"head": head})
 
 
-# ----------------------------------------------------------------------------- resuming
-# A checkpoint's metadata holds the whole config of its run, and a resumed run follows it. Only
-# cadence and placement, which do not change what is trained, follow the command line. The
-# recomputation policy and the loss's chunking trade memory for time and change neither the
-# checkpoint nor (beyond float32 rounding) the step; the layer layout (model.scan_layers) is the
-# checkpoint's layout and is followed.
+# A resumed run follows its checkpoint's config; only these, which change neither what is trained
+# nor the checkpoint (cadence, placement, recomputation, loss chunking), follow the command line.
 RUNTIME_FIELDS = frozenset({
     "data.dir", "checkpoint.dir", "checkpoint.keep", "checkpoint.every", "log_every",
     "eval.every", "eval.probe_last_steps", "eval.exact_diameter_max_elements", "mesh.data",
@@ -427,14 +381,10 @@ _MACHINE_FIELDS = frozenset({"data.dir", "checkpoint.dir", "mesh.data", "mesh.fs
 
 def resolve_config(cfg: Config, meta: dict, *, explicit=None,
                    change_horizon: bool = False) -> tuple[Config, dict]:
-    """(config, changes): the config a resumed run follows — the checkpoint's, with runtime
-    fields from `cfg` — and the `{dotted path: (saved, now)}` it changed.
-
-    explicit: fields (dotted paths) the command line set (None: all of them). Those that differ
-    from the checkpoint raise a ValueError if they define the run, except `steps` with
-    `change_horizon` (the schedule is then rebuilt for the new horizon). Fields not set
-    explicitly are taken from the checkpoint, so `--workdir DIR` alone resumes any run.
-    """
+    """(config, changes): the checkpoint's config with runtime fields from `cfg`, and the
+    `{dotted path: (saved, now)}` it changed. explicit: the fields the command line set (None:
+    all); one that differs from the checkpoint and defines the run is a ValueError (`steps` is
+    allowed with `change_horizon`). The others come from the checkpoint."""
     saved = meta.get("config")
     if not isinstance(saved, dict) or not isinstance(meta.get("step"), int):
         raise ValueError("cannot resume: the checkpoint's metadata has no config and step "
@@ -473,11 +423,6 @@ def resolve_config(cfg: Config, meta: dict, *, explicit=None,
     return override(cfg, merged), dict(sorted(changed.items()))
 
 
-# ----------------------------------------------------------------------------- the command line
-# One flag per config field, `--model.d_model 256`, parsed by the field's type (`none` for an
-# optional field); `--config NAME` picks the named config they override.
-
-
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: `train.py: error: ...` and exit status 2."""
 
@@ -490,26 +435,17 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def _metavar(path: str) -> str:
-    typ, optional = field_types()[path]
-    text = ("{" + ",".join(CHOICES[path]) + "}" if path in CHOICES
-            else typ.__name__.upper())
-    return text + ("|none" if optional else "")
-
-
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add `--config` and one `--<dotted path>` option per Config field.
-
-    The field options default to None ("not given"), so `explicit_fields` can tell which ones the
-    command line set; --help shows each field's type, choices and value in the default config.
-    """
+    """Add `--config` and one `--<dotted path>` option per Config field, None when not given
+    (`explicit_fields`), parsed by the field's type (`none` for an optional one)."""
     parser.add_argument("--config", default=None, choices=sorted(CONFIGS),
                         help=f"named configuration (default: {DEFAULT_CONFIG})")
     group = parser.add_argument_group("config fields (each overrides the named config)")
     defaults = flatten(get_config(DEFAULT_CONFIG))
-    for path in field_types():
+    for path, (typ, optional) in field_types().items():
+        metavar = "{" + ",".join(CHOICES[path]) + "}" if path in CHOICES else typ.__name__.upper()
         group.add_argument(f"--{path}", dest=f"field__{path}", default=None,
-                           metavar=_metavar(path),
+                           metavar=metavar + ("|none" if optional else ""),
                            help=f"(default: {defaults[path]!r} in {DEFAULT_CONFIG})")
 
 
@@ -547,18 +483,14 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The named config with the command line's `--<dotted path>` overrides applied.
-
-    `--head` picks the named config's version for that head first (a paper config's head rate
-    and decay are the head's, `paper_config`), then every override applies."""
+    """The named config, for `--head` first (`get_config`), with the command line's overrides."""
     overrides = _overrides(args)
     base = get_config(args.config or DEFAULT_CONFIG, head=overrides.get("head"))
     return override(base, overrides)
 
 
 def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
-    """Config fields (dotted paths) the command line set: every field when `--config` is given,
-    else the overrides. A resumed run takes the others from its checkpoint."""
+    """Config fields the command line set: all with `--config`, else the overrides."""
     if args.config is not None:
         return frozenset(field_types())
     return frozenset(_overrides(args))

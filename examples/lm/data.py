@@ -1,20 +1,14 @@
-"""The trainer's token data: token files, memory-mapped, and the batches the loop reads of them.
+"""The trainer's token data: memory-mapped token files and the batches the loop reads of them.
 
-`prepare_tokens(source=...)` gives the train and validation splits:
-
-- token files (a directory, a glob or a `.bin` file), split by name (`train` / `val`), in one of
-  three layouts told apart by their first bytes, each a header then little-endian token ids:
-  - **rowgeom** (`tools/prepare.py`, the token cache): a 32-byte header `HEADER` = (magic
-    `b"RGTOKENS"`, version 1, dtype code 1 = uint16 / 2 = uint32, token count, largest id);
-  - **llm.c / modded-nanogpt**: 256 int32 (magic 20240520, version 1, token count), then uint16;
-  - **nanoGPT**: `train.bin` / `val.bin`, raw uint16, no header.
-- text, or None (the interpreter's standard library): tokenized once by `tools/prepare.py` into
-  rowgeom shards cached under the work directory, then read as above.
-
-Every header is checked against the file size, and every file's largest id against the
-vocabulary when it is opened, so a mismatched tokenizer stops the run before its first step.
-`BatchSampler` and `ValidationSet` are pure functions of `(seed, step)` and of the split: a
-resumed run replays the same data, and each process reads only its share of every batch.
+`prepare_tokens(source=...)` gives the train and validation splits of token files (a directory,
+a glob or a `.bin` file, split by name) in one of three layouts, told apart by their first bytes:
+**rowgeom** (`tools/prepare.py`; a 32-byte `HEADER`: magic, version 1, dtype code 1 = uint16 /
+2 = uint32, token count, largest id), **llm.c / modded-nanogpt** (256 int32: magic 20240520,
+version 1, count; then uint16) and **nanoGPT** (`train.bin` / `val.bin`, raw uint16). Text, or
+None (the standard library), is tokenized once by `tools/prepare.py` into cached rowgeom shards.
+Headers are checked against file sizes, and largest ids against the vocabulary, on opening.
+`BatchSampler` and `ValidationSet` are pure functions of `(seed, step)`: a resumed run replays
+the same data, and each process reads only its share of every batch.
 """
 
 from __future__ import annotations
@@ -154,13 +148,9 @@ def open_splits(source, paths, vocab_size: int) -> TokenSplits:
 
 def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float = 0.05,
                    tokenizer=None) -> TokenSplits:
-    """Token ids for training and validation (see the module docstring for `source`).
-
-    vocab_size: the bound every id must be below, and the BPE's size when text is tokenized
-    without `tokenizer`. tokenizer: a `tokenizer.json`; the vocabulary is then the tokenizer's
-    (at most `vocab_size`).
-    Text is tokenized once into `workdir/tokens/` (`tools.prepare.token_cache`).
-    """
+    """Token ids for training and validation (`source`: the module docstring). vocab_size bounds
+    every id and sizes the BPE trained for text without `tokenizer` (a `tokenizer.json`, whose
+    size must not exceed it). Text is tokenized once into `workdir/tokens/`."""
     paths = [] if source is None else token_files(source)
     if tokenizer is not None or not paths:
         from examples.lm.tools import prepare  # text and tokenizers: the tools' side
@@ -178,17 +168,10 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
     return open_splits(source, paths, vocab_size)
 
 
-# ----------------------------------------------------------------------------- batches
-
-
 class BatchSampler:
-    """Random windows of `seq_len + 1` tokens; inputs are the first `seq_len`, targets the last.
-
-    `get(step)` is a pure function of (seed, step), so resuming at a step replays the same data.
-    All processes draw the same global batch of `batch_size` window starts and each reads only its
-    own `batch_size / process_count` consecutive rows, so processes partition the global batch and
-    touch (through the memory map) only their share of the tokens.
-    """
+    """Random windows of `seq_len + 1` tokens (inputs the first `seq_len`, targets the last),
+    a pure function of (seed, step). Every process draws the same `batch_size` window starts and
+    reads only its own `batch_size / process_count` consecutive rows of them."""
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int,
                  process_index: int = 0, process_count: int = 1):
@@ -223,10 +206,8 @@ class BatchSampler:
 
 class ValidationSet:
     """The first `num_batches · batch_size · seq_len (+ 1)` tokens of the validation split as
-    consecutive, non-overlapping sequences: the same at every evaluation, in every run with the
-    same data, whatever the seed. `num_batches` is as many whole batches as `eval_tokens` allows
-    (at least one; fewer when the split is shorter). Each process reads its share of each batch.
-    """
+    consecutive sequences, the same in every run on the same data: as many whole batches as
+    `eval_tokens` allows (at least one). Each process reads its share of each batch."""
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, eval_tokens: int,
                  process_index: int = 0, process_count: int = 1):

@@ -1,19 +1,12 @@
-"""Evaluation: the geometry of the last head update as the softmax sees it.
+"""Evaluation: the geometry of the last head update as the softmax sees it (the README's "head
+diagnostics" lists every key).
 
-Two changes are measured (the README's "head diagnostics" lists every key):
-
-- the *full head change* `ΔW = W_new - W_old`, decoupled weight decay included: what the softmax
-  sees (`head_diameter`, `hilbert_*`);
-- the *head step* `-lr·U`, the optimizer's direction times the head rate without the decay term
-  (`head_step_*`); for projected RowNorm `head_step_diameter <= 2·lr`.
-
-For each: the row diameter `D` (exact, `rowgeom.row_diameter`, up to `exact_diameter_max_elements`
-elements, else the upper end of the O(Vd) bracket `rowgeom.row_diameter_bounds`), and the Hilbert
-perturbation `δ_n = range_v((ΔW·h_n)_v)` (`rowgeom.hilbert_perturbation`, exact by Lemma 1 of
-arXiv 2608.22253) over the final hidden states `h_n` of fixed validation sequences: RMS, max and
-the tightness `max_n δ_n / (||h_n||·D)` <= 1. `centring_diagnostics` compares a RowNorm head's
-step with the uncentred one of the paper's code; `tracked_head_stats` reads the bracket rowgeom's
-tracker recorded in the optimizer state.
+Two changes: the full head change `ΔW = W_new - W_old`, decay included (`head_diameter`,
+`hilbert_*`), and the head step `-lr·U` without the decay term (`head_step_*`; for projected
+RowNorm `head_step_diameter <= 2·lr`). For each, the row diameter `D` (exact up to
+`exact_diameter_max_elements` elements, else the O(Vd) bracket's upper end) and the Hilbert
+perturbation `δ_n = range_v((ΔW·h_n)_v)` over fixed validation hidden states: RMS, max and the
+tightness `max_n δ_n / (||h_n||·D)` <= 1.
 """
 
 from __future__ import annotations
@@ -25,6 +18,7 @@ import optax
 from flax import nnx
 
 import rowgeom
+from examples.lm.model import head_matrix
 
 
 def _diameter(delta, *, vocab_axis, exact: bool):
@@ -33,14 +27,7 @@ def _diameter(delta, *, vocab_axis, exact: bool):
     return d, lower, upper
 
 
-def _hilbert(delta, hidden, diameter, *, vocab_axis):
-    delta_n = rowgeom.hilbert_perturbation(delta, hidden, vocab_axis=vocab_axis)
-    bound = jnp.linalg.norm(hidden, axis=-1) * diameter
-    tight = jnp.where(bound > 0, delta_n / jnp.where(bound > 0, bound, 1.0), 0.0)
-    return jnp.sqrt(jnp.mean(jnp.square(delta_n))), jnp.max(delta_n), jnp.max(tight)
-
-
-def _change(graphdef, head_matrix, params, rest, head_old, head_lr, head_wd):
+def _change(graphdef, params, rest, head_old, head_lr, head_wd):
     """(model, vocab axis, full change, step without decay) of the update just applied, float32.
     The step adds the decay term back: `W <- (1 - lr·wd)·W - lr·U` gives `-lr·U = ΔW + lr·wd·W`."""
     model = nnx.merge(graphdef, params, rest)
@@ -51,39 +38,30 @@ def _change(graphdef, head_matrix, params, rest, head_old, head_lr, head_wd):
     return model, vocab_axis, delta, step
 
 
-def make_head_probe(graphdef, head_matrix, *, exact: bool, out_sharding):
-    """Jitted (params, rest, head_old, inputs, head_lr, head_wd) -> the diameters and Hilbert
-    perturbations of the full change and of the step, over the final hidden states of `inputs`
-    under the updated model."""
-
-    def probe(params, rest, head_old, inputs, head_lr, head_wd):
-        model, vocab_axis, delta, step = _change(graphdef, head_matrix, params, rest, head_old,
-                                                 head_lr, head_wd)
-        hidden = model.hidden(inputs).astype(jnp.float32)
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        out = {}
-        for prefix, change in (("head", delta), ("head_step", step)):
-            d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
-            rms, mx, tight = _hilbert(change, hidden, d, vocab_axis=vocab_axis)
-            name = "hilbert" if prefix == "head" else "head_step_hilbert"
-            out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
-                    f"{prefix}_diameter_upper": upper, f"{name}_rms": rms, f"{name}_max": mx,
-                    f"{name}_tightness": tight}
-        return out
-
-    return jax.jit(probe, out_shardings=out_sharding)
+def head_probe(graphdef, params, rest, head_old, inputs, head_lr, head_wd, *, exact: bool):
+    """The diameters and Hilbert perturbations of the full change and of the step, over the final
+    hidden states of `inputs` under the updated model."""
+    model, vocab_axis, delta, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
+    hidden = model.hidden(inputs).astype(jnp.float32)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    out = {}
+    for prefix, change in (("head", delta), ("head_step", step)):
+        d, lower, upper = _diameter(change, vocab_axis=vocab_axis, exact=exact)
+        delta_n = rowgeom.hilbert_perturbation(change, hidden, vocab_axis=vocab_axis)
+        bound = jnp.linalg.norm(hidden, axis=-1) * d
+        tight = jnp.where(bound > 0, delta_n / jnp.where(bound > 0, bound, 1.0), 0.0)
+        name = "hilbert" if prefix == "head" else "head_step_hilbert"
+        out |= {f"{prefix}_diameter": d, f"{prefix}_diameter_lower": lower,
+                f"{prefix}_diameter_upper": upper,
+                f"{name}_rms": jnp.sqrt(jnp.mean(jnp.square(delta_n))),
+                f"{name}_max": jnp.max(delta_n), f"{name}_tightness": jnp.max(tight)}
+    return out
 
 
-def make_step_diameter(graphdef, head_matrix, *, exact: bool, out_sharding):
-    """Jitted (params, rest, head_old, head_lr, head_wd) -> {"head_step_diameter": D} (no
-    forward pass)."""
-
-    def diameter(params, rest, head_old, head_lr, head_wd):
-        _, vocab_axis, _, step = _change(graphdef, head_matrix, params, rest, head_old, head_lr,
-                                         head_wd)
-        return {"head_step_diameter": _diameter(step, vocab_axis=vocab_axis, exact=exact)[0]}
-
-    return jax.jit(diameter, out_shardings=out_sharding)
+def step_diameter(graphdef, params, rest, head_old, head_lr, head_wd, *, exact: bool):
+    """{"head_step_diameter": D} alone (no forward pass)."""
+    _, vocab_axis, _, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
+    return {"head_step_diameter": _diameter(step, vocab_axis=vocab_axis, exact=exact)[0]}
 
 
 def head_ema(opt_state, head_shape: tuple[int, ...]):
@@ -101,12 +79,9 @@ def head_ema(opt_state, head_shape: tuple[int, ...]):
 
 def centring_diagnostics(step, ema, count, head_lr, *, momentum: float, debias: bool,
                          eps: float, vocab_axis: int, exact: bool) -> dict:
-    """How far projected RowNorm's step is from the uncentred one (arXiv 2608.22253's code).
-
-    step: the head step without decay, real-token rows only; ema: the head's EMA moment, all
-    rows (its padding rows are dropped here); count: the EMA's update count. The uncentred
-    direction divides each (debiased) EMA row by its norm + eps; ours is `-step / head_lr`.
-    """
+    """How far projected RowNorm's step (`-step / head_lr`, real-token rows) is from the
+    uncentred one of arXiv 2608.22253's code: each (debiased) row of the head's EMA `ema` (all
+    rows; `count` updates) divided by its norm + eps."""
     num = step.shape[vocab_axis]
     b = jax.lax.slice_in_dim(ema.astype(jnp.float32), 0, num, axis=vocab_axis)
     if debias:  # optax.ema(debias=True): divide by 1 - momentum^count
@@ -123,28 +98,18 @@ def centring_diagnostics(step, ema, count, head_lr, *, momentum: float, debias: 
             "uncentred_step_diameter": d}
 
 
-def make_centring_probe(graphdef, head_matrix, head_shape, *, momentum: float, debias: bool,
-                        eps: float, exact: bool, out_sharding):
-    """Jitted (params, rest, opt_state, head_old, head_lr, head_wd) -> `centring_diagnostics`
-    of the update just applied."""
-
-    def probe(params, rest, opt_state, head_old, head_lr, head_wd):
-        _, vocab_axis, _, step = _change(graphdef, head_matrix, params, rest, head_old, head_lr,
-                                         head_wd)
-        ema, count = head_ema(opt_state, head_shape)
-        return centring_diagnostics(step, ema, count, head_lr, momentum=momentum,
-                                    debias=debias, eps=eps, vocab_axis=vocab_axis, exact=exact)
-
-    return jax.jit(probe, out_shardings=out_sharding)
+def centring_probe(graphdef, params, rest, opt_state, head_old, head_lr, head_wd, *,
+                   head_shape, **options):
+    """`centring_diagnostics` of the update just applied (`options`: its keywords)."""
+    _, vocab_axis, _, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
+    ema, count = head_ema(opt_state, head_shape)
+    return centring_diagnostics(step, ema, count, head_lr, vocab_axis=vocab_axis, **options)
 
 
 def tracked_head_stats(opt_state) -> dict:
-    """rowgeom's O(Vd) RowDiameterStats of the last full head step (max over head leaves), as
-    `tracked_lower`, `tracked_upper` and `tracked_row_sum_residual` floats.
-
-    Empty when no parameter is in the head group (a tied table trained as the embedding), or
-    when the tracker did not measure the last step (see `optimizer.track_every_k_steps`).
-    """
+    """rowgeom's O(Vd) RowDiameterStats of the last head step (max over head leaves) as
+    `tracked_lower`, `tracked_upper` and `tracked_row_sum_residual`; empty without a head group
+    (a tied table) or when the tracker did not measure the last step."""
     stats = rowgeom.read_row_diameter(opt_state)
     host = lambda x: float(np.asarray(jax.device_get(x)))
     fresh = [host(m) == host(c) for m, c in zip(jax.tree.leaves(stats.measured_at),

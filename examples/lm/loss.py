@@ -1,31 +1,20 @@
 """The LM head's logits and the mean next-token cross-entropy, optionally without ever holding the
 whole `(B, T, V)` float32 logits.
 
-`logits` is the one place the head's logits are made: `hidden · head` with float32 accumulation,
-and the padding ids (`>= num_valid`) floored at `finfo(float32).min / 2`, so they are never
-predicted and their head rows get exactly zero gradient (a finite floor: no `inf - inf`).
+`logits` is the one place the logits are made (float32 accumulation; padding ids `>= num_valid`
+floored at a finite `PADDING_LOGIT`, so never predicted and with zero gradient). With
+`chunk_size = c < T`, `cross_entropy` cuts the sequence axis into chunks of `c` positions (the
+batch stays whole, so a sharded batch stays sharded; a ragged end is padded with zero-weight
+positions) and a `jax.custom_vjp` runs two `lax.scan`s, each holding one `(B, c, V)` chunk:
 
-`cross_entropy` is the mean over the `N = B·T` tokens of `lse_n - z_{n, y_n}`, with logits
-gradient `∂L/∂z_{n,v} = (softmax(z_n)_v - [v = y_n]) / N`, from which `∂L/∂h_n = Σ_v ∂L/∂z_{n,v}
-· head_v` and `∂L/∂head_v = Σ_n ∂L/∂z_{n,v} · h_n`. With `chunk_size = c < T` the sequence axis
-is cut into chunks of `c` positions (the batch axis stays whole, so a sharded batch stays
-sharded) and a `jax.custom_vjp` runs two `lax.scan`s, each holding one `(B, c, V)` chunk:
+- forward: each chunk's per-token `lse` and target logit; the residuals hold nothing of size V·T;
+- backward: each chunk's logits again (one more matmul than autodiff: the price of not storing
+  them), `dz = (softmax(z) - onehot(y)) / N`, `dh = dz · head` and `dhead = Σ dz · h` in float32,
+  as autodiff of the plain path computes them, so the two agree to accumulation order.
 
-- forward: each chunk's per-token `lse` and target logit; the residuals are the inputs and `lse`,
-  nothing of size `V·T`;
-- backward: each chunk's logits again (one more logits matmul than autodiff: the price of not
-  storing them), the gradients above, and `∂L/∂head` summed over the chunks in float32.
-
-A `T` that is not a multiple of `c` is padded with positions of zero weight. The backward matmuls
-take the float32 logits gradient and the compute-dtype operand with float32 accumulation, as
-autodiff of the plain path does, so the two agree to accumulation order in bf16 as well.
-
-On a mesh the head's gradient sums over batch rows on different data-parallel devices; summed
-into one accumulator that would be a head-sized all-reduce per chunk. With `batch_groups = G`
-(the number of batch shards) the accumulator is `(G, D, V)`, one slice per device's rows, summed
-once after the scan: the batch is reduced across devices once, as in the plain path. MaxText's
-vocabulary tiling recomputes the logits the same way; Wijmans et al. 2024 (arXiv 2411.09009)
-fuse it into a kernel that never writes a logits chunk.
+On a mesh, `dhead` sums over rows on different data-parallel devices: one accumulator would be a
+head-sized all-reduce per chunk. With `batch_groups = G` (the batch shards) it is `(G, D, V)`,
+summed once after the scan. MaxText's vocabulary tiling recomputes the logits the same way.
 """
 
 from __future__ import annotations
@@ -59,12 +48,9 @@ def _valid_mask(num_valid: int | None, vocab_size: int) -> jax.Array | None:
 
 def logits(hidden_BcD: jax.Array, head: jax.Array, *, vocab_axis: int,
            num_valid: int | None = None) -> jax.Array:
-    """Float32 logits `(B, c, V)` of hidden states `(B, c, D)` against the head matrix.
-
-    `head` holds the vocabulary along `vocab_axis`: 1 for a `(D, V)` kernel (an `nnx.Linear`),
-    0 for a tied `(V, D)` embedding table. The matmul takes both in their own (compute) dtype and
-    accumulates in float32. Ids `>= num_valid` (None: none) get `PADDING_LOGIT`.
-    """
+    """Float32 logits `(B, c, V)` of hidden states `(B, c, D)` against `head`, a `(D, V)` kernel
+    (`vocab_axis` 1) or a tied `(V, D)` table (0), accumulated in float32; ids `>= num_valid`
+    get `PADDING_LOGIT`."""
     dims = (((2,), (_contracting(vocab_axis),)), ((), ()))
     z_BcV = jax.lax.dot_general(hidden_BcD, head, dims, preferred_element_type=jnp.float32)
     z_BcV = z_BcV.astype(jnp.float32)
@@ -76,21 +62,23 @@ def logits(hidden_BcD: jax.Array, head: jax.Array, *, vocab_axis: int,
 
 def _check(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batch_groups,
            constrain_logits):
-    if isinstance(vocab_axis, bool) or vocab_axis not in (0, 1):
+    shape = lambda x: getattr(x, "shape", type(x).__name__)
+    is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)
+    if not is_int(vocab_axis) or vocab_axis not in (0, 1):
         raise ValueError("vocab_axis must be 1 (a (D, V) kernel) or 0 (a tied (V, D) table), "
                          f"got {vocab_axis!r}")
     if getattr(hidden_BTD, "ndim", None) != 3:
         raise ValueError("hidden_BTD must have shape (batch, seq, d_model), got shape "
-                         f"{getattr(hidden_BTD, 'shape', type(hidden_BTD).__name__)}")
+                         f"{shape(hidden_BTD)}")
     if getattr(head, "ndim", None) != 2:
         raise ValueError("head must be a matrix ((D, V) with vocab_axis=1, (V, D) with "
-                         f"vocab_axis=0), got shape {getattr(head, 'shape', type(head).__name__)}")
-    d = hidden_BTD.shape[-1]
-    if head.shape[_contracting(vocab_axis)] != d:
+                         f"vocab_axis=0), got shape {shape(head)}")
+    d, width = hidden_BTD.shape[-1], head.shape[_contracting(vocab_axis)]
+    if width != d:
         raise ValueError(
-            f"head {head.shape} with vocab_axis={vocab_axis} has model width "
-            f"{head.shape[_contracting(vocab_axis)]} on axis {_contracting(vocab_axis)}, but "
-            f"hidden_BTD {hidden_BTD.shape} has d_model {d}: is vocab_axis the right one?")
+            f"head {head.shape} with vocab_axis={vocab_axis} has model width {width} on axis "
+            f"{_contracting(vocab_axis)}, but hidden_BTD {hidden_BTD.shape} has d_model {d}: is "
+            "vocab_axis the right one?")
     for name, x in (("hidden_BTD", hidden_BTD), ("head", head)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating, got dtype {x.dtype}")
@@ -100,20 +88,16 @@ def _check(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batc
             "dtype (cast the head's master weights to it, as the model does)")
     if getattr(targets_BT, "shape", None) != hidden_BTD.shape[:2]:
         raise ValueError(f"targets_BT must have shape {hidden_BTD.shape[:2]} (hidden_BTD's batch "
-                         f"and seq), got {getattr(targets_BT, 'shape', type(targets_BT).__name__)}")
+                         f"and seq), got {shape(targets_BT)}")
     if not jnp.issubdtype(targets_BT.dtype, jnp.integer):
         raise ValueError(f"targets_BT must hold integer token ids, got dtype {targets_BT.dtype}")
-    vocab = head.shape[vocab_axis]
-    if num_valid is not None and (not isinstance(num_valid, int) or isinstance(num_valid, bool)
-                                  or not 1 <= num_valid <= vocab):
+    vocab, B = head.shape[vocab_axis], hidden_BTD.shape[0]
+    if num_valid is not None and not (is_int(num_valid) and 1 <= num_valid <= vocab):
         raise ValueError(f"num_valid must be an int in [1, V = {vocab}] or None, "
                          f"got {num_valid!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int)
-                                   or isinstance(chunk_size, bool) or chunk_size < 1):
+    if chunk_size is not None and not (is_int(chunk_size) and chunk_size >= 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    B = hidden_BTD.shape[0]
-    if (not isinstance(batch_groups, int) or isinstance(batch_groups, bool) or batch_groups < 1
-            or B % batch_groups):
+    if not (is_int(batch_groups) and batch_groups >= 1 and B % batch_groups == 0):
         raise ValueError(f"batch_groups must be a positive int dividing the batch B = {B}, "
                          f"got {batch_groups!r}")
     if constrain_logits is not None and not callable(constrain_logits):
@@ -125,23 +109,11 @@ def cross_entropy(hidden_BTD: jax.Array, head: jax.Array, targets_BT: jax.Array,
                   batch_groups: int = 1, constrain_logits: Constrain | None = None) -> jax.Array:
     """Mean next-token cross-entropy (a float32 scalar) of `logits(hidden_BTD, head)`.
 
-    Args:
-      hidden_BTD: the final normed hidden state `(B, T, D)` in compute dtype.
-      head: the head matrix in the same dtype, vocabulary along `vocab_axis` (see `logits`).
-      targets_BT: integer target ids `(B, T)`.
-      vocab_axis: 1 for a `(D, V)` kernel, 0 for a tied `(V, D)` table.
-      num_valid: ids `>= num_valid` are padding (never predicted, zero gradient); None: none.
-      chunk_size: sequence positions per logits chunk. None or `>= T`: the plain computation
-        (the whole logits, optax's cross-entropy, plain autodiff); smaller: the chunked custom
-        VJP of the module docstring, which holds one `(B, chunk_size, V)` chunk at a time.
-      batch_groups: (chunked path) the number of shards of the batch axis, e.g. the product of
-        the data-parallel mesh axes' sizes; must divide B. The head's gradient is summed per
-        group of B / batch_groups rows across the chunks and over the groups once at the end,
-        so a batch sharded over that many devices is reduced across them once, not once per
-        chunk. 1: one accumulator (right on one device; on a mesh, a head-sized all-reduce
-        per chunk).
-      constrain_logits: applied to every float32 logits chunk (and, in the chunked backward, to
-        its gradient), e.g. a `jax.lax.with_sharding_constraint` pinning the chunk's sharding.
+    hidden_BTD and head share the compute dtype; targets_BT are integer ids. chunk_size: None or
+    `>= T`, the whole logits and plain autodiff; smaller, the chunked custom VJP (module
+    docstring). batch_groups: the number of batch shards (dividing B), which the chunked
+    backward reduces over once. constrain_logits: applied to every logits chunk and its gradient
+    (e.g. a sharding constraint).
     """
     _check(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batch_groups,
            constrain_logits)
@@ -154,13 +126,8 @@ def cross_entropy(hidden_BTD: jax.Array, head: jax.Array, targets_BT: jax.Array,
                     batch_groups, constrain)
 
 
-def _identity(x):
-    return x
-
-
 def _chunks(x_BT, chunk_size: int):
-    """`x_BT...` padded with zeros along axis 1 to a multiple of `chunk_size`, and the number of
-    chunks."""
+    """`x_BT...` zero-padded along axis 1 to a multiple of `chunk_size`, and the chunk count."""
     num_chunks = math.ceil(x_BT.shape[1] / chunk_size)
     pad = num_chunks * chunk_size - x_BT.shape[1]
     if pad:
@@ -178,21 +145,8 @@ def _unchunk(x_KBc, T: int):
     return jnp.moveaxis(x_KBc, 0, 1).reshape(B, K * c, *x_KBc.shape[3:])[:, :T]
 
 
-def _forward(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, constrain):
-    """Per-token `lse` and target logits `(B, T)` float32, one logits chunk at a time."""
-    T = hidden_BTD.shape[1]
-    hidden_BTD, num_chunks = _chunks(hidden_BTD, chunk_size)
-    targets_BT, _ = _chunks(targets_BT, chunk_size)
-
-    def step(carry, i):
-        z_BcV = constrain(logits(_chunk(hidden_BTD, i, chunk_size), head, vocab_axis=vocab_axis,
-                                 num_valid=num_valid))
-        t_Bc = _chunk(targets_BT, i, chunk_size)
-        target_Bc = jnp.take_along_axis(z_BcV, t_Bc[..., None], axis=-1)[..., 0]
-        return carry, (jax.nn.logsumexp(z_BcV, axis=-1), target_Bc)
-
-    _, (lse_KBc, target_KBc) = jax.lax.scan(step, None, jnp.arange(num_chunks))
-    return _unchunk(lse_KBc, T), _unchunk(target_KBc, T)
+def _identity(x):
+    return x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -204,10 +158,22 @@ def _chunked(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, ba
 
 def _chunked_fwd(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batch_groups,
                  constrain):
+    """Per-token `lse` and target logits, one logits chunk at a time: the same per-token values
+    and the same mean as optax's loss on the whole logits."""
     del batch_groups  # the backward's
-    lse_BT, target_BT = _forward(hidden_BTD, head, targets_BT, vocab_axis, num_valid,
-                                 chunk_size, constrain)
-    # The same per-token values and the same mean as optax's loss on the whole logits.
+    T = hidden_BTD.shape[1]
+    hidden_cut, num_chunks = _chunks(hidden_BTD, chunk_size)
+    targets_cut, _ = _chunks(targets_BT, chunk_size)
+
+    def step(carry, i):
+        z_BcV = constrain(logits(_chunk(hidden_cut, i, chunk_size), head, vocab_axis=vocab_axis,
+                                 num_valid=num_valid))
+        t_Bc = _chunk(targets_cut, i, chunk_size)
+        target_Bc = jnp.take_along_axis(z_BcV, t_Bc[..., None], axis=-1)[..., 0]
+        return carry, (jax.nn.logsumexp(z_BcV, axis=-1), target_Bc)
+
+    _, (lse_KBc, target_KBc) = jax.lax.scan(step, None, jnp.arange(num_chunks))
+    lse_BT, target_BT = _unchunk(lse_KBc, T), _unchunk(target_KBc, T)
     return (lse_BT - target_BT).mean(), (hidden_BTD, head, targets_BT, lse_BT)
 
 

@@ -1,18 +1,16 @@
-"""Metric sinks: DIR/metrics.jsonl, TensorBoard event files, and a PNG plot of the curves.
+"""Metric sinks: DIR/metrics.jsonl, TensorBoard event files (a local DIR only), a PNG plot.
 
-Floats are written with `repr`, which round-trips exactly. Every value except the wall-clock ones
-(`WALL_CLOCK_KEYS`) is a deterministic function of the run, so a resumed run writes the same
-records as an uninterrupted one once those are left out (`deterministic_part`). DIR may be remote
-(`gs://...`, through `etils.epath`); TensorBoard files are written for a local DIR only. Only
-process 0 writes; other processes get a writer whose methods do nothing.
+Floats round-trip exactly; every value but the wall-clock ones (`WALL_CLOCK_KEYS`) is a
+deterministic function of the run, so a resumed run writes the same records as an uninterrupted
+one (`deterministic_part`). Only process 0 writes.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 
+import jax
 import numpy as np
 from etils import epath
 
@@ -20,6 +18,28 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
 WALL_CLOCK_KEYS = ("tokens_per_sec", "sec_per_step", "mfu")
+
+
+# Dense bf16 FLOP/s per chip or GPU by `device_kind` prefix (lower case), from the vendors' data
+# sheets: the trainer's MFU is model FLOPs/s over this times the device count; an unknown device
+# (a CPU, a new chip) has none rather than a guess. ("tpu v5 lite" is a v5e, "tpu v6 lite" a v6e;
+# the H100 figure is the SXM part's.)
+PEAK_FLOPS = {
+    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
+    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12, "tpu7x": 2307e12,
+    "nvidia h200": 989e12, "nvidia h100": 989e12, "nvidia gh200": 989e12,
+    "nvidia b200": 2250e12, "nvidia a100": 312e12, "nvidia l4": 121e12, "nvidia a10g": 125e12,
+}
+
+
+def peak_flops(device=None) -> float | None:
+    """Peak bf16 FLOP/s of `device` (default: the first device), or None when unknown."""
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    # Longest prefix first, so "tpu v5 lite" wins over "tpu v5".
+    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if kind.startswith(prefix):
+            return PEAK_FLOPS[prefix]
+    return None
 
 
 def deterministic_part(record: dict) -> dict:
@@ -59,11 +79,8 @@ class MetricsWriter:
             self.workdir.mkdir(parents=True, exist_ok=True)
 
     def truncate_after(self, step: int) -> None:
-        """Drop records with step > `step`: they belong to steps a resumed run is about to redo.
-
-        metrics.jsonl loses those lines; TensorBoard's old event files are left as they are and
-        the new one starts with a purge at `step + 1` (tensorboardX's `purge_step`: TensorBoard
-        discards the earlier files' points from that step on), so no step shows twice."""
+        """Drop records with step > `step`, which a resumed run is about to redo: from
+        metrics.jsonl, and from TensorBoard by a `purge_step` in the next event file."""
         if not self.enabled:
             return
         if self.tensorboard and (self.workdir / TENSORBOARD_DIR).exists():
@@ -79,8 +96,8 @@ class MetricsWriter:
             tmp.replace(path)
 
     def clear(self) -> list[str]:
-        """Delete what a run wrote here, metrics.jsonl, metrics.png and the TensorBoard event
-        files (a fresh start with --overwrite); return the names deleted."""
+        """Delete metrics.jsonl, metrics.png and the TensorBoard events (--overwrite); return the
+        names deleted."""
         if not self.enabled:
             return []
         self.close()
@@ -95,14 +112,6 @@ class MetricsWriter:
         self._purge_step = None
         return deleted
 
-    def _tensorboard(self):
-        if self._tb is None:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR),
-                                     purge_step=self._purge_step)
-        return self._tb
-
     def write(self, record: dict) -> None:
         """Append `record` (with a `step`) to jsonl and log it to TensorBoard."""
         if not self.enabled:
@@ -115,10 +124,14 @@ class MetricsWriter:
             return
         with path.open("a") as f:
             f.write(line)
-        tb = self._tensorboard()
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(self.workdir / TENSORBOARD_DIR),
+                                     purge_step=self._purge_step)
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                tb.add_scalar(key, value, step)
+                self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -129,43 +142,6 @@ class MetricsWriter:
         """Write DIR/metrics.png: losses, head diameters and Hilbert perturbations against step."""
         if not self.enabled:
             return None
+        from examples.lm.tools.plot import plot_metrics
+
         return plot_metrics(read_metrics(self.workdir), self.workdir / PLOT_FILE)
-
-
-def _series(records, key):
-    pts = [(r["step"], r[key]) for r in records
-           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def plot_metrics(records: list[dict], path: str | os.PathLike) -> epath.Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("loss", [("train_loss", "train"), ("val_loss", "validation")], False),
-        ("head row diameter", [("head_diameter", "D(ΔW), full change"),
-                               ("head_step_diameter", "D(step), no decay"),
-                               ("head_diameter_upper", "O(Vd) upper bound")], True),
-        ("Hilbert perturbation (RMS over held-out h)",
-         [("hilbert_rms", "full change"), ("head_step_hilbert_rms", "step, no decay")], True),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), constrained_layout=True)
-    for ax, (title, keys, log) in zip(axes, panels, strict=True):
-        for key, label in keys:
-            xs, ys = _series(records, key)
-            if xs:
-                ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
-        if log and any(ln.get_ydata().size and min(ln.get_ydata()) > 0 for ln in ax.get_lines()):
-            ax.set_yscale("log")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if ax.get_lines():
-            ax.legend()
-    path = epath.Path(path)
-    with path.open("wb") as f:
-        fig.savefig(f, dpi=100, format="png")
-    plt.close(fig)
-    return path

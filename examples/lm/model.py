@@ -1,15 +1,9 @@
-"""A small decoder-only transformer in flax.nnx for the rowgeom LM example.
-
-Pre-norm blocks (RMSNorm -> causal self-attention with RoPE, RMSNorm -> SwiGLU MLP), a final
-RMSNorm and an LM head (`nnx.Linear`, kernel (d, V)) or, with `tied_embeddings`, the embedding
-table (V, d). Shapes are suffixed to names: B batch, T sequence, D model width, N heads, H head
-width, F MLP width, V vocabulary, L layers.
-
-Every parameter and activation is named by logical axes ("embed", "activation_batch", ...), which
-sharding.py maps onto the mesh; the constraints apply only inside `jax.set_mesh`, so the same code
-runs on one device or on a mesh of `AxisType.Auto` axes. Parameters are stored in `param_dtype`
-and computed in `compute_dtype`; norm statistics, RoPE, the attention softmax and the logits are
-float32.
+"""A decoder-only transformer in flax.nnx: pre-norm blocks (RMSNorm -> causal attention with
+RoPE, RMSNorm -> SwiGLU MLP), a final RMSNorm and an LM head (kernel (d, V)) or the tied embedding
+table (V, d). Shape suffixes: B batch, T sequence, D width, N heads, H head width, F MLP width,
+V vocabulary, L layers. Every parameter and activation is named by logical axes, which
+sharding.py maps onto the mesh (inside `jax.set_mesh` only). Norm statistics, RoPE, the softmax
+and the logits are float32 whatever `compute_dtype`.
 """
 
 import dataclasses
@@ -36,8 +30,8 @@ REMAT_POLICIES = ("none", "block", "dots")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The transformer's shape, dtypes and vocabulary; validated on creation. Its fields are the
-    trainer's `--model.*` flags, and its errors name them so."""
+    """The transformer's shape, dtypes and vocabulary, validated on creation; its fields are the
+    trainer's `--model.*` flags."""
 
     vocab_size: int
     d_model: int
@@ -50,23 +44,15 @@ class ModelConfig:
     norm_eps: float = 1e-6
     compute_dtype: str = "float32"
     param_dtype: str = "float32"
-    # Token ids >= valid_vocab_size are padding (a vocabulary rounded up to a multiple of 128):
-    # their embedding and head rows start at zero and their logits are masked, so they are never
-    # predicted and get no gradient. None: every id is a token.
+    # Ids >= valid_vocab_size are padding (a vocabulary padded to a multiple of 128): zero rows,
+    # masked logits, never predicted, no gradient. None: every id is a token.
     valid_vocab_size: int | None = None
-    # The blocks as one stacked (L, ...) parameter each, run by nnx.scan (a checkpoint of one
-    # layout does not restore into the other).
-    scan_layers: bool = False
+    scan_layers: bool = False  # stacked (L, ...) blocks under nnx.scan (another checkpoint layout)
     remat: str = "none"  # one of REMAT_POLICIES
-    # Sequence positions per chunk of the loss (loss.py): the logits of one chunk exist at a
-    # time. None: the whole sequence at once.
-    loss_chunk: int | None = None
-    # The switches that separate the paper's block (arXiv 2608.22253, Table 1) from this
-    # example's default one. qk_norm: RMS-normalise each head's query and key (no gain, eps
-    # norm_eps) before RoPE. norm_gain: every RMSNorm learns a gain vector (False: the model has
-    # no vector parameters at all). init_std: every embedding, linear and head weight drawn from
-    # N(0, init_std^2), with no depth scaling (None: LeCun, depth-scaled residual writes and a
-    # unit-variance embedding).
+    loss_chunk: int | None = None  # loss positions per logits chunk (loss.py); None: all at once
+    # The paper's block (arXiv 2608.22253, Table 1): qk_norm (RMS-normalised queries and keys
+    # before RoPE), no norm gains (no vector parameters at all), every weight from N(0, init_std^2)
+    # (None: LeCun with depth-scaled residual writes and a unit-variance embedding).
     qk_norm: bool = False
     norm_gain: bool = True
     init_std: float | None = None
@@ -136,22 +122,15 @@ def _zero_padding(init, num_tokens: int, vocab_axis: int):
 
 
 def _sharded(names: tuple) -> dict:
-    """Variable metadata for a parameter whose axes have the logical names `names`.
-
-    Metadata only (`eager_sharding=False`): flax would otherwise shard each variable as it is
-    created, which needs an active mesh and fails when a mesh axis does not divide the dimension
-    (a vocabulary of 50257 over 4 "tensor" devices). The trainer places the parameters.
-    """
+    """Variable metadata naming a parameter's logical axes. `eager_sharding=False`: flax would
+    otherwise shard the variable as it is created, which fails when a mesh axis does not divide
+    the dimension (a vocabulary of 50257 over 4 devices); the trainer places the parameters."""
     return {"out_sharding": names, "eager_sharding": False}
 
 
 def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, *, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), half-split layout.
-
-    Feature pairs (i, i + H/2) are rotated by angle position * theta^(-2i/H), so the dot product of
-    a rotated query at position m and a rotated key at position n depends on m - n only. Computed
-    in fp32 (bf16 angles lose the low bits of large positions) and cast back to the input dtype.
-    """
+    """Rotary position embedding (arXiv 2104.09864), half-split: feature pairs (i, i + H/2)
+    rotated by position * theta^(-2i/H). In fp32 (bf16 angles lose large positions' low bits)."""
     half = x_BTNH.shape[-1] // 2
     inv_freq_K = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle_TK = positions_T.astype(jnp.float32)[:, None] * inv_freq_K[None, :]
@@ -164,11 +143,8 @@ def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, *, theta: float) -> ja
 
 
 def _linear(d_in, d_out, names, cfg, rngs, *, std=None):
-    """A bias-free Linear whose kernel (d_in, d_out) is sharded over `names`.
-
-    Default init is LeCun normal (std 1/sqrt(d_in)), which keeps activations O(1) after a pre-norm;
-    `cfg.init_std` overrides every choice (the paper's N(0, 0.02^2)).
-    """
+    """A bias-free Linear, kernel (d_in, d_out) named `names`; LeCun normal init (activations
+    O(1) after a pre-norm) unless `std`, and `cfg.init_std` (the paper's 0.02) over both."""
     if cfg.init_std is not None:
         std = cfg.init_std
     elif std is None:
@@ -188,8 +164,8 @@ def _rmsnorm(cfg, rngs, features=None):
 
 
 def _residual_std(fan_in: int, cfg: ModelConfig) -> float:
-    # GPT-2 style: shrink the projections that write into the residual stream by 1/sqrt(2L) so its
-    # variance at init does not grow with depth (2 residual writes per block).
+    # GPT-2 style: residual writes shrunk by 1/sqrt(2L), so the stream's variance at init does not
+    # grow with depth (2 writes per block).
     return 1.0 / math.sqrt(fan_in * 2 * cfg.num_layers)
 
 
@@ -213,12 +189,10 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        cfg = self.cfg
         B, T, _ = x_BTD.shape
-        N, H, theta = cfg.num_heads, cfg.head_dim, cfg.rope_theta
-        positions_T = jnp.arange(T)
+        N, H = self.cfg.num_heads, self.cfg.head_dim
         heads = lambda y_BTD: constrain(y_BTD.reshape(B, T, N, H), *_BTNH)
-        rope = lambda y_BTNH: apply_rope(y_BTNH, positions_T, theta=theta)
+        rope = lambda y_BTNH: apply_rope(y_BTNH, jnp.arange(T), theta=self.cfg.rope_theta)
         q_BTNH, k_BTNH = heads(self.q_proj(x_BTD)), heads(self.k_proj(x_BTD))
         if self.q_norm is not None:
             q_BTNH, k_BTNH = self.q_norm(q_BTNH), self.k_norm(k_BTNH)
@@ -260,18 +234,6 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """`cfg.num_layers` blocks as one Block whose parameters have a leading layer axis (logical
-    name "layers"), each layer initialised from its own split of `rngs`."""
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(rngs):
-        return Block(cfg, rngs=rngs)
-
-    return create(rngs)
-
-
 def _apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
     return block(x_BTD)
 
@@ -286,8 +248,7 @@ def _rematted(policy: str, *, in_scan: bool):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only LM: tokens (B, T) int -> logits (B, T, V) float32; `loss` gives the mean
-    next-token cross entropy without forming all the logits at once."""
+    """Decoder-only LM: tokens (B, T) -> logits (B, T, V) float32, or `loss`."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -301,7 +262,13 @@ class Transformer(nnx.Module):
             embedding_init=_zero_padding(nnx.initializers.normal(embed_std), cfg.num_tokens, 0),
             embedding_metadata=_sharded(("vocab", "embed")), rngs=rngs)
         if cfg.scan_layers:
-            self.layers = _stacked_blocks(cfg, rngs)
+            # One Block with a leading "layers" axis, each layer from its own split of `rngs`.
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked(rngs):
+                return Block(cfg, rngs=rngs)
+
+            self.layers = stacked(rngs)
         else:
             self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _rmsnorm(cfg, rngs)
@@ -343,11 +310,8 @@ class Transformer(nnx.Module):
         return constrain(self.final_norm(x_BTD), *_BTD)
 
     def head(self) -> tuple[jax.Array, int]:
-        """The head matrix in compute dtype and its vocabulary axis: the kernel (D, V) and 1, or
-        the tied table (V, D) and 0 (padding rows included).
-
-        Gathered whole along the model width (vocabulary split over "tensor" only), once: the
-        loss's chunks all multiply the same head, and its backward needs it again."""
+        """The head in compute dtype, padding rows included, and its vocabulary axis: (kernel
+        (D, V), 1) or (table (V, D), 0). Gathered whole along D once: every loss chunk uses it."""
         if self.lm_head is None:
             table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
             return constrain(table_VD, "activation_vocab", "activation_embed"), 0
@@ -355,8 +319,7 @@ class Transformer(nnx.Module):
         return constrain(kernel_DV, "activation_embed", "activation_vocab"), 1
 
     def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
-        """Logits (B, T, V) in float32; with `return_hidden`, also the final normed hidden state
-        (B, T, D) in compute dtype, i.e. exactly what the head multiplies."""
+        """Logits (B, T, V) in float32; with `return_hidden`, also `hidden(tokens_BT)`."""
         h_BTD = self.hidden(tokens_BT)
         head, vocab_axis = self.head()
         logits_BTV = constrain(loss_lib.logits(h_BTD, head, vocab_axis=vocab_axis,
@@ -364,9 +327,8 @@ class Transformer(nnx.Module):
         return (logits_BTV, h_BTD) if return_hidden else logits_BTV
 
     def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
-        """Mean next-token cross entropy (float32) of `targets_BT` given `tokens_BT`, over
-        `cfg.loss_chunk` positions at a time (loss.py): the same value as the cross entropy of
-        `self(tokens_BT)`, to float32 rounding."""
+        """Mean next-token cross entropy (float32), `cfg.loss_chunk` positions at a time (loss.py):
+        that of `self(tokens_BT)`'s logits, to float32 rounding."""
         head, vocab_axis = self.head()
         # One head-gradient accumulator per batch shard, summed once (see loss.py).
         groups = num_shards(tokens_BT.shape[0], "activation_batch")
@@ -385,15 +347,9 @@ def head_matrix(model: Transformer) -> tuple[jax.Array, int]:
     return model.lm_head.kernel[...][:, :n], 1
 
 
-def count_params(model: Transformer) -> int:
-    """Number of trainable scalars (a tied table is counted once)."""
-    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
 def param_count(cfg: ModelConfig) -> int:
-    """Trainable scalars of `cfg`'s model without the padding rows of a padded vocabulary (they
-    are zero and never trained), from the abstract model: nothing is allocated. The paper counts
-    parameters this way (its 190M model: 185,680,896 with V = 50,257)."""
+    """Trainable scalars of `cfg`'s model, not counting a padded vocabulary's (zero, untrained)
+    padding rows, as the paper counts (its 190M: 185,680,896); nothing is allocated."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     padding_rows = cfg.vocab_size - cfg.num_tokens
@@ -402,11 +358,9 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward) for MFU, following PaLM (arXiv 2204.02311, B):
-    6 N for the matmul parameters N (per layer 4 d^2 attention + 3 d F MLP, plus the d V head, which
-    the tied table also costs) and 12 L d T for the attention scores and values at context T; the
-    embedding lookup and the norms are not matmuls and are left out.
-    """
+    """Training FLOPs per token for MFU, as PaLM (arXiv 2204.02311, B): 6 per matmul parameter
+    (per layer 4 d^2 + 3 d F, plus the d V head, tied or not) and 12 L d T for attention; the
+    embedding lookup and the norms are not matmuls."""
     d, L = cfg.d_model, cfg.num_layers
     matmul_params = L * (4 * d * d + 3 * d * cfg.mlp_dim) + d * cfg.vocab_size
     return float(6 * matmul_params + 12 * L * d * cfg.max_seq_len)

@@ -1,9 +1,6 @@
-"""The example's optimizer: the learning-rate schedule and `rowgeom.lm_optimizer` for a `Config`.
-
-Every group's peak rate and decay come from `rowgeom.group_options` (the library's own defaults,
-e.g. the head rate), each group follows `lr_schedule` of its peak, and the chain is
-global-norm clipping -> `rowgeom.lm_optimizer`, wrapped in `optax.MultiSteps` to accumulate.
-"""
+"""The learning-rate schedule and `rowgeom.lm_optimizer` for a `Config`: every group's peak rate
+and decay from `rowgeom.group_options`, each following `lr_schedule` of its peak, after
+global-norm clipping, in `optax.MultiSteps` to accumulate."""
 
 from __future__ import annotations
 
@@ -19,13 +16,9 @@ from examples.lm import configs
 
 
 def lr_schedule(peak: float, cfg: configs.Config):
-    """Learning rate as a function of the number of updates already applied (optax schedules).
-
-    Linear warmup to `peak` over `cfg.effective_warmup()` updates (the first update already uses
-    peak/warmup, never 0), then `optax.warmup_cosine_decay_schedule`'s cosine ("cosine"), or a
-    constant phase and a linear decay over the last `decay_fraction` of the run ("wsd",
-    `optax.join_schedules`), both ending exactly at `min_lr_ratio·peak` on the last update.
-    """
+    """Learning rate by the number of updates already applied: linear warmup to `peak` over
+    `cfg.effective_warmup()` updates, then a cosine ("cosine") or a constant phase and a linear
+    decay over the last `decay_fraction` ("wsd"), both ending at `min_lr_ratio·peak`."""
     o = cfg.optim
     warm, total, end = cfg.effective_warmup(), cfg.steps, peak * o.min_lr_ratio
     if o.schedule == "cosine":
@@ -41,12 +34,9 @@ def lr_schedule(peak: float, cfg: configs.Config):
 
 
 def optimizer_options(cfg: configs.Config) -> dict:
-    """rowgeom.lm_optimizer's options for `cfg` (everything but the learning rate).
-
-    "rownorm-rescaled" is the RowNorm head with `rescale="exact"`; a padded vocabulary keeps its
-    padding rows out of RowNorm's means (`num_valid`); a tied table is trained as the embedding
-    (AdamW, tied="embedding"). A None rate or decay leaves rowgeom's default.
-    """
+    """rowgeom.lm_optimizer's options for `cfg` but the rate. "rownorm-rescaled" is RowNorm with
+    `rescale="exact"`; a tied table is trained as the embedding; a None rate or decay leaves
+    rowgeom's default."""
     o, rescaled = cfg.optim, cfg.head == "rownorm-rescaled"
     rownorm = rescaled or cfg.head == "rownorm"
     head = rowgeom.HeadOptions(optimizer="rownorm" if rescaled else cfg.head,
@@ -80,21 +70,16 @@ def head_group(cfg: configs.Config) -> rowgeom.GroupOptions:
 
 
 def track_every_k_steps(cfg: configs.Config) -> int:
-    """How often the head tracker measures: on every step the trainer reads it, and no other.
-
-    The trainer reads the tracker at evaluations (every `eval.every` steps and the last step)
-    and on each of the last `eval.probe_last_steps` steps; its O(Vd) passes run only then.
-    """
+    """How often the head tracker measures: on the steps the trainer reads it (evaluations,
+    the last step and the last `eval.probe_last_steps`), and no other."""
     if cfg.eval.probe_last_steps:
         return 1
     return math.gcd(cfg.eval.every, cfg.steps)
 
 
 def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
-    """Global-norm clipping -> rowgeom.lm_optimizer, wrapped in optax.MultiSteps to accumulate.
-
-    Every group gets `lr_schedule` of its resolved peak rate (`group_hparams`).
-    """
+    """Global-norm clipping -> rowgeom.lm_optimizer (each group on `lr_schedule` of its peak),
+    in optax.MultiSteps to accumulate."""
     groups = {group: dataclasses.replace(o, learning_rate=lr_schedule(o.learning_rate, cfg))
               for group, o in group_hparams(cfg).items()}
     tx = rowgeom.lm_optimizer(cfg.optim.learning_rate, **{**optimizer_options(cfg),

@@ -1,14 +1,11 @@
 """The device mesh and where every array lives on it: parameters, optimizer state, batches.
 
-The mesh has three axes: `data` (parameters replicated), `fsdp` (parameters and optimizer state
-sharded, ZeRO-3 style) and `tensor` (the vocabulary of the head and embedding, MLP width, heads).
-The model names the axes of every parameter and activation by what they mean (`"embed"`,
-`"activation_batch"`, ...), and `RULES` maps the names onto mesh axes, in the style of MaxText's
-`logical_axis_rules`; parameters and activations read the same table. Without the activation
-constraints the partitioner would follow the parameters' FSDP split into the activations and
-then all-reduce and all-gather whole global-batch activations. The optimizer state's shardings
-are read from its own structure (`state_shardings`). A mesh axis that does not divide a
-dimension is dropped for it (`fit_spec`): that dimension is replicated.
+Axes: `data` (parameters replicated), `fsdp` (parameters and optimizer state sharded, ZeRO-3)
+and `tensor` (vocabulary, MLP width, heads). The model names every parameter's and activation's
+axes by meaning (`"embed"`, `"activation_batch"`), and `RULES` maps the names onto mesh axes, as
+MaxText's `logical_axis_rules` (without the activation constraints the partitioner would carry
+the FSDP split into the activations and gather whole global-batch activations). A mesh axis that
+does not divide a dimension is dropped for it (`fit_spec`).
 """
 
 from __future__ import annotations
@@ -27,24 +24,17 @@ AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 
-def _multi_process_environment() -> bool:
-    """True when a launcher describes several processes (Cloud TPU pod, SLURM, MPI, explicit)."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    if len([h for h in hosts.split(",") if h.strip()]) > 1:
-        return True
-    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES"):
-        if int(os.environ.get(var, "1") or 1) > 1:
-            return True
-    return False
-
-
 def maybe_initialize_distributed(mode: str = "auto") -> None:
-    """`jax.distributed.initialize()` (arguments from the environment, which JAX reads itself on
-    Cloud TPU and SLURM) with `mode` "on", or "auto" in a multi-process launch; never with "off".
-    Must run before any other JAX call touches the backend."""
-    if mode == "on" or (mode == "auto" and _multi_process_environment()):
+    """`jax.distributed.initialize()` (which reads its arguments from the environment) with `mode`
+    "on", or "auto" when a launcher describes several processes (Cloud TPU pod, SLURM, MPI, an
+    explicit coordinator). Must run before any other JAX call touches the backend."""
+    if mode == "auto":
+        hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+        several = (os.environ.get("JAX_COORDINATOR_ADDRESS") or len(hosts) > 1
+                   or any(int(os.environ.get(var, "1") or 1) > 1
+                          for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES")))
+        mode = "on" if several else "off"
+    if mode == "on":
         jax.distributed.initialize()
 
 
@@ -79,10 +69,8 @@ def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
     """A (data, fsdp, tensor) mesh with Auto axes (jax.make_mesh would default to Explicit).
-
-    Devices of several TPU slices (multi-slice, `slice_index`) get a hybrid mesh: `data` is
-    split across the slices first (the data-center network carries only the gradients' data-
-    parallel reductions), the rest within each slice."""
+    Several TPU slices get a hybrid mesh: `data` spans the slices first (only the gradients'
+    data-parallel reductions cross the data-center network), the rest within each slice."""
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(data, fsdp, tensor, len(devices))
     slices = len({getattr(d, "slice_index", 0) for d in devices})
@@ -128,8 +116,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch(batch_size: int, mesh: Mesh) -> None:
-    """Raise ValueError unless the global batch splits evenly over the data-parallel devices and
-    the processes (each feeds its own rows)."""
+    """Raise ValueError unless the batch splits evenly over data-parallel devices and processes."""
     dp = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if batch_size % dp or batch_size % jax.process_count():
         raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
@@ -150,17 +137,11 @@ def _masked(x) -> bool:
 
 
 def state_shardings(abstract: dict, param_shardings, mesh: Mesh) -> dict:
-    """Shardings of the whole train state `{params, opt_state, ...}` for `mesh`.
-
-    Parameters use `param_shardings`. The optimizer state is read by its structure, as
-    `optax.tree_utils.tree_map_params` does: every subtree laid out like the parameters (a
-    momentum, Adam's moments, `MultiSteps`' accumulator; under `optax.partition` a group's copy,
-    with `MaskedNode` where another group owns the parameter) takes the parameters' shardings
-    leaf for leaf, where the leaf has its parameter's shape. `tree_map_params` itself cannot be
-    used: it initialises the optimizer on a placeholder, and `rowgeom.lm_optimizer` labels the
-    parameters by their paths first. Everything else (counts, the head tracker's scalars) is
-    replicated.
-    """
+    """Shardings of the train state `{params, opt_state, ...}`: `param_shardings` for the
+    parameters, and for every optimizer-state subtree laid out like them (moments, `MultiSteps`'
+    accumulator, a partition group's copy with `MaskedNode`s) the same, leaf for leaf where the
+    shapes match; the rest replicated. (`optax.tree_utils.tree_map_params` would initialise the
+    optimizer on placeholders, but `rowgeom.lm_optimizer` labels parameters by their paths.)"""
     repl = replicated(mesh)
     params = abstract["params"]
     layout = jax.tree.structure(params)
@@ -223,11 +204,8 @@ def param_spec(shape: Sequence[int], names: Sequence[str | None], mesh) -> P:
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
-    """`x` constrained to the sharding its logical axis `names` map to on the current mesh.
-
-    Inside `jax.set_mesh` (where the trainer traces) this is `with_sharding_constraint`;
-    without a mesh (one device, unit tests) it returns `x` unchanged.
-    """
+    """`x` constrained to the sharding its logical axis `names` map to on the current mesh;
+    unchanged without a mesh (one device, unit tests)."""
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} axis names {names} for an array of shape "
                          f"{x.shape}")
@@ -238,8 +216,7 @@ def constrain(x: jax.Array, *names: str | None) -> jax.Array:
 
 
 def num_shards(dim: int, name: str) -> int:
-    """Into how many pieces an axis of size `dim` with logical `name` is split on the current
-    mesh (1 without a mesh)."""
+    """Into how many pieces the current mesh splits an axis of size `dim` named `name`."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1

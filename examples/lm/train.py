@@ -7,9 +7,8 @@ Run from the repository root, as a module:
     python -m examples.lm.train --workdir runs/a     # rerun on a workdir: resume its latest one
     python -m examples.lm.train --config 190m --mesh.fsdp 8 --workdir gs://bucket/run
 
-This file is the whole training program, top to bottom: `Trainer` (the state, its shardings, the
-jitted step and probes), `start` (resume or fresh, mesh, data), `train` (the loop; SIGTERM saves
-the current step and exits 0), `benchmark` (`--benchmark N`) and `main`.
+Top to bottom: `Trainer` (the state, its shardings, the jitted step and probes), `start` (resume
+or fresh, mesh, data), `train` (the loop; SIGTERM saves the current step and exits 0) and `main`.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ if __package__ in (None, ""):  # `python examples/lm/train.py`: the package is n
     raise SystemExit(2)
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 import rowgeom
 from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding
@@ -42,16 +43,12 @@ from examples.lm import model as model_lib
 from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
 from examples.lm.tools import tokenizer as bpe
 
-# ----------------------------------------------------------------------------- state and step
-
 
 class Trainer:
-    """Model, optimizer, jitted functions and shardings for one config on one mesh.
-
-    `init()` builds the state `{params, rest, opt_state, micro_step, rng}` in place on the mesh;
-    a checkpoint is restored onto `abstract_state`. `train_step(state, inputs, targets)` applies
-    one micro-batch; `grad_step` is its forward and backward pass alone (for timing).
-    """
+    """Model, optimizer, jitted functions and shardings for one config on one mesh: `init()`
+    builds the state `{params, rest, opt_state, micro_step, rng}` in place, `abstract_state` is
+    what a checkpoint restores onto, `train_step` applies one micro-batch, `grad_step` is its
+    forward and backward pass alone (for timing)."""
 
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
@@ -85,10 +82,7 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
             self.shardings)
         self._init = jax.jit(init_state, out_shardings=self.shardings)
-        self._build_functions()
-
-    def _build_functions(self):
-        gd, tx = self.graphdef, self.tx
+        gd = self.graphdef
         batch = sharding.batch_sharding(self.mesh)
         repl = sharding.replicated(self.mesh)
         compute = self.compute_params
@@ -120,10 +114,9 @@ class Trainer:
         head_shape = jax.eval_shape(head_of, self.abstract_state["params"],
                                     self.abstract_state["rest"]).shape
         self.exact_diameter = math.prod(head_shape) <= self.cfg.eval.exact_diameter_max_elements
-        self.head_probe = evaluate.make_head_probe(
-            gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
-        self.step_diameter = evaluate.make_step_diameter(
-            gd, model_lib.head_matrix, exact=self.exact_diameter, out_sharding=repl)
+        exact, jit = self.exact_diameter, functools.partial(jax.jit, out_shardings=repl)
+        self.head_probe = jit(functools.partial(evaluate.head_probe, gd, exact=exact))
+        self.step_diameter = jit(functools.partial(evaluate.step_diameter, gd, exact=exact))
         # With eval.centring, a RowNorm head's step against the uncentred one, where the
         # optimizer state holds the head's EMA moment.
         self.centring_probe = None
@@ -132,10 +125,10 @@ class Trainer:
         if (self.cfg.eval.centring and rownorm and full_head is not None
                 and evaluate.head_ema(self.abstract_state["opt_state"], full_head.shape)):
             o = self.cfg.optim
-            self.centring_probe = evaluate.make_centring_probe(
-                gd, model_lib.head_matrix, full_head.shape, momentum=self.head_group.momentum,
-                debias=o.head_bias_correction, eps=1e-8 if o.head_eps is None else o.head_eps,
-                exact=self.exact_diameter, out_sharding=repl)
+            self.centring_probe = jit(functools.partial(
+                evaluate.centring_probe, gd, head_shape=full_head.shape,
+                momentum=self.head_group.momentum, debias=o.head_bias_correction,
+                eps=1e-8 if o.head_eps is None else o.head_eps, exact=exact))
 
     def compute_params(self, params):
         """`params` in the model's compute dtype, each kept on its own sharding (so the cast runs
@@ -143,17 +136,13 @@ class Trainer:
         dtype = jnp.dtype(self.cfg.model.compute_dtype)
         if dtype == jnp.dtype(self.cfg.model.param_dtype):
             return params
-        shardings = self.shardings["params"]
-        return jax.tree.map(
-            lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s), params, shardings)
+        return jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
+                            params, self.shardings["params"])
 
     def init(self):
         """A fresh train state, created in place with its shardings."""
         with jax.set_mesh(self.mesh):
             return self._init()
-
-
-# ----------------------------------------------------------------------------- run setup
 
 
 class UsageError(ValueError):
@@ -180,7 +169,11 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
     """
     ckpt = None
     try:
-        cfg = with_tokenizer_vocab(cfg.validate())
+        cfg = cfg.validate()
+        if cfg.data.tokenizer is not None:  # its size, padded up to a multiple of 128
+            n = bpe.vocab_size(bpe.load_tokenizer(cfg.data.tokenizer))
+            cfg = configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
+                                         "model.valid_vocab_size": n})
         for flag, path in (("--workdir", workdir), ("--checkpoint.dir", cfg.checkpoint.dir)):
             if (path is not None and not checkpointing.is_remote(path) and os.path.exists(path)
                     and not os.path.isdir(path)):
@@ -189,8 +182,49 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
         ckpt = checkpointing.Checkpointer(
             cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
             keep=cfg.checkpoint.keep)
-        return _start_with(cfg, workdir, ckpt, explicit=explicit, overwrite=overwrite,
-                           change_horizon=change_horizon, out=out)
+        latest = ckpt.latest_step()
+        if overwrite and (latest is not None or ckpt.damaged()):
+            listed = ckpt.all_steps() + [p.name for p in ckpt.damaged()]
+            out(f"--overwrite: deleting checkpoints {listed} in {ckpt.directory}")
+            ckpt.delete_all()
+            latest = None
+        if latest is not None or ckpt.damaged():
+            latest, meta = _newest_intact(ckpt, ckpt.restore_meta, out)
+            cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
+                                                 change_horizon=change_horizon)
+            step = meta["step"]
+            if "steps" in changed:
+                old = dataclasses.replace(cfg, steps=changed["steps"][0])
+                before = _scalar(lr_schedule(cfg.optim.learning_rate, old)(step))
+                after = _scalar(lr_schedule(cfg.optim.learning_rate, cfg)(step))
+                out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; "
+                    f"the learning rate of update {step + 1} changes from {before:.6g} to "
+                    f"{after:.6g}")
+            if changed:
+                listed = ", ".join(f"--{name} {was!r} -> {now!r}"
+                                   for name, (was, now) in changed.items())
+                out(f"resuming with changed settings: {listed}")
+        mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+        sharding.check_batch(cfg.data.batch_size, mesh)
+        if cfg.effective_warmup() != cfg.optim.warmup_steps:
+            out(f"--optim.warmup_steps {cfg.optim.warmup_steps} does not fit --steps "
+                f"{cfg.steps}: warming up over {cfg.effective_warmup()} steps instead")
+        data_dir = cfg.data.dir or str(  # the token cache is memory-mapped: keep it local
+            Path("~/.cache/rowgeom/lm-data").expanduser() if checkpointing.is_remote(workdir)
+            else Path(workdir) / "data")
+        tokens = data.prepare_tokens(source=cfg.data.source, workdir=data_dir,
+                                     vocab_size=cfg.model.num_tokens,
+                                     tokenizer=cfg.data.tokenizer)
+        need = cfg.data.batch_size * cfg.seq_len + 1
+        if len(tokens.train) < need:
+            raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
+                             f"batch of batch_size x seq_len + 1 = {need}; use more data or a "
+                             "smaller --data.batch_size / --model.max_seq_len")
+        val_set = data.ValidationSet(
+            tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
+            eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
+            process_count=jax.process_count())
+        return Run(cfg, mesh, ckpt, latest, tokens, val_set)
     except BaseException as e:
         if ckpt is not None:
             _close(ckpt)
@@ -205,15 +239,15 @@ def _close(ckpt: checkpointing.Checkpointer) -> None:
     if checkpointing.is_remote(ckpt.directory):
         return
     try:
-        if ckpt.directory.exists() and ckpt.is_empty():
+        if ckpt.directory.exists() and not any(ckpt.directory.iterdir()):
             ckpt.directory.rmdir()
     except OSError:  # best effort: never hide the error that ended the run
         pass
 
 
 def _newest_intact(ckpt: checkpointing.Checkpointer, read, out):
-    """(step, read(step)) for the newest checkpoint `read` can read, or (None, None). Each
-    damaged one on the way is set aside (`<step>.damaged`, never deleted), one line each."""
+    """(step, read(step)) for the newest checkpoint `read` can read. Each damaged one on the way
+    is set aside (`<step>.damaged`, never deleted), one line each; none left is a UsageError."""
     while (step := ckpt.latest_step()) is not None:
         try:
             return step, read(step)
@@ -221,104 +255,14 @@ def _newest_intact(ckpt: checkpointing.Checkpointer, read, out):
             moved = ckpt.set_aside(step)
             out(f"warning: {e}; moved it aside to {moved} and falling back to the previous "
                 "checkpoint")
-    return None, None
-
-
-def _no_intact_checkpoint(ckpt: checkpointing.Checkpointer) -> UsageError:
     names = ", ".join(p.name for p in ckpt.damaged())
-    return UsageError(f"no intact checkpoint in {ckpt.directory} (damaged, kept for "
-                      f"inspection: {names}): rerun with --overwrite to start fresh (it deletes "
-                      "them), or use a new --workdir")
-
-
-def _start_with(cfg, workdir, ckpt, *, explicit, overwrite, change_horizon, out) -> Run:
-    latest = ckpt.latest_step()
-    if overwrite and (latest is not None or ckpt.damaged()):
-        listed = ckpt.all_steps() + [p.name for p in ckpt.damaged()]
-        out(f"--overwrite: deleting checkpoints {listed} in {ckpt.directory}")
-        ckpt.delete_all()
-        latest = None
-    if latest is not None:
-        latest, meta = _newest_intact(ckpt, ckpt.restore_meta, out)
-        if latest is None:
-            raise _no_intact_checkpoint(ckpt)
-    elif ckpt.damaged():
-        raise _no_intact_checkpoint(ckpt)
-    if latest is not None:
-        cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
-                                             change_horizon=change_horizon)
-        _report_changes(changed, meta["step"], cfg, out)
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    sharding.check_batch(cfg.data.batch_size, mesh)
-    if cfg.effective_warmup() != cfg.optim.warmup_steps:
-        out(f"--optim.warmup_steps {cfg.optim.warmup_steps} does not fit --steps {cfg.steps}: "
-            f"warming up over {cfg.effective_warmup()} steps instead")
-    tokens = data.prepare_tokens(source=cfg.data.source,
-                                 workdir=cfg.data.dir or _default_data_dir(workdir),
-                                 vocab_size=cfg.model.num_tokens, tokenizer=cfg.data.tokenizer)
-    need = cfg.data.batch_size * cfg.seq_len + 1
-    if len(tokens.train) < need:
-        raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
-                         f"batch of batch_size x seq_len + 1 = {need}; use more data or a "
-                         "smaller --data.batch_size / --model.max_seq_len")
-    val_set = data.ValidationSet(
-        tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
-        eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
-        process_count=jax.process_count())
-    return Run(cfg, mesh, ckpt, latest, tokens, val_set)
-
-
-def with_tokenizer_vocab(cfg: configs.Config) -> configs.Config:
-    """With `data.tokenizer`: model.vocab_size = the tokenizer's size rounded up to a multiple of
-    128 and model.valid_vocab_size = the tokenizer's size (the rest is padding)."""
-    if cfg.data.tokenizer is None:
-        return cfg
-    n = bpe.vocab_size(bpe.load_tokenizer(cfg.data.tokenizer))
-    return configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
-                                  "model.valid_vocab_size": n})
-
-
-def _report_changes(changed: dict, step: int, cfg: configs.Config, out) -> None:
-    if "steps" in changed:
-        old = dataclasses.replace(cfg, steps=changed["steps"][0])
-        before = _scalar(lr_schedule(cfg.optim.learning_rate, old)(step))
-        after = _scalar(lr_schedule(cfg.optim.learning_rate, cfg)(step))
-        out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; the "
-            f"learning rate of update {step + 1} changes from {before:.6g} to {after:.6g}")
-    if changed:
-        listed = ", ".join(f"--{name} {was!r} -> {now!r}" for name, (was, now) in changed.items())
-        out(f"resuming with changed settings: {listed}")
-
-
-def _default_data_dir(workdir: str) -> str:
-    if checkpointing.is_remote(workdir):  # the token cache is memory-mapped: keep it local
-        return str(Path("~/.cache/rowgeom/lm-data").expanduser())
-    return str(Path(workdir) / "data")
-
-
-def restore_or_init(setup: Run, trainer: Trainer, out=print):
-    """The train state: restored from `setup.latest` onto the trainer's shardings, or fresh."""
-    ckpt = setup.ckpt
-    with jax.set_mesh(setup.mesh):
-        if setup.latest is not None:
-            try:
-                step, restored = _newest_intact(
-                    ckpt, lambda s: ckpt.restore(s, trainer.abstract_state), out)
-            except ValueError as e:  # the layout differs from this config's
-                raise UsageError(str(e)) from e
-            if step is None:
-                raise _no_intact_checkpoint(ckpt)
-            state = restored[0]
-            out(f"resumed from step {step} ({ckpt.directory})")
-        else:
-            state = trainer.init()
-            out(f"no checkpoint in {setup.ckpt.directory}: starting fresh")
-    return state
+    raise UsageError(f"no intact checkpoint in {ckpt.directory} (damaged, kept for inspection: "
+                     f"{names}): rerun with --overwrite to start fresh (it deletes them), or use "
+                     "a new --workdir")
 
 
 def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
-    """Print the mesh, the head, the parameter count, the data, and each parameter's label,
-    geometry, peak learning rate and decay (`rowgeom.describe`)."""
+    """Print the mesh, head, parameter count and data, and `rowgeom.describe`'s table."""
     cfg, tokens = setup.cfg, setup.tokens
     head = ("tied head (trained as the embedding)" if cfg.model.tied_embeddings
             else f"{cfg.head} head")
@@ -332,26 +276,17 @@ def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
 
 
 def checkpoint_meta(cfg: configs.Config, step: int, mesh) -> dict:
-    """The JSON saved next to the state. `config` is the whole run definition (the schedule
-    horizon included): a resumed run follows it."""
+    """The JSON saved next to the state; a resumed run follows its `config`."""
     return {"step": step, "data_position": step * cfg.optim.grad_accum_steps,
             "config": dataclasses.asdict(cfg),
             "mesh": {a: int(mesh.shape[a]) for a in sharding.AXES},
             "process_count": jax.process_count()}
 
 
-# ----------------------------------------------------------------------------- preemption
-
-
 class PreemptionWatcher:
-    """Whether to save and stop after a step because the machine is going away.
-
-    One process: SIGTERM (what a preempted Cloud TPU VM or a cluster scheduler sends) sets a flag
-    that the loop checks after each step. Several processes: JAX's preemption notifier (started by
-    `jax.distributed.initialize`) receives the SIGTERM, and orbax's `reached_preemption` tells
-    every host the same step at which to save; no Python handler is installed then, as it would
-    replace JAX's.
-    """
+    """Whether to save and stop after a step because the machine is going away: one process, on
+    SIGTERM; several, when orbax's `reached_preemption` says so, the same step on every host (a
+    Python handler would replace the one of JAX's preemption notifier)."""
 
     def __init__(self, ckpt):
         self.ckpt, self.signalled, self._previous = ckpt, False, None
@@ -363,50 +298,13 @@ class PreemptionWatcher:
         self.signalled = True
 
     def reached(self, step: int) -> bool:
-        if jax.process_count() > 1 and self.ckpt.reached_preemption(step):
-            return True
-        return self.signalled
+        return (jax.process_count() > 1 and self.ckpt.reached_preemption(step)) or self.signalled
 
     def close(self):
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
-
-# ----------------------------------------------------------------------------- throughput
-# MFU = `model.flops_per_token` x tokens/s / the peak FLOP/s of all devices. `device_kind` prefix
-# (lower case) -> dense bf16 FLOP/s per chip or GPU, from the vendors' data sheets; for an unknown
-# device (a CPU, a new chip) MFU is not reported rather than guessed.
-PEAK_FLOPS = {
-    "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,  # v5e
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v5": 459e12,
-    "tpu v6 lite": 918e12,  # v6e (Trillium)
-    "tpu v6e": 918e12,
-    "tpu7x": 2307e12,
-    "nvidia h200": 989e12,
-    "nvidia h100": 989e12,  # SXM; PCIe parts are lower
-    "nvidia gh200": 989e12,
-    "nvidia b200": 2250e12,
-    "nvidia a100": 312e12,
-    "nvidia l4": 121e12,
-    "nvidia a10g": 125e12,
-}
-
-
-def peak_flops(device=None) -> float | None:
-    """Peak bf16 FLOP/s of `device` (default: the first device), or None when unknown."""
-    kind = (device or jax.devices()[0]).device_kind.lower()
-    # Longest prefix first, so "tpu v5 lite" wins over "tpu v5".
-    for prefix in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if kind.startswith(prefix):
-            return PEAK_FLOPS[prefix]
-    return None
-
-
-# ----------------------------------------------------------------------------- the loop
 
 # The head probe's validation sequences use a fixed seed, independent of the training seed, so
 # runs are comparable (the validation set itself is the start of the validation split).
@@ -418,12 +316,9 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
           print_fn=print) -> dict:
     """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
 
-    A workdir with checkpoints is resumed from the latest complete one, following the run's
-    saved config (`configs.resolve_config`: `explicit` and `change_horizon`). overwrite: delete
-    what the run wrote and start fresh. stop_after: stop after this many optimizer steps without
-    a final save, as if interrupted (for tests of exact resumption). On SIGTERM the run saves a
-    checkpoint at the current step and returns. Problems with the config, the data or the
-    workdir raise `UsageError`.
+    A workdir with checkpoints resumes (`start`). stop_after: stop after this many steps without
+    a final save, as if interrupted (tests of exact resumption). SIGTERM saves the current step
+    and returns. Problems with the config, the data or the workdir raise `UsageError`.
     """
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
@@ -431,6 +326,7 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     setup = start(cfg, workdir, explicit=explicit, overwrite=overwrite,
                   change_horizon=change_horizon, out=out)
     cfg = setup.cfg
+    writer = bar = preemption = None
     try:
         check_fits(cfg, setup.mesh)
         trainer = Trainer(cfg, setup.mesh)
@@ -439,54 +335,66 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
             deleted = writer.clear()
             if deleted:
                 out(f"--overwrite: deleting {', '.join(deleted)} in {workdir}")
-        state = restore_or_init(setup, trainer, out)
-    except BaseException as e:
-        _close(setup.ckpt)
-        if isinstance(e, Exception) and _out_of_memory(e):  # the state itself does not fit
-            raise UsageError(_out_of_memory_message(cfg, e)) from e
-        raise
-    done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
-    writer.truncate_after(done)
-    if done >= cfg.steps:
-        out(f"the run in {workdir} is finished: {done} of --steps {cfg.steps} done; to train "
-            f"further, rerun with a larger --steps N and --change_horizon (the schedule is "
-            "rebuilt for N), or start over with --overwrite")
-    describe(setup, trainer, state, out)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    loop = _Loop(setup, trainer, writer)
-    bar = _progress(total=cfg.steps, initial=done, enabled=progress and lead)
-    preemption = PreemptionWatcher(setup.ckpt)
-    try:
+        ckpt = setup.ckpt
+        if setup.latest is None:
+            state = trainer.init()
+            out(f"no checkpoint in {ckpt.directory}: starting fresh")
+        else:
+            try:
+                with jax.set_mesh(setup.mesh):
+                    step, (state, _) = _newest_intact(
+                        ckpt, lambda s: ckpt.restore(s, trainer.abstract_state), out)
+            except ValueError as e:  # the layout differs from this config's
+                raise UsageError(str(e)) from e
+            out(f"resumed from step {step} ({ckpt.directory})")
+        done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
+        writer.truncate_after(done)
+        if done >= cfg.steps:
+            out(f"the run in {workdir} is finished: {done} of --steps {cfg.steps} done; to train "
+                f"further, rerun with a larger --steps N and --change_horizon (the schedule is "
+                "rebuilt for N), or start over with --overwrite")
+        describe(setup, trainer, state, out)
+        end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        loop = _Loop(setup, trainer, writer)
+        bar = tqdm(total=cfg.steps, initial=done, unit="step", dynamic_ncols=True,
+                   disable=not (progress and lead))
+        preemption = PreemptionWatcher(setup.ckpt)
         with jax.set_mesh(setup.mesh):
             for step in range(done + 1, end + 1):
                 state, record = loop.step(state, step)
                 if record:
                     bar.set_postfix(loss=f"{record['train_loss']:.4f}",
                                     tok_s=f"{record['tokens_per_sec']:.0f}")
-                saved = loop.maybe_save(state, step)
+                preempted = step < end and preemption.reached(step)
+                if preempted or step % cfg.checkpoint.every == 0 or step == cfg.steps:
+                    setup.ckpt.save(step, state, checkpoint_meta(cfg, step, setup.mesh))
                 bar.update(1)
-                if step < end and preemption.reached(step):
-                    loop.save_on_preemption(state, step, saved, out)
+                if preempted:
+                    setup.ckpt.wait()
+                    out(f"preempted (SIGTERM): saved a checkpoint at step {step} in "
+                        f"{setup.ckpt.directory}; rerun the same command to resume")
                     end = step
                     break
     except Exception as e:
-        if _out_of_memory(e):
+        # XLA's RESOURCE_EXHAUSTED: the state or the step does not fit the device.
+        if isinstance(e, MemoryError) or (isinstance(e, jax.errors.JaxRuntimeError) and (
+                "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e))):
             raise UsageError(_out_of_memory_message(cfg, e)) from e
         raise
     finally:
-        preemption.close()
-        bar.close()
-        writer.close()
+        for opened in (preemption, bar, writer):
+            if opened is not None:
+                opened.close()
         _close(setup.ckpt)
-    return _finish(loop.last_eval, finished=end == cfg.steps, writer=writer, workdir=workdir,
-                   lead=lead, out=out)
-
-
-def _out_of_memory(error: Exception) -> bool:
-    """Whether `error` is XLA's RESOURCE_EXHAUSTED (the step does not fit the device)."""
-    return isinstance(error, MemoryError) or (
-        isinstance(error, jax.errors.JaxRuntimeError)
-        and ("RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)))
+    last_eval = loop.last_eval
+    if end == cfg.steps:  # finished: the plot and the summary line
+        writer.plot()
+        if not last_eval and lead:  # resumed a finished run: report its last evaluation
+            evals = [r for r in metrics.read_metrics(workdir) if "val_loss" in r]
+            last_eval = evals[-1] if evals else {}
+        if last_eval:
+            out(summary_line(last_eval))
+    return last_eval
 
 
 def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
@@ -500,31 +408,35 @@ def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
 
 def attention_bytes(cfg: configs.Config, mesh) -> int:
     """Bytes per device of one layer's attention scores, (batch, heads, T, T) in the compute
-    dtype: a lower bound on the step's memory that grows with the square of the sequence."""
+    dtype: a lower bound on the step's memory that grows with the square of the sequence (the
+    trainer's check before it compiles anything, `check_fits`)."""
     ranks = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
     batch = -(-cfg.data.batch_size // ranks)
     heads = -(-cfg.model.num_heads // int(mesh.shape["tensor"]))
     return batch * heads * cfg.seq_len**2 * jnp.dtype(cfg.model.compute_dtype).itemsize
 
 
+def device_memory(mesh) -> int | None:
+    """Bytes of memory of this host's first device of `mesh` (only addressable devices report
+    memory: on a multi-host mesh, devices.flat[0] may belong to another process); for a CPU
+    device, the host's memory shared among its CPU devices; None when unknown."""
+    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                  mesh.devices.flat[0])
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
+        try:
+            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            limit //= max(1, len(jax.local_devices(backend="cpu")))
+        except (ValueError, OSError):
+            limit = None
+    return limit
+
+
 def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
-    """Raise UsageError, before anything is compiled, when one layer's attention scores alone
-    exceed the device memory (`limit`, default the device's `bytes_limit`; on CPU devices the
-    host's memory shared among them). The rest is caught when the first step runs out of
-    memory."""
-    if limit is None:
-        # this host's first device of the mesh: only addressable devices report memory (on a
-        # multi-host mesh, devices.flat[0] may belong to another process)
-        device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
-                      mesh.devices.flat[0])
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
-            try:
-                limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                limit //= max(1, len(jax.local_devices(backend="cpu")))
-            except (ValueError, OSError):
-                limit = None
+    """Raise UsageError, before anything compiles, when one layer's attention scores alone exceed
+    the device memory (`limit`; default `device_memory`)."""
     need = attention_bytes(cfg, mesh)
+    limit = device_memory(mesh) if limit is None else limit
     if limit and need > limit:
         raise UsageError(_out_of_memory_message(
             cfg, f"one layer's attention scores alone take {need / 2**30:.1f} GiB per device, "
@@ -542,12 +454,6 @@ class _Batches:
                      for x in self.source.get(index))
 
 
-def _sampler(tokens, cfg, *, batch_size, seed, replicated=False):
-    share = (0, 1) if replicated else (jax.process_index(), jax.process_count())
-    return data.BatchSampler(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed,
-                             process_index=share[0], process_count=share[1])
-
-
 def _scalar(x) -> float:
     return float(np.asarray(jax.device_get(x)))
 
@@ -561,18 +467,20 @@ class _Loop:
 
     def __init__(self, setup: Run, trainer: Trainer, writer: metrics.MetricsWriter):
         cfg, mesh = setup.cfg, setup.mesh
-        self.setup, self.cfg, self.trainer, self.writer = setup, cfg, trainer, writer
+        self.cfg, self.trainer, self.writer = cfg, trainer, writer
         self.accum = cfg.optim.grad_accum_steps
-        self.train_batches = _Batches(
-            _sampler(setup.tokens.train, cfg, batch_size=cfg.data.batch_size, seed=cfg.seed),
+        self.train_batches = _Batches(data.BatchSampler(
+            setup.tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
+            seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count()),
             mesh)
         self.val_batches = _Batches(setup.val_set, mesh)
-        self.probe_inputs = _Batches(
-            _sampler(setup.tokens.val, cfg, batch_size=cfg.eval.hilbert_sequences,
-                     seed=PROBE_SEED, replicated=True), mesh, replicated=True).get(0)[0]
+        # The probe's sequences: the same on every process, and replicated.
+        probe = data.BatchSampler(setup.tokens.val, batch_size=cfg.eval.hilbert_sequences,
+                                  seq_len=cfg.seq_len, seed=PROBE_SEED)
+        self.probe_inputs = _Batches(probe, mesh, replicated=True).get(0)[0]
         self.tokens_per_step = cfg.data.batch_size * cfg.seq_len * self.accum
         self.flops_per_token = model_lib.flops_per_token(cfg.model)
-        self.peak_flops = peak_flops()
+        self.peak_flops = metrics.peak_flops()  # None for an unknown device: no MFU
         self.lr = lr_schedule(cfg.optim.learning_rate, cfg)
         self.last_eval: dict = {}
         self.window_start, self.window_steps = time.perf_counter(), 0
@@ -636,33 +544,6 @@ class _Loop:
         self.window_start, self.window_steps = time.perf_counter(), 0
         return out
 
-    def maybe_save(self, state, step: int) -> bool:
-        if step % self.cfg.checkpoint.every and step != self.cfg.steps:
-            return False
-        self.setup.ckpt.save(step, state, checkpoint_meta(self.cfg, step, self.setup.mesh))
-        return True
-
-    def save_on_preemption(self, state, step: int, saved: bool, out) -> None:
-        ckpt = self.setup.ckpt
-        if not saved:
-            ckpt.save(step, state, checkpoint_meta(self.cfg, step, self.setup.mesh))
-        ckpt.wait()
-        out(f"preempted (SIGTERM): saved a checkpoint at step {step} in {ckpt.directory}; "
-            "rerun the same command to resume")
-
-
-def _finish(last_eval: dict, *, finished: bool, writer, workdir, lead, out) -> dict:
-    """At the end of the run: the plot and the summary line; return the last evaluation."""
-    if not finished:
-        return last_eval
-    writer.plot()
-    if not last_eval and lead:  # resumed a finished run: report its last evaluation
-        evals = [r for r in metrics.read_metrics(workdir) if "val_loss" in r]
-        last_eval = evals[-1] if evals else {}
-    if last_eval:
-        out(summary_line(last_eval))
-    return last_eval
-
 
 def summary_line(record: dict) -> str:
     """The run's last printed line: validation loss, head diameter and Hilbert RMS."""
@@ -673,53 +554,8 @@ def summary_line(record: dict) -> str:
             f"(step without decay {record['head_step_hilbert_rms']:.4g})")
 
 
-def _progress(*, total, initial, enabled):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                disable=not enabled)
-
-
-def benchmark(cfg: configs.Config, *, steps: int = 20, print_fn=print) -> dict:
-    """Time the jitted step with and without the optimizer update, interleaved, on one batch.
-
-    Both variants run the forward and backward pass on the same batch; the difference is the
-    optimizer (rowgeom.lm_optimizer + clipping) and the parameter update. Timings alternate
-    between the two so machine noise hits both alike; medians are reported.
-    """
-    mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    trainer = Trainer(cfg, mesh)
-    rng = np.random.default_rng(0)
-    local = rng.integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.seq_len + 1),
-                         dtype=np.int32)
-    with jax.set_mesh(mesh):
-        inputs = sharding.global_batch(local[:, :-1], mesh)
-        targets = sharding.global_batch(local[:, 1:], mesh)
-        state = trainer.init()
-        full, grad_only = [], []
-        for i in range(steps + 2):
-            t0 = time.perf_counter()
-            state, loss = trainer.train_step(state, inputs, targets)
-            loss.block_until_ready()
-            t1 = time.perf_counter()
-            jax.block_until_ready(trainer.grad_step(state, inputs, targets))
-            t2 = time.perf_counter()
-            if i >= 2:  # the first two include compilation
-                full.append(t1 - t0)
-                grad_only.append(t2 - t1)
-    full_s, grad_s = float(np.median(full)), float(np.median(grad_only))
-    result = {"step_s": full_s, "grad_only_s": grad_s,
-              "optimizer_share": (full_s - grad_s) / full_s,
-              "tokens_per_sec": cfg.data.batch_size * cfg.seq_len / full_s}
-    print_fn(f"step {full_s * 1e3:.1f} ms, forward+backward only {grad_s * 1e3:.1f} ms "
-             f"(median of {steps}, interleaved): optimizer share {result['optimizer_share']:.1%}, "
-             f"{result['tokens_per_sec']:.0f} tokens/s")
-    return result
-
-
 def main(argv=None) -> dict:
-    """The command line (configs.py): train, or time the step with `--benchmark N`. A user error
-    prints one line, `train.py: error: ...`, and exits with status 2."""
+    """The command line (configs.py); a user error prints `train.py: error: ...`, exit status 2."""
     parser = configs.parser(description=__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
     try:
@@ -728,6 +564,8 @@ def main(argv=None) -> dict:
         parser.error(str(e))
     sharding.maybe_initialize_distributed(args.distributed)
     if args.benchmark:
+        from examples.lm.tools.benchmark import benchmark
+
         return benchmark(cfg, steps=args.benchmark)
     workdir = args.workdir or f"runs/{args.config or configs.DEFAULT_CONFIG}"
     try:

@@ -279,7 +279,7 @@ def test_config_and_input_validation(rng):
 def test_param_count_and_flops(cfg):
     d, L, f, V = cfg.d_model, cfg.num_layers, cfg.mlp_dim, cfg.vocab_size
     model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
-    n = model_lib.count_params(model)
+    n = model_lib.param_count(cfg)
     assert n == sum(v.size for v in _paths(model).values())
     norms = (2 * L + 1) * d
     assert n == V * d * (1 if cfg.tied_embeddings else 2) + L * (4 * d * d + 3 * d * f) + norms

@@ -149,6 +149,19 @@ def test_training_smoke(baseline):
     assert last == train.summary_line(evals[-1]) and last.startswith(f"final step {STEPS}:")
 
 
+def test_plot_tool_plots_a_workdir(tmp_path, capsys):
+    from examples.lm.tools import plot
+
+    (tmp_path / metrics.METRICS_FILE).write_text(
+        '{"step": 1, "train_loss": 3.0}\n{"step": 2, "train_loss": 2.5, "val_loss": 2.7}\n')
+    assert plot.main([str(tmp_path)]).name == metrics.PLOT_FILE
+    assert (tmp_path / metrics.PLOT_FILE).stat().st_size > 1000
+    with pytest.raises(SystemExit) as exited:
+        plot.main([str(tmp_path / "missing")])
+    assert exited.value.code == 2
+    assert "no records in" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_full_precision_floats(baseline):
     """Every float in metrics.jsonl round-trips exactly (repr), e.g. the fp32 losses."""
