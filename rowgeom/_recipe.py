@@ -16,24 +16,13 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
-Contract: data flows one way, in the three sections of this module.
-
-1. **Options.** `lm_optimizer` checks its options when called: the frozen options objects
-   (`HeadOptions`, `RouterOptions`, `AdamOptions`, `GroupOptions`; `MuonOptions` beside its
-   transform in `rowgeom._muon`) and every group's resolved rate, decay and momentum
-   (`group_options`, the one home of the derived defaults).
-2. **Plan.** Every per-leaf fact (label, optimizer, centring, Muon's dimension numbers, the
-   vocabulary or expert axis) comes from one pure function of the tree's paths, shapes and
-   dtypes, `plan_of`, memoised on them: a `Plan` of `PlanRow` (`describe` prints it with the
-   rates). The labels are `rowgeom._labels`'; every axis is inferred in `rowgeom._structure`.
-3. **Build.** When called, as optax's aliases are, `lm_optimizer` writes the
-   ``optax.partition`` of the group chains. The chains receive the plan as the per-leaf
-   callables the transforms accept (`per_leaf`, `labels_of`): each reads the tree's plan
-   (`view_plan`: for the ``MaskedNode`` view a partition gives a group, the plan of the whole
-   tree, made just before). Nothing is kept between calls but the plan's memo.
-
-`track_row_diameter` ends the head chain so it measures the step the softmax sees
-(docs/guides/diagnostics.md).
+Three sections, data flowing one way (docs/architecture.md): the **options**, frozen objects
+checked on creation, and every group's resolved rate, decay and momentum (`group_options`);
+the **plan**, every per-leaf fact (label, optimizer, centring, axes) as a pure function of the
+tree's paths, shapes and dtypes (`plan_of`, memoised on them); the **build**: `lm_optimizer`
+writes the ``optax.partition`` of the group chains when called, each chain reading the plan
+through per-leaf callables (`per_leaf`). `track_row_diameter` ends the head chain so it
+measures the step the softmax sees (docs/guides/diagnostics.md).
 """
 
 from __future__ import annotations
@@ -65,7 +54,7 @@ from rowgeom._names import (
     TIED_POLICIES,
 )
 from rowgeom._router import rownorm_per_matrix
-from rowgeom._rownorm import _RESCALE_MODES, _check_eps, projected_rownorm
+from rowgeom._rownorm import _RESCALE_MODES, EPS, _check_eps, projected_rownorm
 from rowgeom._structure import (
     ModelStructure,
     StructureError,
@@ -759,11 +748,6 @@ def view_plan(tree: Any, options: PlanOptions) -> Plan:
                      "transforms of lm_optimizer run inside its partition only")
 
 
-def labels_of(options: PlanOptions) -> Callable[[Any], dict[str, str]]:
-    """The partition's labels: ``tree -> {path: label}`` of its plan."""
-    return lambda tree: view_plan(tree, options).labels
-
-
 def per_leaf(options: PlanOptions, label: str, fact: Callable[[PlanRow], Any]
              ) -> Callable[[Any], dict[str, Any]]:
     """A per-leaf option of a group's transform (the callables they accept): ``tree ->
@@ -787,69 +771,45 @@ Examples:
 """
 
 
-def _given(**options: Any) -> dict[str, Any]:
-    """The options that are set: a None leaves the transform's own default."""
-    return {k: v for k, v in options.items() if v is not None}
-
-
-def _muon_chain(group: GroupOptions, muon: MuonOptions, dims: Any
-                ) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.trace(decay=group.momentum, nesterov=muon.nesterov, accumulator_dtype=muon.mu_dtype),
-        muon.orthogonalize(dims),
-        optax.add_decayed_weights(group.weight_decay),
-        optax.scale_by_learning_rate(group.learning_rate),
-    )
-
-
-def _adamw(group: GroupOptions, adam: AdamOptions) -> optax.GradientTransformation:
-    return optax.adamw(group.learning_rate, b1=group.momentum, b2=adam.b2, eps=adam.eps,
-                       eps_root=adam.eps_root, mu_dtype=adam.mu_dtype,
-                       weight_decay=group.weight_decay, nesterov=adam.nesterov)
-
-
-def _rownorm_chain(group: GroupOptions, direction, *, debias: bool = False
-                   ) -> optax.GradientTransformation:
-    """EMA momentum (float32, before the normalisation; debiased where the head's options say)
-    -> RowNorm -> decay -> rate."""
-    return optax.chain(
-        optax.ema(decay=group.momentum, debias=debias, accumulator_dtype=jnp.float32),
-        direction,
-        optax.add_decayed_weights(group.weight_decay),
-        optax.scale_by_learning_rate(group.learning_rate),
-    )
-
-
 def _group_chain(label: str, group: GroupOptions, hp: PlanOptions, adam: AdamOptions
                  ) -> optax.GradientTransformation:
-    """One group's chain, by the optimizer the plan gives its leaves; every per-leaf fact a
-    callable of the tree (`per_leaf`)."""
+    """One group's chain (the table of the module docstring), by the optimizer the plan gives
+    its leaves; every per-leaf fact a callable of the tree (`per_leaf`)."""
     optimizer = optimizer_of(label, hp)
-    if optimizer == "muon":
-        return _muon_chain(group, hp.muon, per_leaf(hp, label, lambda row: row.muon_dims))
-    if optimizer != "rownorm":
-        return _adamw(group, adam)
-    center = centred(label, optimizer, hp) is not False
-    if label == "router":
-        direction = rownorm_per_matrix(
-            axes=per_leaf(hp, label, lambda row: (row.vocab_axis, row.batch_axes)),
-            center_input=center, center_output=center, **_given(eps=hp.router.eps))
-        return _rownorm_chain(group, direction)
-    head = hp.head
-    direction = projected_rownorm(
-        vocab_axis=per_leaf(hp, label, lambda row: row.vocab_axis), center_input=center,
-        center_output=center, rescale=head.rescale, num_valid=head.num_valid, impl=head.impl,
-        **_given(eps=head.eps))
-    return _rownorm_chain(group, direction, debias=head.bias_correction)
-
-
-def _head_chain(group: GroupOptions, hp: PlanOptions, adam: AdamOptions
-                ) -> optax.GradientTransformation:
-    """The head group's chain, the tracker last: it sees ``-lr·(U + wd·W)``, the step the
-    softmax sees."""
-    chain = _group_chain("head", group, hp, adam)
-    if not hp.head.track:
+    if optimizer == "adamw":
+        chain = optax.adamw(group.learning_rate, b1=group.momentum, b2=adam.b2, eps=adam.eps,
+                            eps_root=adam.eps_root, mu_dtype=adam.mu_dtype,
+                            weight_decay=group.weight_decay, nesterov=adam.nesterov)
+    else:
+        if optimizer == "muon":
+            momentum = optax.trace(decay=group.momentum, nesterov=hp.muon.nesterov,
+                                   accumulator_dtype=hp.muon.mu_dtype)
+            direction = hp.muon.orthogonalize(per_leaf(hp, label, lambda row: row.muon_dims))
+        else:  # RowNorm: EMA momentum in float32, before the normalisation
+            center = centred(label, optimizer, hp) is not False
+            options = hp.router if label == "router" else hp.head
+            eps = EPS if options.eps is None else options.eps
+            debias = label == "head" and hp.head.bias_correction
+            momentum = optax.ema(decay=group.momentum, debias=debias,
+                                 accumulator_dtype=jnp.float32)
+            if label == "router":
+                direction = rownorm_per_matrix(
+                    axes=per_leaf(hp, label, lambda row: (row.vocab_axis, row.batch_axes)),
+                    eps=eps, center_input=center, center_output=center)
+            else:
+                direction = projected_rownorm(
+                    vocab_axis=per_leaf(hp, label, lambda row: row.vocab_axis), eps=eps,
+                    center_input=center, center_output=center, rescale=hp.head.rescale,
+                    num_valid=hp.head.num_valid, impl=hp.head.impl)
+        chain = optax.chain(
+            momentum,
+            direction,
+            optax.add_decayed_weights(group.weight_decay),
+            optax.scale_by_learning_rate(group.learning_rate),
+        )
+    if label != "head" or not hp.head.track:
         return chain
+    # The tracker last: it sees -lr·(U + wd·W), the step the softmax sees.
     return optax.chain(chain, track_row_diameter(
         vocab_axis=per_leaf(hp, "head", lambda row: row.vocab_axis),
         every_k_steps=hp.head.track_every_k_steps, impl=hp.head.impl))
@@ -917,15 +877,12 @@ def lm_optimizer(
       True
     """
     hp = plan_options(head=head, muon=muon, router=router, labels=labels, tied=tied)
-    adam = adam if adam is not None else AdamOptions()
-    if not isinstance(adam, AdamOptions):
-        raise TypeError(f"adam must be a rowgeom.AdamOptions, got {adam!r}")
+    adam = as_options(adam, AdamOptions, (), "adam")
     resolved = group_options(learning_rate, head=hp.head, muon=hp.muon, adam=adam,
                              router=hp.router, weight_decay=weight_decay, groups=groups)
 
-    transforms = {label: _head_chain(resolved[label], hp, adam) if label == "head" else
-                  _group_chain(label, resolved[label], hp, adam) for label in LABELS}
-    labels = labels_of(hp)
+    transforms = {label: _group_chain(label, resolved[label], hp, adam) for label in LABELS}
+    labels = lambda tree: view_plan(tree, hp).labels
     # The router group only where the tree has routers: a dense model's state (so its
     # checkpoints) has none.
     dense = partition_by_label({k: v for k, v in transforms.items() if k != "router"}, labels)
