@@ -370,13 +370,9 @@ def group_options(
     })
 
 
-# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree.
-#
-# `plan_of` labels every leaf, reads the model structure (`rowgeom._structure`, where every axis
-# is inferred) and gives each leaf a `PlanRow`. Rules decided here, and only here: a label's
-# optimizer (`optimizer_of`), a tied head is not centred and a RowNorm router is (`centred`), a
-# Muon head is one matrix, a model has a head unless tied. The build (the last section) writes
-# chains that read a plan and decides nothing.
+# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree. The
+# rules decided here, and only here: `optimizer_of`, `centred`, a Muon head is one matrix, a
+# model has a head unless tied. The build (the last section) decides nothing.
 
 class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
@@ -482,9 +478,6 @@ def _unwrap(axes: tuple[int, ...]):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-# --- The rules --------------------------------------------------------------------------------
-
-
 def optimizer_of(label: str, hp: PlanOptions) -> str:
     """The optimizer of a label's leaves."""
     return {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer,
@@ -515,15 +508,6 @@ def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
         return (f"Muon, in {_axes_text(dims.reduction_axis)} out {_axes_text(dims.output_axis)}"
                 + with_batch)
     return "custom label"
-
-
-def _check_head_group(leaves, hp: PlanOptions) -> None:
-    """A model has a head unless its head is tied and trained as the embedding."""
-    if hp.tied != "embedding" and not any(label == "head" for _, _, label in leaves):
-        raise ValueError(no_head_group(leaves, hp.head.optimizer, hp.tied))
-
-
-# --- Labels and axes ----------------------------------------------------------------------------
 
 
 def _labelled(tree: Any, hp: PlanOptions):
@@ -649,7 +633,9 @@ def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) ->
 def _plan(tree: Any, hp: PlanOptions) -> Plan:
     """The plan of `tree` (module docstring); raises naming every undecided leaf."""
     labelled, reasons, router_names = _labelled(tree, hp)
-    _check_head_group(labelled, hp)
+    # A model has a head unless its head is tied and trained as the embedding.
+    if hp.tied != "embedding" and not any(label == "head" for _, _, label in labelled):
+        raise ValueError(no_head_group(labelled, hp.head.optimizer, hp.tied))
     structure = model_structure(labelled, router_names=router_names)
     hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
     if undecided:
