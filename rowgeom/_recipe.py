@@ -67,7 +67,6 @@ from rowgeom._structure import (
     router_matrix_axes,
 )
 from rowgeom._tree import (
-    Path,
     check_bool,
     check_int,
     check_momentum,
@@ -463,8 +462,7 @@ class PlanOptions(NamedTuple):
 
 
 def infers_muon_dims(dims: Any) -> bool:
-    """Whether `MuonOptions.dimension_numbers` asks for inference: None, or a mapping of
-    ``"/"``-joined paths to dimension numbers (overrides of the inference)."""
+    """Whether `MuonOptions.dimension_numbers` asks for inference (`_hidden_dims`)."""
     return dims is None or (isinstance(dims, Mapping) and bool(dims)
                             and all(isinstance(k, str) for k in dims)
                             and all(is_dimension_numbers(v) for v in dims.values()))
@@ -530,28 +528,25 @@ def _labelled(tree: Any, hp: PlanOptions):
     return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
 
 
-def _given_dims(option: Any, tree: Any, hidden: list[Path]) -> dict[Path, Any]:
-    """Each hidden leaf's entry of a `MuonOptions.dimension_numbers` given outright (one
-    value, a tree, or a callable of the tree); an entry None passes the leaf through."""
-    option = option(tree) if callable(option) else option
-    paths = [p for p, _ in tree_paths(tree)]
-    per_leaf = dict(zip(paths, resolve_per_leaf(
-        option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
-        argname="MuonOptions.dimension_numbers"), strict=True))
-    missing = [path_str(p) for p in hidden if not per_leaf[p][0]]
-    if missing:
-        raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
-                         f"parameter(s) {missing}")
-    return {p: as_dimension_numbers(per_leaf[p][1]) for p in hidden}
-
-
 def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any):
-    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: overrides
-    and inferred axes (`muon_axes`), or the dimension numbers given outright."""
+    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves. A
+    `MuonOptions.dimension_numbers` that is None or a mapping of ``"/"``-joined paths to
+    dimension numbers overrides the inferred axes (`muon_axes`) of those leaves; any other is
+    given outright (one value, a tree or a callable of the tree; an entry None passes the leaf
+    through) and must cover every hidden leaf."""
     option = hp.muon.dimension_numbers
     hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
     if not infers_muon_dims(option):
-        return _given_dims(option, tree, [p for p, _ in hidden]), []
+        option = option(tree) if callable(option) else option
+        paths = [p for p, _ in tree_paths(tree)]
+        given = dict(zip(paths, resolve_per_leaf(
+            option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
+            argname="MuonOptions.dimension_numbers"), strict=True))
+        missing = [path_str(p) for p, _ in hidden if not given[p][0]]
+        if missing:
+            raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
+                             f"parameter(s) {missing}")
+        return {p: as_dimension_numbers(given[p][1]) for p, _ in hidden}, []
     overrides = [(False, None)] * len(hidden)
     if option is not None:
         overrides = resolve_per_leaf(
@@ -817,9 +812,7 @@ def lm_optimizer(
 
     Args:
       learning_rate: float or schedule; every group's default derives from it
-        (`group_options`; the guide "Learning rates and radii"): hidden, embedding and vector
-        use it as is, the head ``HEAD_LR_MULTIPLIERS[optimizer]`` times it (RowNorm 5, AdamW
-        3, Muon 3: the head study's sweep), the router the hidden group's.
+        (`group_options`): the head's is ``HEAD_LR_MULTIPLIERS[optimizer]`` times it.
       head: a head optimizer name (``"rownorm"``, ``"adamw"``, ``"muon"``) or `HeadOptions`.
       muon: `MuonOptions` of the hidden group (and a Muon head or router); None: defaults.
       adam: `AdamOptions` of every AdamW group; None: the defaults.
