@@ -48,6 +48,7 @@ from rowgeom._tree import (
     leaf_shape,
     lookup_prefix,
     map_with_paths,
+    one_of,
     path_str,
     prefix_entries,
     tree_paths,
@@ -238,10 +239,6 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
     return embeds[0].path, unused
 
 
-def _names(base, extra, argname: str) -> frozenset[str]:
-    return _check_names(base, argname) | _check_names(extra, "extra_" + argname)
-
-
 @dataclasses.dataclass(frozen=True)
 class Labeler:
     """The labelling rules of `label_params`, as one frozen, reusable object.
@@ -294,13 +291,12 @@ class Labeler:
     _compiled: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.tied not in TIED_POLICIES:
-            raise ValueError(f"tied must be one of {TIED_POLICIES}, got {self.tied!r}")
+        one_of(self.tied, TIED_POLICIES, "tied")
         if self.default is not None and not isinstance(self.default, str):
             raise TypeError(f"default must be a label string or None, got {self.default!r}")
         for kind in ("head", "embedding", "hidden", "vector", "router"):
-            merged = _names(getattr(self, f"{kind}_names"), getattr(self, f"extra_{kind}_names"),
-                            f"{kind}_names")
+            merged = _check_names(getattr(self, f"{kind}_names"), f"{kind}_names") | _check_names(
+                getattr(self, f"extra_{kind}_names"), f"extra_{kind}_names")
             object.__setattr__(self, f"{kind}_names", merged)
             object.__setattr__(self, f"extra_{kind}_names", frozenset())
         compiled = _compile_rules(self.rules)

@@ -193,12 +193,9 @@ class HeadOptions:
 class RouterOptions:
     """How `lm_optimizer` trains mixture-of-experts routers (the ``"router"`` group).
 
-    A router ``W`` (``(d, E)``, a scanned layer axis aside) maps a token's features to one logit
-    per expert. Its rows along the expert axis play the part of the head's token rows: a
-    softmax router (softmax then top-k, or top-k then softmax) is invariant to adding one
-    constant to all ``E`` logits, so its gradient's expert rows sum to zero and the
-    row-diameter geometry of the head applies over ``E``; a sigmoid router (DeepSeek-V3,
-    Llama 4) is not shift-invariant. The tree cannot tell which score function a model uses.
+    A softmax router's expert rows play the part of the head's token rows (shift-invariant
+    logits); a sigmoid router's do not, and the tree cannot tell which a model has: the guide
+    "Labels and partitioning" (docs/guides/labels.md, "Mixture of experts").
 
     Attributes:
       optimizer: ``"muon"`` (default: the hidden group's Muon chain, `MuonOptions`, per layer,
