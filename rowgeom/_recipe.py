@@ -683,7 +683,7 @@ def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
                              f"{labels.tied!r}) both set the tied policy; give it once")
         tied = labels.tied if tied is None else tied
         labels = dataclasses.replace(labels, tied=tied)
-    elif not callable(labels) and not isinstance(labels, str):
+    elif not callable(labels):  # a tree of labels
         labels = _GivenLabels(sorted((path_str(p), label)
                                      for p, label in prefix_entries(labels).items()))
     return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
