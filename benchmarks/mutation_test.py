@@ -149,10 +149,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if len(axes) == 1:\n            return 1 - axes[0]",
            "the head's vocabulary axis inferred as the other axis", RECIPE_TESTS),
     Mutant("head-decay-twice", "rowgeom/_recipe.py",
-           "        direction,\n        optax.add_decayed_weights(group.weight_decay),\n",
-           "        direction,\n        optax.add_decayed_weights(group.weight_decay),\n"
-           "        optax.add_decayed_weights(group.weight_decay),\n",
-           "the RowNorm head's weight decay applied twice", RECIPE_TESTS),
+           "            direction,\n            optax.add_decayed_weights(group.weight_decay),\n",
+           "            direction,\n            optax.add_decayed_weights(group.weight_decay),\n"
+           "            optax.add_decayed_weights(group.weight_decay),\n",
+           "the weight decay of the Muon and RowNorm chains applied twice", RECIPE_TESTS),
     Mutant("vector-decay-default", "rowgeom/_recipe.py",
            '"vector": group("vector", learning_rate, 0.0, adam_.b1),',
            '"vector": group("vector", learning_rate, weight_decay, adam_.b1),',

@@ -48,6 +48,7 @@ from rowgeom._tree import (
     leaf_shape,
     lookup_prefix,
     map_with_paths,
+    one_of,
     path_str,
     prefix_entries,
     tree_paths,
@@ -238,10 +239,6 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
     return embeds[0].path, unused
 
 
-def _names(base, extra, argname: str) -> frozenset[str]:
-    return _check_names(base, argname) | _check_names(extra, "extra_" + argname)
-
-
 @dataclasses.dataclass(frozen=True)
 class Labeler:
     """The labelling rules of `label_params`, as one frozen, reusable object.
@@ -294,13 +291,12 @@ class Labeler:
     _compiled: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.tied not in TIED_POLICIES:
-            raise ValueError(f"tied must be one of {TIED_POLICIES}, got {self.tied!r}")
+        one_of(self.tied, TIED_POLICIES, "tied")
         if self.default is not None and not isinstance(self.default, str):
             raise TypeError(f"default must be a label string or None, got {self.default!r}")
         for kind in ("head", "embedding", "hidden", "vector", "router"):
-            merged = _names(getattr(self, f"{kind}_names"), getattr(self, f"extra_{kind}_names"),
-                            f"{kind}_names")
+            merged = _check_names(getattr(self, f"{kind}_names"), f"{kind}_names") | _check_names(
+                getattr(self, f"extra_{kind}_names"), f"extra_{kind}_names")
             object.__setattr__(self, f"{kind}_names", merged)
             object.__setattr__(self, f"extra_{kind}_names", frozenset())
         compiled = _compile_rules(self.rules)
@@ -327,43 +323,18 @@ class Labeler:
 def label_params(params: Any, **options: Any) -> Any:
     """Labels every leaf of `params` with one of `LABELS` (or a custom label from `rules`).
 
-    Names first, then shapes as a cross-check (the vocabulary size ``V`` and width ``d`` come
-    from the token embedding ``(V, d)`` or a named head):
+    Names first (the first `rules` entry whose regex ``re.search``-es the ``"/"``-joined path;
+    rank < 2 leaves and vector names; the first path component, from the root, in
+    `head_names`, `embedding_names` or `hidden_names`), then the structure (routers the expert
+    stacks confirm, matrices inside the repeated blocks, a ``(d, V)`` head), with the shapes
+    as a cross-check: never by shape alone. A model with an embedding table but no head needs
+    `tied`. Every problem of a tree is one ValueError naming the leaves and the fixes. The
+    rules step by step, the cross-checks and tied embeddings: the guide "Labels and
+    partitioning" (docs/guides/labels.md).
 
-    1. Rank < 2 leaves (biases, norm scales, scalars): ``"vector"``.
-    2. The first `rules` entry ``(regex, label)`` whose regex ``re.search``-es the
-       ``"/"``-joined path. Rules are the user's word: no cross-check overrides them.
-    3. A leaf with an axis of size 1 (``(1, V)``, ``(d, 1)``), whose own name is in
-       `vector_names` (``scale``, ``bias``, ...) or ends in ``_bias``, or whose module is a norm
-       (``*norm*``, ``ln_*``): ``"vector"``, whatever its rank (stacked or per-head).
-    4. The first path component, from the root, in `head_names`, `embedding_names` or
-       `hidden_names` (in that priority within one component).
-    5. Structure: a matrix named in `router_names` (or unnamed, ``(d, E)``) whose ``E`` the
-       expert stacks beside it confirm: ``"router"``; for matrices no name matched, inside the
-       repeated blocks (``layers/0``, ``h/3``, ``blocks_1``, a stack of scanned layers, named or
-       found by structure) ``"hidden"``; a ``(d, V)`` matrix outside them ``"head"`` (Flax's
-       automatic ``Dense_0`` head); else `default`; else ValueError naming the paths, the
-       labels that fit each and the fixes. A tree whose paths carry no names (penzai's
-       ``unbind_params`` tuple) is refused the same way: never labelled by shape alone.
-
-    Cross-checks, each a ValueError naming the leaf and the fix: a matrix outside the blocks
-    with an axis of size ``V`` is never ``"hidden"``; a matrix named as the head has an axis
-    of size ``V``; in a stack of scanned layers a rank-2 leaf with the layer axis is a
-    ``"vector"`` (a layer axis is not a matrix axis); where ``V`` cannot be read, `default`
-    ``"hidden"`` is refused for matrices outside the repeated blocks. All problems of a tree
-    are reported in one error.
-
-    Tied embeddings: a model with an embedding table but no head raises unless `tied` says
-    how to train the table: ``"embedding"`` (AdamW) or ``"head"`` (the head optimizer; no
-    centring, since the shift is no symmetry of an input embedding). With ``tied="head"`` the
-    (token) embedding table is labelled ``"head"``, or the table a rule labelled ``"head"``.
-    Under `tied`, a head of the table's shape beside it is probably unused (EasyDeL keeps one):
-    it is labelled ``"embedding"`` and `describe` flags it; a head of another shape raises.
-
-    Matching is on whole, case-insensitive path components: ``"h"`` matches GPT-2's
-    ``h/0/attn`` but not ``head``. Flax boxes (``nnx.Variable``, ``nn.Partitioned``) are
-    labelled as a whole, so the labels tree is a prefix of both the Variable tree NNX
-    passes to ``tx.init`` and the plain-array tree it passes to ``tx.update``.
+    Matching is on whole, case-insensitive path components. Flax boxes are labelled as a
+    whole, so the labels tree is a prefix of both the Variable tree NNX passes to ``tx.init``
+    and the plain-array tree it passes to ``tx.update``.
 
     Args:
       params: any pytree of arrays, ``jax.ShapeDtypeStruct`` or Flax boxes (shapes only).

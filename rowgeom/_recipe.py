@@ -16,24 +16,13 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
-Contract: data flows one way, in the three sections of this module.
-
-1. **Options.** `lm_optimizer` checks its options when called: the frozen options objects
-   (`HeadOptions`, `RouterOptions`, `AdamOptions`, `GroupOptions`; `MuonOptions` beside its
-   transform in `rowgeom._muon`) and every group's resolved rate, decay and momentum
-   (`group_options`, the one home of the derived defaults).
-2. **Plan.** Every per-leaf fact (label, optimizer, centring, Muon's dimension numbers, the
-   vocabulary or expert axis) comes from one pure function of the tree's paths, shapes and
-   dtypes, `plan_of`, memoised on them: a `Plan` of `PlanRow` (`describe` prints it with the
-   rates). The labels are `rowgeom._labels`'; every axis is inferred in `rowgeom._structure`.
-3. **Build.** When called, as optax's aliases are, `lm_optimizer` writes the
-   ``optax.partition`` of the group chains. The chains receive the plan as the per-leaf
-   callables the transforms accept (`per_leaf`, `labels_of`): each reads the tree's plan
-   (`view_plan`: for the ``MaskedNode`` view a partition gives a group, the plan of the whole
-   tree, made just before). Nothing is kept between calls but the plan's memo.
-
-`track_row_diameter` ends the head chain so it measures the step the softmax sees
-(docs/guides/diagnostics.md).
+Three sections, data flowing one way (docs/architecture.md): the **options**, frozen objects
+checked on creation, and every group's resolved rate, decay and momentum (`group_options`);
+the **plan**, every per-leaf fact (label, optimizer, centring, axes) as a pure function of the
+tree's paths, shapes and dtypes (`plan_of`, memoised on them); the **build**: `lm_optimizer`
+writes the ``optax.partition`` of the group chains when called, each chain reading the plan
+through per-leaf callables (`per_leaf`). `track_row_diameter` ends the head chain so it
+measures the step the softmax sees (docs/guides/diagnostics.md).
 """
 
 from __future__ import annotations
@@ -65,7 +54,7 @@ from rowgeom._names import (
     TIED_POLICIES,
 )
 from rowgeom._router import rownorm_per_matrix
-from rowgeom._rownorm import _RESCALE_MODES, _check_eps, projected_rownorm
+from rowgeom._rownorm import _RESCALE_MODES, EPS, _check_eps, projected_rownorm
 from rowgeom._structure import (
     ModelStructure,
     StructureError,
@@ -78,7 +67,6 @@ from rowgeom._structure import (
     router_matrix_axes,
 )
 from rowgeom._tree import (
-    Path,
     check_bool,
     check_int,
     check_momentum,
@@ -205,12 +193,9 @@ class HeadOptions:
 class RouterOptions:
     """How `lm_optimizer` trains mixture-of-experts routers (the ``"router"`` group).
 
-    A router ``W`` (``(d, E)``, a scanned layer axis aside) maps a token's features to one logit
-    per expert. Its rows along the expert axis play the part of the head's token rows: a
-    softmax router (softmax then top-k, or top-k then softmax) is invariant to adding one
-    constant to all ``E`` logits, so its gradient's expert rows sum to zero and the
-    row-diameter geometry of the head applies over ``E``; a sigmoid router (DeepSeek-V3,
-    Llama 4) is not shift-invariant. The tree cannot tell which score function a model uses.
+    A softmax router's expert rows play the part of the head's token rows (shift-invariant
+    logits); a sigmoid router's do not, and the tree cannot tell which a model has: the guide
+    "Labels and partitioning" (docs/guides/labels.md, "Mixture of experts").
 
     Attributes:
       optimizer: ``"muon"`` (default: the hidden group's Muon chain, `MuonOptions`, per layer,
@@ -381,13 +366,9 @@ def group_options(
     })
 
 
-# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree.
-#
-# `plan_of` labels every leaf, reads the model structure (`rowgeom._structure`, where every axis
-# is inferred) and gives each leaf a `PlanRow`. Rules decided here, and only here: a label's
-# optimizer (`optimizer_of`), a tied head is not centred and a RowNorm router is (`centred`), a
-# Muon head is one matrix, a model has a head unless tied. The build (the last section) writes
-# chains that read a plan and decides nothing.
+# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree. The
+# rules decided here, and only here: `optimizer_of`, `centred`, a Muon head is one matrix, a
+# model has a head unless tied. The build (the last section) decides nothing.
 
 class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
@@ -478,8 +459,7 @@ class PlanOptions(NamedTuple):
 
 
 def infers_muon_dims(dims: Any) -> bool:
-    """Whether `MuonOptions.dimension_numbers` asks for inference: None, or a mapping of
-    ``"/"``-joined paths to dimension numbers (overrides of the inference)."""
+    """Whether `MuonOptions.dimension_numbers` asks for inference (`_hidden_dims`)."""
     return dims is None or (isinstance(dims, Mapping) and bool(dims)
                             and all(isinstance(k, str) for k in dims)
                             and all(is_dimension_numbers(v) for v in dims.values()))
@@ -491,9 +471,6 @@ def _axes_text(axes) -> str:
 
 def _unwrap(axes: tuple[int, ...]):
     return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-# --- The rules --------------------------------------------------------------------------------
 
 
 def optimizer_of(label: str, hp: PlanOptions) -> str:
@@ -528,15 +505,6 @@ def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
     return "custom label"
 
 
-def _check_head_group(leaves, hp: PlanOptions) -> None:
-    """A model has a head unless its head is tied and trained as the embedding."""
-    if hp.tied != "embedding" and not any(label == "head" for _, _, label in leaves):
-        raise ValueError(no_head_group(leaves, hp.head.optimizer, hp.tied))
-
-
-# --- Labels and axes ----------------------------------------------------------------------------
-
-
 def _labelled(tree: Any, hp: PlanOptions):
     """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
     entries = tree_paths(tree)
@@ -557,28 +525,25 @@ def _labelled(tree: Any, hp: PlanOptions):
     return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
 
 
-def _given_dims(option: Any, tree: Any, hidden: list[Path]) -> dict[Path, Any]:
-    """Each hidden leaf's entry of a `MuonOptions.dimension_numbers` given outright (one
-    value, a tree, or a callable of the tree); an entry None passes the leaf through."""
-    option = option(tree) if callable(option) else option
-    paths = [p for p, _ in tree_paths(tree)]
-    per_leaf = dict(zip(paths, resolve_per_leaf(
-        option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
-        argname="MuonOptions.dimension_numbers"), strict=True))
-    missing = [path_str(p) for p in hidden if not per_leaf[p][0]]
-    if missing:
-        raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
-                         f"parameter(s) {missing}")
-    return {p: as_dimension_numbers(per_leaf[p][1]) for p in hidden}
-
-
 def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any):
-    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: overrides
-    and inferred axes (`muon_axes`), or the dimension numbers given outright."""
+    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves. A
+    `MuonOptions.dimension_numbers` that is None or a mapping of ``"/"``-joined paths to
+    dimension numbers overrides the inferred axes (`muon_axes`) of those leaves; any other is
+    given outright (one value, a tree or a callable of the tree; an entry None passes the leaf
+    through) and must cover every hidden leaf."""
     option = hp.muon.dimension_numbers
     hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
     if not infers_muon_dims(option):
-        return _given_dims(option, tree, [p for p, _ in hidden]), []
+        option = option(tree) if callable(option) else option
+        paths = [p for p, _ in tree_paths(tree)]
+        given = dict(zip(paths, resolve_per_leaf(
+            option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
+            argname="MuonOptions.dimension_numbers"), strict=True))
+        missing = [path_str(p) for p, _ in hidden if not given[p][0]]
+        if missing:
+            raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
+                             f"parameter(s) {missing}")
+        return {p: as_dimension_numbers(given[p][1]) for p, _ in hidden}, []
     overrides = [(False, None)] * len(hidden)
     if option is not None:
         overrides = resolve_per_leaf(
@@ -660,7 +625,9 @@ def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) ->
 def _plan(tree: Any, hp: PlanOptions) -> Plan:
     """The plan of `tree` (module docstring); raises naming every undecided leaf."""
     labelled, reasons, router_names = _labelled(tree, hp)
-    _check_head_group(labelled, hp)
+    # A model has a head unless its head is tied and trained as the embedding.
+    if hp.tied != "embedding" and not any(label == "head" for _, _, label in labelled):
+        raise ValueError(no_head_group(labelled, hp.head.optimizer, hp.tied))
     structure = model_structure(labelled, router_names=router_names)
     hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
     if undecided:
@@ -716,7 +683,7 @@ def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
                              f"{labels.tied!r}) both set the tied policy; give it once")
         tied = labels.tied if tied is None else tied
         labels = dataclasses.replace(labels, tied=tied)
-    elif not callable(labels) and not isinstance(labels, str):
+    elif not callable(labels):  # a tree of labels
         labels = _GivenLabels(sorted((path_str(p), label)
                                      for p, label in prefix_entries(labels).items()))
     return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
@@ -759,11 +726,6 @@ def view_plan(tree: Any, options: PlanOptions) -> Plan:
                      "transforms of lm_optimizer run inside its partition only")
 
 
-def labels_of(options: PlanOptions) -> Callable[[Any], dict[str, str]]:
-    """The partition's labels: ``tree -> {path: label}`` of its plan."""
-    return lambda tree: view_plan(tree, options).labels
-
-
 def per_leaf(options: PlanOptions, label: str, fact: Callable[[PlanRow], Any]
              ) -> Callable[[Any], dict[str, Any]]:
     """A per-leaf option of a group's transform (the callables they accept): ``tree ->
@@ -787,69 +749,45 @@ Examples:
 """
 
 
-def _given(**options: Any) -> dict[str, Any]:
-    """The options that are set: a None leaves the transform's own default."""
-    return {k: v for k, v in options.items() if v is not None}
-
-
-def _muon_chain(group: GroupOptions, muon: MuonOptions, dims: Any
-                ) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.trace(decay=group.momentum, nesterov=muon.nesterov, accumulator_dtype=muon.mu_dtype),
-        muon.orthogonalize(dims),
-        optax.add_decayed_weights(group.weight_decay),
-        optax.scale_by_learning_rate(group.learning_rate),
-    )
-
-
-def _adamw(group: GroupOptions, adam: AdamOptions) -> optax.GradientTransformation:
-    return optax.adamw(group.learning_rate, b1=group.momentum, b2=adam.b2, eps=adam.eps,
-                       eps_root=adam.eps_root, mu_dtype=adam.mu_dtype,
-                       weight_decay=group.weight_decay, nesterov=adam.nesterov)
-
-
-def _rownorm_chain(group: GroupOptions, direction, *, debias: bool = False
-                   ) -> optax.GradientTransformation:
-    """EMA momentum (float32, before the normalisation; debiased where the head's options say)
-    -> RowNorm -> decay -> rate."""
-    return optax.chain(
-        optax.ema(decay=group.momentum, debias=debias, accumulator_dtype=jnp.float32),
-        direction,
-        optax.add_decayed_weights(group.weight_decay),
-        optax.scale_by_learning_rate(group.learning_rate),
-    )
-
-
 def _group_chain(label: str, group: GroupOptions, hp: PlanOptions, adam: AdamOptions
                  ) -> optax.GradientTransformation:
-    """One group's chain, by the optimizer the plan gives its leaves; every per-leaf fact a
-    callable of the tree (`per_leaf`)."""
+    """One group's chain (the table of the module docstring), by the optimizer the plan gives
+    its leaves; every per-leaf fact a callable of the tree (`per_leaf`)."""
     optimizer = optimizer_of(label, hp)
-    if optimizer == "muon":
-        return _muon_chain(group, hp.muon, per_leaf(hp, label, lambda row: row.muon_dims))
-    if optimizer != "rownorm":
-        return _adamw(group, adam)
-    center = centred(label, optimizer, hp) is not False
-    if label == "router":
-        direction = rownorm_per_matrix(
-            axes=per_leaf(hp, label, lambda row: (row.vocab_axis, row.batch_axes)),
-            center_input=center, center_output=center, **_given(eps=hp.router.eps))
-        return _rownorm_chain(group, direction)
-    head = hp.head
-    direction = projected_rownorm(
-        vocab_axis=per_leaf(hp, label, lambda row: row.vocab_axis), center_input=center,
-        center_output=center, rescale=head.rescale, num_valid=head.num_valid, impl=head.impl,
-        **_given(eps=head.eps))
-    return _rownorm_chain(group, direction, debias=head.bias_correction)
-
-
-def _head_chain(group: GroupOptions, hp: PlanOptions, adam: AdamOptions
-                ) -> optax.GradientTransformation:
-    """The head group's chain, the tracker last: it sees ``-lr·(U + wd·W)``, the step the
-    softmax sees."""
-    chain = _group_chain("head", group, hp, adam)
-    if not hp.head.track:
+    if optimizer == "adamw":
+        chain = optax.adamw(group.learning_rate, b1=group.momentum, b2=adam.b2, eps=adam.eps,
+                            eps_root=adam.eps_root, mu_dtype=adam.mu_dtype,
+                            weight_decay=group.weight_decay, nesterov=adam.nesterov)
+    else:
+        if optimizer == "muon":
+            momentum = optax.trace(decay=group.momentum, nesterov=hp.muon.nesterov,
+                                   accumulator_dtype=hp.muon.mu_dtype)
+            direction = hp.muon.orthogonalize(per_leaf(hp, label, lambda row: row.muon_dims))
+        else:  # RowNorm: EMA momentum in float32, before the normalisation
+            center = centred(label, optimizer, hp) is not False
+            options = hp.router if label == "router" else hp.head
+            eps = EPS if options.eps is None else options.eps
+            debias = label == "head" and hp.head.bias_correction
+            momentum = optax.ema(decay=group.momentum, debias=debias,
+                                 accumulator_dtype=jnp.float32)
+            if label == "router":
+                direction = rownorm_per_matrix(
+                    axes=per_leaf(hp, label, lambda row: (row.vocab_axis, row.batch_axes)),
+                    eps=eps, center_input=center, center_output=center)
+            else:
+                direction = projected_rownorm(
+                    vocab_axis=per_leaf(hp, label, lambda row: row.vocab_axis), eps=eps,
+                    center_input=center, center_output=center, rescale=hp.head.rescale,
+                    num_valid=hp.head.num_valid, impl=hp.head.impl)
+        chain = optax.chain(
+            momentum,
+            direction,
+            optax.add_decayed_weights(group.weight_decay),
+            optax.scale_by_learning_rate(group.learning_rate),
+        )
+    if label != "head" or not hp.head.track:
         return chain
+    # The tracker last: it sees -lr·(U + wd·W), the step the softmax sees.
     return optax.chain(chain, track_row_diameter(
         vocab_axis=per_leaf(hp, "head", lambda row: row.vocab_axis),
         every_k_steps=hp.head.track_every_k_steps, impl=hp.head.impl))
@@ -871,9 +809,7 @@ def lm_optimizer(
 
     Args:
       learning_rate: float or schedule; every group's default derives from it
-        (`group_options`; the guide "Learning rates and radii"): hidden, embedding and vector
-        use it as is, the head ``HEAD_LR_MULTIPLIERS[optimizer]`` times it (RowNorm 5, AdamW
-        3, Muon 3: the head study's sweep), the router the hidden group's.
+        (`group_options`): the head's is ``HEAD_LR_MULTIPLIERS[optimizer]`` times it.
       head: a head optimizer name (``"rownorm"``, ``"adamw"``, ``"muon"``) or `HeadOptions`.
       muon: `MuonOptions` of the hidden group (and a Muon head or router); None: defaults.
       adam: `AdamOptions` of every AdamW group; None: the defaults.
@@ -917,15 +853,12 @@ def lm_optimizer(
       True
     """
     hp = plan_options(head=head, muon=muon, router=router, labels=labels, tied=tied)
-    adam = adam if adam is not None else AdamOptions()
-    if not isinstance(adam, AdamOptions):
-        raise TypeError(f"adam must be a rowgeom.AdamOptions, got {adam!r}")
+    adam = as_options(adam, AdamOptions, (), "adam")
     resolved = group_options(learning_rate, head=hp.head, muon=hp.muon, adam=adam,
                              router=hp.router, weight_decay=weight_decay, groups=groups)
 
-    transforms = {label: _head_chain(resolved[label], hp, adam) if label == "head" else
-                  _group_chain(label, resolved[label], hp, adam) for label in LABELS}
-    labels = labels_of(hp)
+    transforms = {label: _group_chain(label, resolved[label], hp, adam) for label in LABELS}
+    labels = lambda tree: view_plan(tree, hp).labels
     # The router group only where the tree has routers: a dense model's state (so its
     # checkpoints) has none.
     dense = partition_by_label({k: v for k, v in transforms.items() if k != "router"}, labels)

@@ -3,33 +3,14 @@
 Names say what a parameter is for (the name sets and predicates below read them); shapes say
 how big the model is. The labels and the optimizer plan use both, so that a name that
 contradicts the shapes is an error instead of a silently wrong geometry. This module is the one
-place an axis is inferred:
-
-- the **vocabulary size** ``V`` and **width** ``d`` come from the token embedding table
-  (``(V, d)``, the layout of every JAX ``Embed``; position tables excluded), else from a named
-  head matrix;
-- the **repeated blocks** are the subtrees of a block container (`block_position`:
-  ``layers/0``, ``h/3``, ``layers_0``); a container name followed by no number is a **stack** of
-  scanned layers whose leaves carry a layer axis;
-- a stack is also recognised **by structure**, whatever its name: a container of several
-  modules (no expert module) whose every leaf has the same size ``L`` at the same leading axis
-  (0 or 1), ``L != d``, with a stacked vector ``(L, d)`` or ``(d, L)`` among them (a norm
-  scale) and a stacked matrix;
-- a stack's **layer axis** is read off its norm scales (``(L, d)`` or, as in MaxText's default
-  ``param_scan_axis=1``, ``(d, L)``), else from the one leading axis all its leaves share;
-- the **mixture-of-experts** routers and expert stacks and their expert count ``E`` are found
-  by `find_experts`; each expert stack's **expert axis** is its one axis of size ``E``.
-
-`muon_axes` turns this into Muon's matrix axes: layer and expert axes are batch axes (Muon runs
-per layer and per expert), two axes left are the matrix; of three or more left, the one axis of
-size ``d`` is one side of the matrix and the other axes together the other side (with no axis
-of size ``d``: the one axis of a norm scale's size beside it, the rank of a low-rank projection
-such as DeepSeek's ``wkv_b``). Orthogonalisation commutes with transposition, so which side is
-fan-in matters only for the ``"spectral"``/``"keller"`` scales (the ``d`` axis is taken as
-fan-in unless it is the last axis). Where the shapes do not decide, `StructureError` carries the
-likely reading, for an error that lists every such leaf at once. `head_vocab_axis` is the one
-axis of size ``V``, else the leaf name's convention; `router_axes` the router's feature and
-expert axes.
+place an axis is inferred: the vocabulary size ``V`` and width ``d`` (from the token table
+``(V, d)``, else a named head), the repeated blocks and the layer axes of scanned stacks
+(`find_stacks`), the mixture-of-experts routers, expert stacks and expert count ``E``
+(`find_experts`), Muon's matrix axes (`muon_axes`: layer and expert axes are batch axes), the
+head's vocabulary axis (`head_vocab_axis`) and a router's axes (`router_axes`). Where the shapes
+do not decide, `StructureError` carries the likely reading, for an error that lists every such
+leaf at once. The rules with examples: docs/guides/labels.md ("How labels are decided", "Muon's
+matrix axes", "Mixture of experts").
 """
 
 from __future__ import annotations
@@ -268,7 +249,7 @@ def _shaped_router(leaves: _MatrixLeaves, module, members, movable):
 def find_experts(entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]], *,
                  router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
                  movable: Callable[[Path], bool] = lambda p: True):
-    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (module doc).
+    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (section comment).
 
     `entries`: ``(path, shape, label)`` of every leaf (label None: not named); `axes_of(path,
     shape)`: a leaf's axes besides its layer axis (`rowgeom._structure.unstacked_axes`).
@@ -384,7 +365,9 @@ def _no_layer_axis(leaves) -> bool:
 
 
 def find_stacks(entries, width: int | None, vectors: Collection[Path]) -> dict:
-    """Layer axis and depth of every stack of scanned layers (named or by structure).
+    """Layer axis and depth of every stack of scanned layers (named or by structure): read off
+    its norm scales (``(L, d)``, or MaxText's ``(d, L)``), else the one leading axis all its
+    leaves share.
 
     `entries`: ``(path, shape)`` of every leaf; `vectors`: the paths of the norm scales and
     biases. Returns ``{stack prefix: (axis, L) or None}`` (None: not determinable).
@@ -408,7 +391,9 @@ def find_stacks(entries, width: int | None, vectors: Collection[Path]) -> dict:
 
 
 def _structural_stacks(entries, width, vectors, named) -> dict:
-    """Containers whose leaves all carry one layer axis, whatever their names (module doc)."""
+    """Containers whose leaves all carry one layer axis, whatever their names: several modules
+    (no expert module), one leading axis ``L != d`` (0 or 1) on every leaf, a stacked norm scale
+    ``(L, d)`` or ``(d, L)`` and a stacked matrix among them."""
     if width is None:
         return {}
     under: dict[tuple[str, ...], list] = {}
@@ -546,7 +531,8 @@ def norm_widths(path: Sequence[str], structure: ModelStructure) -> set[int]:
 
 
 def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The rank >= 3 rule: the one axis of size d (else of a feature size) against the rest."""
+    """The rank >= 3 rule: the one axis of size d (else of a feature size) against the rest,
+    as fan-in unless it is the last axis (only the "spectral"/"keller" scales tell)."""
     for sizes in ([width], features):
         wide = [a for a in rest if shape[a] in sizes]
         if len(wide) == 1:

@@ -1,25 +1,19 @@
 """Parameter paths and arguments: the one tree walker, per-leaf options and argument checks.
 
-Contract (the layout page, docs/architecture.md, shows who uses what):
-
-- A **path** is a tuple of ``str``, one per key (`key_name`): ``("lm_head", "kernel")``. It is
-  shown ``"/"``-joined (`path_str`), the form every rowgeom message and mapping key uses.
+- A **path** is a tuple of ``str``, one per key (`key_name`), shown ``"/"``-joined (`path_str`)
+  in every message and mapping key.
 - **Flax boxes** (``nnx.Variable``, Linen ``nn.Partitioned``) are transparent: a boxed leaf has
-  the path of the parameter, never an extra ``value`` component, so the ``nnx.State`` of
-  Variables that ``nnx.Optimizer`` hands ``tx.init`` and the plain arrays it hands ``tx.update``
-  have the same paths. Flax is never imported here; its box types are recognised only when the
-  caller already loaded it.
-- **Masked** leaves (`is_masked`: ``None`` and ``optax.MaskedNode``, what ``optax.partition`` and
-  ``optax.masked`` put where a transform must not act) are leaves wherever a transform walks.
-- **Arguments** are checked one way (the last section): every error names the argument (an
-  options object's as ``Owner.field``) and says what was expected, never a silent NaN or a
-  silently wrong axis.
-- A **per-leaf option** (labels, ``vocab_axis``, Muon dimension numbers, the routing a test
-  expects) has one semantics everywhere (`resolve_per_leaf`): one value for every leaf, a
-  callable ``tree -> option``, or a tree matched by path — nested like the parameters, flat with
-  ``"/"``-joined keys, or a mix, since a key's ``"/"`` separates components — whose entry at a
+  the path of the parameter, so the Variables ``nnx.Optimizer`` hands ``tx.init`` and the plain
+  arrays it hands ``tx.update`` have the same paths. Flax is never imported here.
+- **Masked** leaves (`is_masked`: ``None`` and ``optax.MaskedNode``) are leaves wherever a
+  transform walks.
+- A **per-leaf option** (labels, ``vocab_axis``, Muon dimension numbers) has one semantics
+  everywhere (`resolve_per_leaf`): one value for every leaf, a callable ``tree -> option``, or
+  a tree matched by path (nested, flat with ``"/"``-joined keys, or a mix) whose entry at a
   path covers every leaf below it (the longest prefix wins). An entry that covers no leaf is an
   error naming it (a typo must not silently do nothing).
+- **Arguments** are checked one way (the last section): every error names the argument (an
+  options object's as ``Owner.field``) and what was expected.
 """
 
 from __future__ import annotations
