@@ -151,8 +151,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("head-decay-twice", "rowgeom/_recipe.py",
            "            direction,\n            optax.add_decayed_weights(group.weight_decay),\n",
            "            direction,\n            optax.add_decayed_weights(group.weight_decay),\n"
-           "            optax.add_decayed_weights(group.weight_decay),\n",
-           "the weight decay of the Muon and RowNorm chains applied twice", RECIPE_TESTS),
+           "            optax.add_decayed_weights(\n"
+           "                group.weight_decay if label == 'head' else 0.0),\n",
+           "the head's weight decay applied twice (a RowNorm or Muon head)", RECIPE_TESTS),
     Mutant("vector-decay-default", "rowgeom/_recipe.py",
            '"vector": group("vector", learning_rate, 0.0, adam_.b1),',
            '"vector": group("vector", learning_rate, weight_decay, adam_.b1),',
