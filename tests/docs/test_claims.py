@@ -302,12 +302,19 @@ def test_head_state_holds_what_the_checkpointing_guide_lists():
 
 
 _KILLED_SAVE = """
-import os, sys
+import os, pathlib, sys, time
 import jax.numpy as jnp
 from examples.lm import checkpointing
 ckpt = checkpointing.Checkpointer(sys.argv[1])
 ckpt.save(int(sys.argv[2]), {"a": jnp.ones((2048, 2048))}, {"step": int(sys.argv[2])})
-os._exit(0)  # killed while the save is in flight: it is never finalized
+# Killed while the save is in flight (it is never finalized): once its temporary directory
+# exists, which orbax creates on a thread of its own (exiting at once raced it under load).
+deadline = time.monotonic() + 60
+while not any(p.name.startswith(sys.argv[2] + ".") for p in pathlib.Path(sys.argv[1]).iterdir()):
+    if time.monotonic() > deadline:
+        sys.exit("the save's temporary directory never appeared")
+    time.sleep(0.001)
+os._exit(0)
 """
 
 
