@@ -64,7 +64,6 @@ from rowgeom._structure import (
     model_structure,
     muon_axes,
     router_axes,
-    router_matrix_axes,
 )
 from rowgeom._tree import (
     check_bool,
@@ -566,8 +565,7 @@ def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any
 def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
     """``(muon dims or None, expert axis or None, batch axes)`` of a router leaf."""
     try:
-        feature, expert = (router_axes if optimizer == "rownorm" else router_matrix_axes)(
-            path, shape, structure)
+        feature, expert = router_axes(path, shape, structure, any_order=optimizer != "rownorm")
     except StructureError as err:
         raise ValueError(f"lm_optimizer(router={optimizer!r}): {err}. Train routers with "
                          "router='muon', or label this one 'hidden'") from None

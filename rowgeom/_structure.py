@@ -1,16 +1,11 @@
 """What a language model's parameter tree says about the model, and every axis read from it.
 
-Names say what a parameter is for (the name sets and predicates below read them); shapes say
-how big the model is. The labels and the optimizer plan use both, so that a name that
-contradicts the shapes is an error instead of a silently wrong geometry. This module is the one
-place an axis is inferred: the vocabulary size ``V`` and width ``d`` (from the token table
-``(V, d)``, else a named head), the repeated blocks and the layer axes of scanned stacks
-(`find_stacks`), the mixture-of-experts routers, expert stacks and expert count ``E``
-(`find_experts`), Muon's matrix axes (`muon_axes`: layer and expert axes are batch axes), the
-head's vocabulary axis (`head_vocab_axis`) and a router's axes (`router_axes`). Where the shapes
-do not decide, `StructureError` carries the likely reading, for an error that lists every such
-leaf at once. The rules with examples: docs/guides/labels.md ("How labels are decided", "Muon's
-matrix axes", "Mixture of experts").
+Names say what a parameter is for, shapes how big the model is; the labels and the plan use
+both, so a name that contradicts the shapes is an error, not a silently wrong geometry. Every
+axis is inferred here: ``V`` and ``d`` (`find_vocab`), the layer axes of stacks (`find_stacks`),
+routers, expert stacks and ``E`` (`find_experts`), Muon's matrix axes (`muon_axes`), the head's
+vocabulary axis and a router's axes. Where the shapes do not decide, `StructureError` carries
+the likely reading. The rules with examples: docs/guides/labels.md.
 """
 
 from __future__ import annotations
@@ -113,20 +108,19 @@ def is_expert_component(component: str) -> bool:
     return bool(EXPERT_MODULE.search(c)) and not c.startswith("shared") and not is_container(c)
 
 
+def module_index(path: Sequence[str]) -> int:
+    """Length of a leaf's module path: ``gate/kernel`` -> 1 (the storage name is no module)."""
+    nm = naming_path(path)
+    return len(nm) - (2 if len(nm) > 1 and nm[-1].lower() in GENERIC_LEAF_NAMES else 1)
+
+
 def router_index(path: Sequence[str], router_names: Collection[str]) -> int | None:
     """Index of the component naming a router (``gate/kernel`` -> the ``gate``), or None."""
     nm = naming_path(path)
     if nm and nm[-1].lower() in router_names:
         return len(nm) - 1
-    if len(nm) > 1 and nm[-2].lower() in router_names and nm[-1].lower() in GENERIC_LEAF_NAMES:
-        return len(nm) - 2
-    return None
-
-
-def module_index(path: Sequence[str]) -> int:
-    """Length of a leaf's module path: ``gate/kernel`` -> 1 (the storage name is no module)."""
-    nm = naming_path(path)
-    return len(nm) - (2 if len(nm) > 1 and nm[-1].lower() in GENERIC_LEAF_NAMES else 1)
+    k = module_index(path)
+    return k if k < len(nm) - 1 and nm[k].lower() in router_names else None
 
 
 def is_vector_name(path: Sequence[str], vector_names: Collection[str]) -> bool:
@@ -241,23 +235,17 @@ def _shaped_router(leaves: _MatrixLeaves, module, members, movable):
               and lb in ("hidden", None) and movable(p) and len(leaves.axes[p]) == 2
               and width is not None and width in [leaves.shapes[p][a] for a in leaves.axes[p]]
               and leaves.router_sizes(p) & sizes]
-    if len(shaped) == 1 and len(leaves.router_sizes(shaped[0]) & sizes) == 1:
-        return shaped[0], (leaves.router_sizes(shaped[0]) & sizes).pop()
+    if len(shaped) == 1 and len(common := leaves.router_sizes(shaped[0]) & sizes) == 1:
+        return shaped[0], common.pop()
     return None, None
 
 
 def find_experts(entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]], *,
                  router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
                  movable: Callable[[Path], bool] = lambda p: True):
-    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (section comment).
-
-    `entries`: ``(path, shape, label)`` of every leaf (label None: not named); `axes_of(path,
-    shape)`: a leaf's axes besides its layer axis (`rowgeom._structure.unstacked_axes`).
-    Routers are the leaves labelled ``"router"`` and, where `movable(path)`, the ``"hidden"`` or
-    unlabelled leaves named in `router_names` (or unnamed ``(d, E)`` matrices beside expert
-    stacks) that the shapes confirm; expert stacks are among the ``"hidden"`` or unlabelled
-    leaves.
-    """
+    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (section comment)
+    of ``(path, shape, label)`` entries; `axes_of`: a leaf's axes besides its layer axis; only
+    leaves labelled ``"router"``, or ``"hidden"``/None and `movable`, may become routers."""
     leaves = _MatrixLeaves(entries, width, axes_of)
     routers: dict[Path, int | None] = {}
     experts: dict[Path, int | None] = {}
@@ -348,15 +336,17 @@ def _common_leading_axis(leaves, width):
     return {f for f in found if f[1] != width} if width is not None else found
 
 
+def _vector_layers(shape, width) -> tuple[int, int] | None:
+    """``(axis, L)`` of a stacked vector ``(L, d)`` / ``(d, L)``; None for any other shape."""
+    if width is None or len(shape) != 2 or list(shape).count(width) != 1:
+        return None
+    axis = 1 - shape.index(width)
+    return axis, shape[axis]
+
+
 def _stacked_norms(leaves, width, vectors) -> set:
-    """``{(axis, L)}`` read off stacked vectors ``(L, d)`` / ``(d, L)`` of a container."""
-    found = set()
-    for path, shape in leaves:
-        if width is not None and len(shape) == 2 and path in vectors \
-                and list(shape).count(width) == 1:
-            axis = 1 - shape.index(width)
-            found.add((axis, shape[axis]))
-    return found
+    """``{(axis, L)}`` read off the stacked vectors of a container."""
+    return {_vector_layers(s, width) for p, s in leaves if p in vectors} - {None}
 
 
 def _no_layer_axis(leaves) -> bool:
@@ -431,28 +421,36 @@ def in_blocks(path: Sequence[str], stacks: Mapping) -> bool:
     return block_position(path) is not None or stack_of(path, stacks) is not None
 
 
-def layer_axis(path, shape, stacks: Mapping, *, min_rank: int = 3) -> int | None:
-    """The layer axis of a leaf of rank >= `min_rank` in a stack, if it has one."""
+def layer_axis(path, shape, stacks: Mapping, *, min_rank: int = 3,
+               where: str | None = None) -> int | None:
+    """The layer axis of a leaf of rank >= `min_rank` in a stack, if it has one; given `where`
+    (the leaf as a message names it), a leaf of a stack without one is a StructureError."""
     stack = stack_of(path, stacks)
-    if stack is None or stack[1] is None or len(shape) < min_rank:
+    if stack is None or len(shape) < min_rank:
         return None
-    axis, depth = stack[1]
-    return axis if shape[axis] == depth else None
+    prefix, info = stack
+    if info is not None and shape[info[0]] == info[1]:
+        return info[0]
+    if where is None:
+        return None
+    if info is None:
+        raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
+                             "axis cannot be told from the shapes")
+    raise StructureError(f"{where} has no layer axis of size {info[1]} at position {info[0]} "
+                         f"like the rest of the stack {'/'.join(prefix)}")
 
 
-def unstacked_axes(path, shape, stacks: Mapping, *, min_rank: int = 3) -> list[int]:
-    """The axes of a leaf other than its layer axis (when it has one)."""
-    layer = layer_axis(path, shape, stacks, min_rank=min_rank)
+def unstacked_axes(path, shape, stacks: Mapping, *, min_rank: int = 3,
+                   where: str | None = None) -> list[int]:
+    """The axes of a leaf other than its layer axis (when it has one; `layer_axis`)."""
+    layer = layer_axis(path, shape, stacks, min_rank=min_rank, where=where)
     return [a for a in range(len(shape)) if a != layer]
 
 
 def _loose_layer_sizes(vectors, width, stacks) -> frozenset[int]:
-    """``L`` of stacked vectors ``(L, d)`` / ``(d, L)`` outside any stack (a likely layer axis
-    for an error to suggest)."""
-    if width is None:
-        return frozenset()
-    return frozenset(s[1 - s.index(width)] for p, s in vectors if len(s) == 2
-                     and list(s).count(width) == 1 and stack_of(p, stacks) is None)
+    """``L`` of stacked vectors outside any stack (a likely layer axis for an error)."""
+    return frozenset(layers[1] for p, s in vectors if stack_of(p, stacks) is None
+                     and (layers := _vector_layers(s, width)) is not None)
 
 
 def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
@@ -495,16 +493,11 @@ class StructureError(ValueError):
 
 def batch_roles(path, shape, structure: ModelStructure) -> dict[int, str]:
     """``{axis: "layers" | "experts"}`` of the batch axes `muon_axes` takes out of a leaf."""
-    roles = {}
-    layer = layer_axis(path, shape, structure.stacks)
-    if layer is not None:
-        roles[layer] = "layers"
-    count = structure.experts.get(tuple(path))
-    rest = [a for a in range(len(shape)) if a != layer]
-    if count is not None and len(rest) >= 3:
-        hits = [a for a in rest if shape[a] == count]
-        if len(hits) == 1:
-            roles[hits[0]] = "experts"
+    rest = unstacked_axes(path, shape, structure.stacks)
+    roles = {a: "layers" for a in range(len(shape)) if a not in rest}
+    hits = [a for a in rest if shape[a] == structure.experts.get(tuple(path))]
+    if len(rest) >= 3 and len(hits) == 1:
+        roles[hits[0]] = "experts"
     return roles
 
 
@@ -550,31 +543,12 @@ def _pair_or_split(shape, left, width, features):
     return None if width is None else _split(shape, left, width, features)
 
 
-def _without_layer_axis(path, shape, structure, where) -> list[int]:
-    """The axes of a leaf of a stack other than its layer axis; StructureError when the stack's
-    layer axis is unknown or this leaf lacks it."""
-    rest = list(range(len(shape)))
-    stack = stack_of(path, structure.stacks)
-    if stack is None or len(shape) < 3:
-        return rest
-    prefix, info = stack
-    if info is None:
-        raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
-                             "axis cannot be told from the shapes")
-    axis, depth = info
-    if shape[axis] != depth:
-        raise StructureError(f"{where} has no layer axis of size {depth} at position {axis} like "
-                             f"the rest of the stack {'/'.join(prefix)}")
-    rest.remove(axis)
-    return rest
-
-
 def _without_expert_axis(path, shape, rest, structure, features, where) -> list[int]:
     """`rest` without an expert stack's expert axis (its one axis of size ``E``)."""
     if path not in structure.experts or len(rest) < 3:
         return rest
     count, width = structure.experts[path], structure.width
-    hits = [a for a in rest if count is not None and shape[a] == count]
+    hits = [a for a in rest if shape[a] == count]
     if len(hits) == 1:
         return [a for a in rest if a != hits[0]]
     guess = [a for a in rest if width is None or shape[a] != width][:1]
@@ -592,7 +566,7 @@ def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructu
     shape, path = tuple(shape), tuple(path)
     width, features = structure.width, norm_widths(path, structure)
     where = f"{'/'.join(path)} {shape}"
-    rest = _without_layer_axis(path, shape, structure, where)
+    rest = unstacked_axes(path, shape, structure.stacks, where=where)
     rest = _without_expert_axis(path, shape, rest, structure, features, where)
     if len(rest) == 2:
         return (rest[0],), (rest[1],)
@@ -638,11 +612,13 @@ def head_vocab_axis(path: Sequence[str], shape: Sequence[int], vocab_size: int |
         "lm_optimizer(head=rowgeom.HeadOptions(vocab_axis=...))")
 
 
-def router_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
+def router_axes(path, shape, structure: ModelStructure, *, any_order: bool = False
+                ) -> tuple[int, int]:
     """``(feature axis, expert axis)`` of a router: its two axes besides a layer axis, the
     expert axis of size ``E`` (else the one not of size ``d``; else by the leaf name: a
     PyTorch-style ``weight`` is ``(E, d)``, a ``kernel``, ``w`` or a router name of the
-    structure's `router_names` Flax-style ``(d, E)``)."""
+    structure's `router_names` Flax-style ``(d, E)``; else, with `any_order` (a Muon router:
+    the polar factor does not depend on which side is which), its two axes in order)."""
     path, shape = tuple(path), tuple(shape)
     rest = unstacked_axes(path, shape, structure.stacks)
     if len(rest) != 2:
@@ -658,20 +634,8 @@ def router_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
     name = naming_path(path)[-1].lower() if path else ""
     if name in ("weight", "weights"):
         return rest[1], rest[0]  # PyTorch-style (E, d)
-    if name in ("kernel", "w") or name in structure.router_names:
+    if name in ("kernel", "w") or name in structure.router_names or any_order:
         return rest[0], rest[1]  # Flax-style (d, E)
     raise StructureError(f"cannot tell the expert axis of router {'/'.join(path)} {shape} (no "
                          "expert count, no model width, a leaf name that says no layout)")
 
-
-def router_matrix_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
-    """``(feature axis, expert axis)`` for a Muon router: `router_axes`, else, for a matrix
-    (a layer axis aside), its two axes in order (the polar factor does not depend on which
-    side is which)."""
-    try:
-        return router_axes(path, shape, structure)
-    except StructureError:
-        rest = unstacked_axes(path, shape, structure.stacks)
-        if len(rest) != 2:
-            raise
-        return rest[0], rest[1]
