@@ -16,13 +16,11 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
-Three sections, data flowing one way (docs/architecture.md): the **options**, frozen objects
-checked on creation, and every group's resolved rate, decay and momentum (`group_options`);
-the **plan**, every per-leaf fact (label, optimizer, centring, axes) as a pure function of the
-tree's paths, shapes and dtypes (`plan_of`, memoised on them); the **build**: `lm_optimizer`
-writes the ``optax.partition`` of the group chains when called, each chain reading the plan
-through per-leaf callables (`per_leaf`). `track_row_diameter` ends the head chain so it
-measures the step the softmax sees (docs/guides/diagnostics.md).
+Three sections, data flowing one way (docs/architecture.md): the **options** (frozen, checked on
+creation) and every group's resolved rate, decay and momentum (`group_options`); the **plan**,
+every per-leaf fact as a pure function of the tree's paths, shapes and dtypes (`plan_of`,
+memoised); the **build**: `lm_optimizer` writes the ``optax.partition`` of the group chains when
+called, each chain reading the plan through per-leaf callables (`per_leaf`).
 """
 
 from __future__ import annotations
@@ -82,12 +80,9 @@ from rowgeom._tree import (
     unbox,
 )
 
-# --- `lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home.
-#
-# Each checks its fields on creation, naming the field. A field that only one optimizer reads (a
-# RowNorm head's ``eps``; an AdamW head has no ``momentum``) is None by default and an error when
-# given to another. Why the defaults follow from one learning rate (RMS-matched Muon, the head
-# rate as a radius, the head study's multipliers): docs/guides/learning-rates.md.
+# --- `lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home,
+# checked on creation. A field only one optimizer reads is None by default and an error given to
+# another. Why the defaults follow from one rate: docs/guides/learning-rates.md.
 
 Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
 
@@ -457,13 +452,6 @@ class PlanOptions(NamedTuple):
     tied: str | None
 
 
-def infers_muon_dims(dims: Any) -> bool:
-    """Whether `MuonOptions.dimension_numbers` asks for inference (`_hidden_dims`)."""
-    return dims is None or (isinstance(dims, Mapping) and bool(dims)
-                            and all(isinstance(k, str) for k in dims)
-                            and all(is_dimension_numbers(v) for v in dims.values()))
-
-
 def _axes_text(axes) -> str:
     return ",".join(map(str, (axes,) if isinstance(axes, int) else tuple(axes)))
 
@@ -525,14 +513,15 @@ def _labelled(tree: Any, hp: PlanOptions):
 
 
 def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any):
-    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves. A
-    `MuonOptions.dimension_numbers` that is None or a mapping of ``"/"``-joined paths to
-    dimension numbers overrides the inferred axes (`muon_axes`) of those leaves; any other is
-    given outright (one value, a tree or a callable of the tree; an entry None passes the leaf
-    through) and must cover every hidden leaf."""
+    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: inferred
+    (`muon_axes`) unless `MuonOptions.dimension_numbers` overrides them ({"/"-joined path: dims})
+    or gives them outright (anything else: every hidden leaf covered, None passes one through)."""
     option = hp.muon.dimension_numbers
     hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
-    if not infers_muon_dims(option):
+    infer = option is None or (isinstance(option, Mapping) and bool(option)
+                               and all(isinstance(k, str) for k in option)
+                               and all(is_dimension_numbers(v) for v in option.values()))
+    if not infer:
         option = option(tree) if callable(option) else option
         paths = [p for p, _ in tree_paths(tree)]
         given = dict(zip(paths, resolve_per_leaf(
@@ -650,16 +639,15 @@ def _key(tree: Any) -> tuple:
 
 
 def _covers(key: tuple, view: tuple) -> bool:
-    """Whether `view` (a partition's masked view) is `key` with some leaves masked. Shapes are
-    compared, not dtypes: a chain reads its params (in their dtype) beside the updates (in
-    theirs), and no fact of a plan depends on a dtype."""
+    """Whether `view` (a partition's masked view) is `key` with some leaves masked; dtypes are
+    not compared (a chain reads params beside updates, and no fact of a plan reads a dtype)."""
     return len(key) == len(view) and all(
         a[0] == b[0] and (b[1:] == _MASKED or a[1] == b[1]) for a, b in zip(key, view, strict=True))
 
 
 class _GivenLabels(tuple):
-    """A labels tree as ``(("/"-joined path, label), ...)``: one immutable form, so nested and
-    flat trees that mean the same share a plan, and a later change to the caller's dict none."""
+    """A labels tree as ``(("/"-joined path, label), ...)``: equal trees share a plan, and a later
+    change to the caller's dict changes none."""
 
 
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
@@ -709,10 +697,8 @@ def plan_of(tree: Any, options: PlanOptions) -> Plan:
 
 
 def view_plan(tree: Any, options: PlanOptions) -> Plan:
-    """The plan a chain reads on the tree it is given: `plan_of`'s for a whole tree; for the
-    view ``optax.partition`` gives one group (the other leaves ``optax.MaskedNode``), the plan
-    of the whole tree, which `lm_optimizer` planned just before (the most recently used plan
-    whose key the view matches)."""
+    """The plan a chain reads: `plan_of`'s for a whole tree; for one group's masked view (from
+    ``optax.partition``), the most recently used plan of a whole tree the view `_covers`."""
     key = _key(tree)
     if not any(entry[1:] == _MASKED for entry in key):
         return _memoised(key, tree, options)

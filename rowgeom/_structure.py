@@ -301,10 +301,8 @@ class ModelStructure(NamedTuple):
 
 
 def find_vocab(embeddings, heads) -> tuple[int | None, int | None, tuple | None]:
-    """``(V, d, path)`` from the token embedding ``(V, d)``, else a head matrix (larger axis V).
-
-    `embeddings` and `heads` are lists of ``(path, shape)`` of rank-2 leaves.
-    """
+    """``(V, d, path)`` from the token embedding ``(V, d)``, else a head matrix (larger axis V),
+    of the ``(path, shape)`` of rank-2 leaves."""
     tokens = [(p, s) for p, s in embeddings if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in p)]
     if not tokens:
         tokens = [(p, s) for p, s in embeddings if not is_position_embedding(p)]
@@ -333,7 +331,7 @@ def _common_leading_axis(leaves, width):
             sizes = {s[axis] for _, s in leaves}
             if len(sizes) == 1:
                 found.add((axis, sizes.pop()))
-    return {f for f in found if f[1] != width} if width is not None else found
+    return {f for f in found if f[1] != width}
 
 
 def _vector_layers(shape, width) -> tuple[int, int] | None:
@@ -355,13 +353,9 @@ def _no_layer_axis(leaves) -> bool:
 
 
 def find_stacks(entries, width: int | None, vectors: Collection[Path]) -> dict:
-    """Layer axis and depth of every stack of scanned layers (named or by structure): read off
-    its norm scales (``(L, d)``, or MaxText's ``(d, L)``), else the one leading axis all its
-    leaves share.
-
-    `entries`: ``(path, shape)`` of every leaf; `vectors`: the paths of the norm scales and
-    biases. Returns ``{stack prefix: (axis, L) or None}`` (None: not determinable).
-    """
+    """``{stack prefix: (axis, L) or None}`` (None: not determinable) of every stack of scanned
+    layers, named or structural, among ``(path, shape)`` entries: read off its norm scales
+    (`vectors`: ``(L, d)``, or MaxText's ``(d, L)``), else the one leading axis its leaves share."""
     members: dict[tuple[str, ...], list] = {}
     for path, shape in entries:
         pos = block_position(path)
