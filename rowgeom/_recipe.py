@@ -338,11 +338,9 @@ def group_options(
             raise TypeError(f"groups[{name!r}] must be a rowgeom.GroupOptions, got {value!r}")
 
     def group(name: str, rate: Rate, decay: Rate, mom: float) -> GroupOptions:
-        given = overrides.get(name, GroupOptions())
-        pick = lambda field, derived: derived if getattr(given, field) is None else getattr(
-            given, field)
-        return GroupOptions(pick("learning_rate", rate), pick("weight_decay", decay),
-                            pick("momentum", mom))
+        given = vars(overrides.get(name, GroupOptions()))
+        return dataclasses.replace(GroupOptions(rate, decay, mom),
+                                   **{k: v for k, v in given.items() if v is not None})
 
     hidden = group("hidden", learning_rate, weight_decay, muon_.momentum)
     head_momentum = (adam_.b1 if head_.optimizer == "adamw" else
