@@ -43,9 +43,8 @@ def naming_path(path: Sequence[str]) -> Path:
     """`path` without the wrapper components at its end (`rowgeom._names.WRAPPER_SUFFIXES`)."""
     path = tuple(path)
     for suffix in WRAPPER_SUFFIXES:
-        n = len(suffix)
-        if len(path) > n - 1 and tuple(c.lower() for c in path[-n:]) == suffix:
-            return path[:-n]
+        if tuple(c.lower() for c in path[-len(suffix):]) == suffix:
+            return path[:-len(suffix)]
     return path
 
 
@@ -78,11 +77,8 @@ def block_position(path: Sequence[str]) -> tuple[int, bool] | None:
     path = naming_path(path)
     for i, component in enumerate(path[:-1]):
         c = component.lower()
-        if c.isdigit():
-            if i == 0:
-                continue  # a list of modules at the root (sequential), not a block container
-            return i, False
-        if _numbered_block(c):
+        # (a number at the root is a list of modules, sequential, not a block container)
+        if (c.isdigit() and i > 0) or _numbered_block(c):
             return i, False
         if is_container(c):
             return (i + 1, False) if path[i + 1].isdigit() else (i, True)
@@ -94,11 +90,8 @@ def is_position_embedding(path: Sequence[str]) -> bool:
     whose ``_``-separated words include a position word (``pos``, ``position``,
     ``positional``, ``posembed``, ``pos``/``position`` + ``embed...``), so ``W_pos`` and
     ``abs_pos_emb`` are, ``composer``, ``purpose`` and ``transposed_proj`` are not."""
-    for component in path:
-        c = component.lower()
-        if c in POSITION_EMBEDDING_NAMES or any(POSITION_WORD.fullmatch(w) for w in c.split("_")):
-            return True
-    return False
+    return any(c.lower() in POSITION_EMBEDDING_NAMES
+               or any(POSITION_WORD.fullmatch(w) for w in c.lower().split("_")) for c in path)
 
 
 def is_expert_component(component: str) -> bool:
@@ -161,9 +154,9 @@ def _numbered_experts(paths, module: Path) -> int | None:
 class _MatrixLeaves:
     """The rank >= 2 leaves `find_experts` reads: shapes, labels and axes besides a layer axis."""
 
-    def __init__(self, entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]]):
+    def __init__(self, entries, width: int | None, stacks: Mapping):
         self.entries = [(tuple(p), tuple(s), lb) for p, s, lb in entries if len(s) >= 2]
-        self.axes = {p: axes_of(p, s) for p, s, _ in self.entries}
+        self.axes = {p: unstacked_axes(p, s, stacks) for p, s, _ in self.entries}
         self.shapes = {p: s for p, s, _ in self.entries}
         self.labels = {p: lb for p, _, lb in self.entries}
         self.width = width
@@ -240,13 +233,12 @@ def _shaped_router(leaves: _MatrixLeaves, module, members, movable):
     return None, None
 
 
-def find_experts(entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]], *,
-                 router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
-                 movable: Callable[[Path], bool] = lambda p: True):
+def find_experts(entries, width: int | None, stacks: Mapping, router_names: Collection[str],
+                 movable: Callable[[Path], bool]):
     """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (section comment)
-    of ``(path, shape, label)`` entries; `axes_of`: a leaf's axes besides its layer axis; only
-    leaves labelled ``"router"``, or ``"hidden"``/None and `movable`, may become routers."""
-    leaves = _MatrixLeaves(entries, width, axes_of)
+    of ``(path, shape, label)`` entries; only leaves labelled ``"router"``, or ``"hidden"``/None
+    and `movable`, may become routers."""
+    leaves = _MatrixLeaves(entries, width, stacks)
     routers: dict[Path, int | None] = {}
     experts: dict[Path, int | None] = {}
     for module, candidates in _named_routers(leaves, router_names, movable).items():
@@ -449,20 +441,16 @@ def _loose_layer_sizes(vectors, width, stacks) -> frozenset[int]:
 
 def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
                     movable: Callable[[Path], bool] = lambda p: False) -> ModelStructure:
-    """V, d, layer stacks, experts and routers of labelled leaves: ``(path, shape, label, ...)``.
-
-    ``V`` and ``d`` come from the leaves labelled ``"embedding"``/``"head"``; a leaf labelled
-    ``"vector"`` is a norm scale or bias; `movable(path)`: whether a ``"hidden"`` (or None)
-    label may still turn out to be a router (`rowgeom._structure.find_experts`).
-    """
+    """V, d, layer stacks, experts and routers of labelled leaves ``(path, shape, label, ...)``
+    (V and d from the ``"embedding"``/``"head"`` leaves, norm scales and biases ``"vector"``);
+    `movable(path)`: whether a ``"hidden"`` (or None) label may still become a router."""
     leaves = [(tuple(p), tuple(s), lb) for p, s, lb, *_ in leaves]
     rank2 = lambda lab: [(p, s) for p, s, lb in leaves if lb == lab and len(s) == 2]
     vocab, width, source = find_vocab(rank2("embedding"), rank2("head"))
     vectors = tuple((p, s) for p, s, lb in leaves if lb == "vector")
     stacks = find_stacks([(p, s) for p, s, _ in leaves], width, {p for p, _ in vectors})
     names = frozenset(router_names)
-    experts, routers = find_experts(leaves, width, lambda p, s: unstacked_axes(p, s, stacks),
-                                    router_names=names, movable=movable)
+    experts, routers = find_experts(leaves, width, stacks, names, movable)
     return ModelStructure(vocab, width, source, types.MappingProxyType(stacks),
                           types.MappingProxyType(experts), types.MappingProxyType(routers),
                           names, vectors, _loose_layer_sizes(vectors, width, stacks))
