@@ -485,9 +485,8 @@ def batch_roles(path, shape, structure: ModelStructure) -> dict[int, str]:
 
 def batch_axes(dims: Any, ndim: int) -> tuple[int, ...]:
     """The axes of a rank-`ndim` leaf that `dims` (reduction, output) leaves as a batch."""
-    used: set[int] = set()
-    for side in (dims.reduction_axis, dims.output_axis):
-        used |= set((side,) if isinstance(side, int) else side)
+    used = {a for side in (dims.reduction_axis, dims.output_axis)
+            for a in ((side,) if isinstance(side, int) else side)}
     return tuple(a for a in range(ndim) if a not in used)
 
 
@@ -497,12 +496,9 @@ def norm_widths(path: Sequence[str], structure: ModelStructure) -> set[int]:
     names = naming_path(path)
     module = names[:-2] if len(names) > 2 and names[-1].lower() in GENERIC_LEAF_NAMES \
         else names[:-1]
-    found = set()
-    for vpath, vshape in structure.vectors:
-        rest = [vshape[a] for a in unstacked_axes(vpath, vshape, structure.stacks, min_rank=2)]
-        if vpath[:len(module)] == module and len(rest) == 1 and rest[0] != structure.width:
-            found.add(rest[0])
-    return found
+    sizes = ([vshape[a] for a in unstacked_axes(vpath, vshape, structure.stacks, min_rank=2)]
+             for vpath, vshape in structure.vectors if vpath[:len(module)] == module)
+    return {rest[0] for rest in sizes if len(rest) == 1 and rest[0] != structure.width}
 
 
 def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
