@@ -40,9 +40,9 @@ from rowgeom._structure import (
     is_nameless,
     is_position_embedding,
     is_vector_name,
+    layer_axis,
     model_structure,
     naming_path,
-    stack_of,
 )
 from rowgeom._tree import (
     leaf_shape,
@@ -123,9 +123,8 @@ def _resolve_leaf(leaf: _Leaf, layout: ModelStructure, vocabs: set[int], default
     path, shape, label, why = leaf
     if why in ("rank", "rule", "vector name"):
         return leaf
-    stack = stack_of(path, layout.stacks)
-    if stack is not None and stack[1] is not None and len(shape) == 2 \
-            and shape[stack[1][0]] == stack[1][1] and label in (None, "hidden"):
+    if len(shape) == 2 and label in (None, "hidden") \
+            and layer_axis(path, shape, layout.stacks, min_rank=2) is not None:
         return _Leaf(path, shape, "vector", "stack")  # a vector with a layer axis
     if path in layout.routers and label in (None, "hidden"):
         return _Leaf(path, shape, "router", "router")
@@ -157,11 +156,9 @@ def _resolve_leaf(leaf: _Leaf, layout: ModelStructure, vocabs: set[int], default
 def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStructure]:
     """Structural cross-checks and inference on top of the names (module docstring), read
     against the structure the names alone give; every problem of the tree in one ValueError."""
-    named = {lf.path for lf in leaves if lf.source in ("rule", "name", "rank", "vector name")}
     ruled = {lf.path for lf in leaves if lf.source == "rule"}
-    layout = model_structure(
-        [lf if lf.path in named else lf._replace(label=None) for lf in leaves],
-        router_names=cfg.router_names, movable=lambda p: p not in ruled)
+    layout = model_structure(leaves, router_names=cfg.router_names,
+                             movable=lambda p: p not in ruled)
     vocabs = set()  # every token table's size: an encoder-decoder may have two vocabularies
     if layout.vocab_size is not None:
         vocabs = {layout.vocab_size} | {
@@ -187,23 +184,19 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
         if embeds and not heads:
             raise ValueError(tied_without_head(embeds))
         return None, []
-    untied = [lf for lf in heads if lf.source in ("name", "shape")]
+    unused = [lf for lf in heads if lf.source in ("name", "shape")]  # a tied model's own head
     tables = {tuple(lf.shape) for lf in embeds if len(lf.shape) == 2}
-    tables |= {s[::-1] for s in tables}
-    unused = [lf for lf in untied if tuple(lf.shape) in tables]
-    wrong = [lf for lf in untied if tuple(lf.shape) not in tables]
+    wrong = [lf for lf in unused if lf.shape not in tables | {s[::-1] for s in tables}]
     if wrong:
         raise ValueError(
             f"label_params: tied={tied!r} but the params have a separate, untied head "
             f"{show(wrong)} of no token table's shape; pass tied=None (the default) for an "
             "untied head")
     heads = [lf for lf in heads if lf not in unused]
+    if not embeds and not heads:
+        raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
     if tied == "embedding" or heads:  # a head labelled by a user rule is the tied table
-        if not embeds and not heads:
-            raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
         return None, unused
-    if not embeds:
-        raise ValueError("label_params: tied='head' but no embedding table was found")
     if len(embeds) > 1:
         tokens = [lf for lf in embeds if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in lf.path)]
         if len(tokens) != 1:  # the table V and d were read from (position tables excluded)

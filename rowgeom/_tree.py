@@ -84,8 +84,7 @@ def box_types() -> tuple[type, ...]:
 
 def is_box(x) -> bool:
     """Whether `x` is a Flax box (``nnx.Variable``, Linen ``AxisMetadata``)."""
-    boxes = box_types()
-    return bool(boxes) and isinstance(x, boxes)
+    return isinstance(x, box_types())
 
 
 def unbox(x: Any) -> Any:
@@ -122,9 +121,9 @@ def flatten_with_paths(tree, *, open_boxes: bool = False,
     boxes = box_types()
     extra = is_leaf if is_leaf is not None else (lambda x: False)
     outer, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: extra(x) or (bool(boxes) and isinstance(x, boxes)))
+        tree, is_leaf=lambda x: extra(x) or isinstance(x, boxes))
     named = [(_components(keys), leaf) for keys, leaf in outer]
-    if not open_boxes or not any(boxes and isinstance(x, boxes) for _, x in named):
+    if not open_boxes or not any(isinstance(x, boxes) for _, x in named):
         return named, treedef
     opened: list[tuple[Path, Any]] = []
     for path, leaf in named:
@@ -139,10 +138,9 @@ def tree_paths(tree) -> list[tuple[Path, Any]]:
     return flatten_with_paths(tree)[0]
 
 
-def map_with_paths(fn: Callable[..., Any], tree, *, open_boxes: bool = False,
-                   is_leaf: Callable[[Any], bool] | None = None):
-    """``fn(path, leaf)`` on every leaf of `tree` (`flatten_with_paths`), same structure out."""
-    leaves, treedef = flatten_with_paths(tree, open_boxes=open_boxes, is_leaf=is_leaf)
+def map_with_paths(fn: Callable[..., Any], tree):
+    """``fn(path, leaf)`` on every leaf of `tree` (Flax boxes as leaves), same structure out."""
+    leaves, treedef = flatten_with_paths(tree)
     return jax.tree_util.tree_unflatten(treedef, [fn(path, leaf) for path, leaf in leaves])
 
 
