@@ -265,8 +265,6 @@ def find_experts(entries, width: int | None, stacks: Mapping, router_names: Coll
     return experts, routers
 
 
-# --- What a language model's parameter tree says about the model, and every axis read from it.
-
 _EMPTY: Mapping = types.MappingProxyType({})
 
 
@@ -460,11 +458,9 @@ def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NA
 
 
 class StructureError(ValueError):
-    """A shape-based inference that cannot be made unambiguously (the message names the leaf).
-
-    ``suggestion``: the likely ``(reduction_axes, output_axes)`` for an error to offer, or None;
-    ``roles``: ``{axis: "experts" | "layers"}`` of the batch axes that reading assumes.
-    """
+    """A shape-based inference the shapes do not decide (the message names the leaf), with the
+    likely ``(reduction_axes, output_axes)`` for an error to offer (``suggestion``, or None) and
+    the batch axes that reading assumes (``roles``: ``{axis: "experts" | "layers"}``)."""
 
     def __init__(self, message: str, suggestion: tuple | None = None,
                  roles: dict[int, str] | None = None):
