@@ -184,7 +184,7 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
         if embeds and not heads:
             raise ValueError(tied_without_head(embeds))
         return None, []
-    unused = [lf for lf in heads if lf.source in ("name", "shape")]  # a tied model's own head
+    unused = [lf for lf in heads if lf.source in ("name", "shape")]  # the logits read the table
     tables = {tuple(lf.shape) for lf in embeds if len(lf.shape) == 2}
     wrong = [lf for lf in unused if lf.shape not in tables | {s[::-1] for s in tables}]
     if wrong:

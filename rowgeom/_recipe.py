@@ -644,8 +644,8 @@ def _covers(key: tuple, view: tuple) -> bool:
 
 
 class _GivenLabels(tuple):
-    """A labels tree as ``(("/"-joined path, label), ...)``: equal trees share a plan, and a later
-    change to the caller's dict changes none."""
+    """A labels tree as ``(("/"-joined path, label), ...)``: nested and flat trees that mean the
+    same share a plan, and a later change to the caller's dict changes none."""
 
 
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
