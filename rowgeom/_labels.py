@@ -40,9 +40,9 @@ from rowgeom._structure import (
     is_nameless,
     is_position_embedding,
     is_vector_name,
+    layer_axis,
     model_structure,
     naming_path,
-    stack_of,
 )
 from rowgeom._tree import (
     leaf_shape,
@@ -115,35 +115,22 @@ def _first_pass(path, shape, cfg: Labeler) -> _Leaf:
     return _Leaf(path, shape, label, None if label is None else "name")
 
 
-class _Reading(NamedTuple):
-    """What `_resolve` reads a leaf against: the first structure and the vocabulary sizes."""
-
-    layout: ModelStructure
-    vocabs: set[int]
-    default: str | None
-
-
-def _first_structure(leaves: list[_Leaf], cfg: Labeler) -> _Reading:
-    """The structure the names alone give (labels other than by name or rule left out), and
-    every token table's size (an encoder-decoder may have two vocabularies)."""
-    named = {lf.path for lf in leaves if lf.source in ("rule", "name", "rank", "vector name")}
-    ruled = {lf.path for lf in leaves if lf.source == "rule"}
-    layout = model_structure(
-        [lf if lf.path in named else lf._replace(label=None) for lf in leaves],
-        router_names=cfg.router_names, movable=lambda p: p not in ruled)
-    vocabs = set()
-    if layout.vocab_size is not None:
-        vocabs = {layout.vocab_size} | {
-            lf.shape[0] for lf in leaves if lf.label == "embedding" and lf.source == "name"
-            and len(lf.shape) == 2 and not is_position_embedding(lf.path)}
-    return _Reading(layout, vocabs, cfg.default)
-
-
-def _by_structure(leaf: _Leaf, ctx: _Reading, problems: dict[str, list]) -> _Leaf:
-    """A leaf's label from the structure where its names gave none, and the cross-checks of
-    its names against the shapes (each failed check goes to `problems`)."""
+def _resolve_leaf(leaf: _Leaf, layout: ModelStructure, vocabs: set[int], default,
+                  problems: dict[str, list]) -> _Leaf:
+    """One leaf after the first pass: kept (rank, rule, vector name), a stacked vector, a
+    router the shapes confirm, else labelled by the structure where its names gave none, and
+    its names cross-checked against the shapes (each failed check goes to `problems`)."""
     path, shape, label, why = leaf
-    layout, vocabs = ctx.layout, ctx.vocabs
+    if why in ("rank", "rule", "vector name"):
+        return leaf
+    if len(shape) == 2 and label in (None, "hidden") \
+            and layer_axis(path, shape, layout.stacks, min_rank=2) is not None:
+        return _Leaf(path, shape, "vector", "stack")  # a vector with a layer axis
+    if path in layout.routers and label in (None, "hidden"):
+        return _Leaf(path, shape, "router", "router")
+    if is_nameless(path) and label is None:
+        problems["nameless"].append((path, shape))
+        return leaf
     blocks = in_blocks(path, layout.stacks)
     if label is None and blocks:
         label, why = "hidden", "block"
@@ -153,8 +140,8 @@ def _by_structure(leaf: _Leaf, ctx: _Reading, problems: dict[str, list]) -> _Lea
             label, why = "head", "shape"
         elif shape[1] == layout.width and shape[0] in vocabs:
             problems["ambiguous"].append((path, shape))
-    if label is None and ctx.default is not None:
-        label, why = ctx.default, "default"
+    if label is None and default is not None:
+        label, why = default, "default"
         if layout.vocab_size is None and not blocks and label in ("hidden", "router"):
             problems["unchecked"].append((path, shape))
     if label is None:
@@ -166,37 +153,24 @@ def _by_structure(leaf: _Leaf, ctx: _Reading, problems: dict[str, list]) -> _Lea
     return _Leaf(path, shape, label, why)
 
 
-def _resolve_leaf(leaf: _Leaf, ctx: _Reading, problems: dict[str, list]) -> _Leaf:
-    """One leaf after the first pass: kept (rank, rule, vector name), a stacked vector, a
-    router the shapes confirm, a nameless leaf (a problem), else `_by_structure`."""
-    path, shape, label, why = leaf
-    if why in ("rank", "rule", "vector name"):
-        return leaf
-    stack = stack_of(path, ctx.layout.stacks)
-    if stack is not None and stack[1] is not None and len(shape) == 2 \
-            and shape[stack[1][0]] == stack[1][1] and label in (None, "hidden"):
-        return _Leaf(path, shape, "vector", "stack")  # a vector with a layer axis
-    if path in ctx.layout.routers and label in (None, "hidden"):
-        return _Leaf(path, shape, "router", "router")
-    if is_nameless(path) and label is None:
-        problems["nameless"].append((path, shape))
-        return leaf
-    return _by_structure(leaf, ctx, problems)
-
-
 def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStructure]:
-    """Structural cross-checks and inference on top of the names (module docstring); every
-    problem of the tree in one ValueError."""
-    ctx = _first_structure(leaves, cfg)
+    """Structural cross-checks and inference on top of the names (module docstring), read
+    against the structure the names alone give; every problem of the tree in one ValueError."""
+    ruled = {lf.path for lf in leaves if lf.source == "rule"}
+    layout = model_structure(leaves, router_names=cfg.router_names,
+                             movable=lambda p: p not in ruled)
+    vocabs = set()  # every token table's size: an encoder-decoder may have two vocabularies
+    if layout.vocab_size is not None:
+        vocabs = {layout.vocab_size} | {
+            lf.shape[0] for lf in leaves if lf.label == "embedding" and lf.source == "name"
+            and len(lf.shape) == 2 and not is_position_embedding(lf.path)}
     problems: dict[str, list] = {kind: [] for kind in (
         "nameless", "not_hidden", "not_head", "unchecked", "unmatched", "ambiguous")}
-    out = [_resolve_leaf(leaf, ctx, problems) for leaf in leaves]
-    layout = ctx.layout
+    out = [_resolve_leaf(leaf, layout, vocabs, cfg.default, problems) for leaf in leaves]
     if any(problems.values()):
         where_v = f"V={layout.vocab_size}" + (
             f", from {path_str(layout.source)}" if layout.source else "")
-        message = problems_message(problems, Shapes(ctx.vocabs, layout.width, where_v),
-                                   cfg.default)
+        message = problems_message(problems, Shapes(vocabs, layout.width, where_v), cfg.default)
         if message:
             raise ValueError(message)
     return out, layout
@@ -210,23 +184,19 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
         if embeds and not heads:
             raise ValueError(tied_without_head(embeds))
         return None, []
-    untied = [lf for lf in heads if lf.source in ("name", "shape")]
+    unused = [lf for lf in heads if lf.source in ("name", "shape")]  # the logits read the table
     tables = {tuple(lf.shape) for lf in embeds if len(lf.shape) == 2}
-    tables |= {s[::-1] for s in tables}
-    unused = [lf for lf in untied if tuple(lf.shape) in tables]
-    wrong = [lf for lf in untied if tuple(lf.shape) not in tables]
+    wrong = [lf for lf in unused if lf.shape not in tables | {s[::-1] for s in tables}]
     if wrong:
         raise ValueError(
             f"label_params: tied={tied!r} but the params have a separate, untied head "
             f"{show(wrong)} of no token table's shape; pass tied=None (the default) for an "
             "untied head")
     heads = [lf for lf in heads if lf not in unused]
+    if not embeds and not heads:
+        raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
     if tied == "embedding" or heads:  # a head labelled by a user rule is the tied table
-        if not embeds and not heads:
-            raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
         return None, unused
-    if not embeds:
-        raise ValueError("label_params: tied='head' but no embedding table was found")
     if len(embeds) > 1:
         tokens = [lf for lf in embeds if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in lf.path)]
         if len(tokens) != 1:  # the table V and d were read from (position tables excluded)
@@ -314,10 +284,9 @@ class Labeler:
         leaves, structure = _resolve(first, self)
         retie, unused = _tied_table(leaves, structure, self.tied)
         unused_paths = {lf.path for lf in unused}
-        leaves = [lf._replace(label="head", source="tied") if lf.path == retie
-                  else lf._replace(label="embedding", source="unused head")
-                  if lf.path in unused_paths else lf for lf in leaves]
-        return leaves
+        return [lf._replace(label="head", source="tied") if lf.path == retie
+                else lf._replace(label="embedding", source="unused head")
+                if lf.path in unused_paths else lf for lf in leaves]
 
 
 def label_params(params: Any, **options: Any) -> Any:
@@ -415,13 +384,8 @@ def partition_by_label(
 
 
 def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:
-    """The labels tree of `params`, or a ValueError listing the parameters without a label and
-    the labels without a transform.
-
-    Labels boxed in Variables (a ``jax.tree.map`` over an ``nnx.State`` without ``is_leaf``) are
-    unboxed to their strings (`prefix_entries`); a labels tree may be a prefix of the parameters
-    (`lookup_prefix`).
-    """
+    """The labels tree of `params` (labels unboxed, matched by path prefix), or a ValueError
+    listing the parameters without a label and the labels without a transform."""
     table = prefix_entries(labels(params) if callable(labels) else labels)
     found = [(path, lookup_prefix(table, path)) for path, _ in tree_paths(params)]
     missing = [path_str(path) for path, (ok, _) in found if not ok]

@@ -16,13 +16,11 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
-Three sections, data flowing one way (docs/architecture.md): the **options**, frozen objects
-checked on creation, and every group's resolved rate, decay and momentum (`group_options`);
-the **plan**, every per-leaf fact (label, optimizer, centring, axes) as a pure function of the
-tree's paths, shapes and dtypes (`plan_of`, memoised on them); the **build**: `lm_optimizer`
-writes the ``optax.partition`` of the group chains when called, each chain reading the plan
-through per-leaf callables (`per_leaf`). `track_row_diameter` ends the head chain so it
-measures the step the softmax sees (docs/guides/diagnostics.md).
+Three sections, data flowing one way (docs/architecture.md): the **options** (frozen, checked on
+creation) and every group's resolved rate, decay and momentum (`group_options`); the **plan**,
+every per-leaf fact as a pure function of the tree's paths, shapes and dtypes (`plan_of`,
+memoised); the **build**: `lm_optimizer` writes the ``optax.partition`` of the group chains when
+called, each chain reading the plan through per-leaf callables (`per_leaf`).
 """
 
 from __future__ import annotations
@@ -64,7 +62,6 @@ from rowgeom._structure import (
     model_structure,
     muon_axes,
     router_axes,
-    router_matrix_axes,
 )
 from rowgeom._tree import (
     check_bool,
@@ -83,12 +80,9 @@ from rowgeom._tree import (
     unbox,
 )
 
-# --- `lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home.
-#
-# Each checks its fields on creation, naming the field. A field that only one optimizer reads (a
-# RowNorm head's ``eps``; an AdamW head has no ``momentum``) is None by default and an error when
-# given to another. Why the defaults follow from one learning rate (RMS-matched Muon, the head
-# rate as a radius, the head study's multipliers): docs/guides/learning-rates.md.
+# --- `lm_optimizer`'s options as frozen objects: each field of each transform it builds, one home,
+# checked on creation. A field only one optimizer reads is None by default and an error given to
+# another. Why the defaults follow from one rate: docs/guides/learning-rates.md.
 
 Rate = Any  # a float, a traced scalar (optax.inject_hyperparams) or a schedule count -> rate
 
@@ -344,11 +338,9 @@ def group_options(
             raise TypeError(f"groups[{name!r}] must be a rowgeom.GroupOptions, got {value!r}")
 
     def group(name: str, rate: Rate, decay: Rate, mom: float) -> GroupOptions:
-        given = overrides.get(name, GroupOptions())
-        pick = lambda field, derived: derived if getattr(given, field) is None else getattr(
-            given, field)
-        return GroupOptions(pick("learning_rate", rate), pick("weight_decay", decay),
-                            pick("momentum", mom))
+        given = vars(overrides.get(name, GroupOptions()))
+        return dataclasses.replace(GroupOptions(rate, decay, mom),
+                                   **{k: v for k, v in given.items() if v is not None})
 
     hidden = group("hidden", learning_rate, weight_decay, muon_.momentum)
     head_momentum = (adam_.b1 if head_.optimizer == "adamw" else
@@ -458,13 +450,6 @@ class PlanOptions(NamedTuple):
     tied: str | None
 
 
-def infers_muon_dims(dims: Any) -> bool:
-    """Whether `MuonOptions.dimension_numbers` asks for inference (`_hidden_dims`)."""
-    return dims is None or (isinstance(dims, Mapping) and bool(dims)
-                            and all(isinstance(k, str) for k in dims)
-                            and all(is_dimension_numbers(v) for v in dims.values()))
-
-
 def _axes_text(axes) -> str:
     return ",".join(map(str, (axes,) if isinstance(axes, int) else tuple(axes)))
 
@@ -526,14 +511,15 @@ def _labelled(tree: Any, hp: PlanOptions):
 
 
 def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any):
-    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves. A
-    `MuonOptions.dimension_numbers` that is None or a mapping of ``"/"``-joined paths to
-    dimension numbers overrides the inferred axes (`muon_axes`) of those leaves; any other is
-    given outright (one value, a tree or a callable of the tree; an entry None passes the leaf
-    through) and must cover every hidden leaf."""
+    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: inferred
+    (`muon_axes`) unless `MuonOptions.dimension_numbers` overrides them ({"/"-joined path: dims})
+    or gives them outright (anything else: every hidden leaf covered, None passes one through)."""
     option = hp.muon.dimension_numbers
     hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
-    if not infers_muon_dims(option):
+    infer = option is None or (isinstance(option, Mapping) and bool(option)
+                               and all(isinstance(k, str) for k in option)
+                               and all(is_dimension_numbers(v) for v in option.values()))
+    if not infer:
         option = option(tree) if callable(option) else option
         paths = [p for p, _ in tree_paths(tree)]
         given = dict(zip(paths, resolve_per_leaf(
@@ -566,8 +552,7 @@ def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any
 def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
     """``(muon dims or None, expert axis or None, batch axes)`` of a router leaf."""
     try:
-        feature, expert = (router_axes if optimizer == "rownorm" else router_matrix_axes)(
-            path, shape, structure)
+        feature, expert = router_axes(path, shape, structure, any_order=optimizer != "rownorm")
     except StructureError as err:
         raise ValueError(f"lm_optimizer(router={optimizer!r}): {err}. Train routers with "
                          "router='muon', or label this one 'hidden'") from None
@@ -652,16 +637,15 @@ def _key(tree: Any) -> tuple:
 
 
 def _covers(key: tuple, view: tuple) -> bool:
-    """Whether `view` (a partition's masked view) is `key` with some leaves masked. Shapes are
-    compared, not dtypes: a chain reads its params (in their dtype) beside the updates (in
-    theirs), and no fact of a plan depends on a dtype."""
+    """Whether `view` (a partition's masked view) is `key` with some leaves masked; dtypes are
+    not compared (a chain reads params beside updates, and no fact of a plan reads a dtype)."""
     return len(key) == len(view) and all(
         a[0] == b[0] and (b[1:] == _MASKED or a[1] == b[1]) for a, b in zip(key, view, strict=True))
 
 
 class _GivenLabels(tuple):
-    """A labels tree as ``(("/"-joined path, label), ...)``: one immutable form, so nested and
-    flat trees that mean the same share a plan, and a later change to the caller's dict none."""
+    """A labels tree as ``(("/"-joined path, label), ...)``: nested and flat trees that mean the
+    same share a plan, and a later change to the caller's dict changes none."""
 
 
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
@@ -711,10 +695,8 @@ def plan_of(tree: Any, options: PlanOptions) -> Plan:
 
 
 def view_plan(tree: Any, options: PlanOptions) -> Plan:
-    """The plan a chain reads on the tree it is given: `plan_of`'s for a whole tree; for the
-    view ``optax.partition`` gives one group (the other leaves ``optax.MaskedNode``), the plan
-    of the whole tree, which `lm_optimizer` planned just before (the most recently used plan
-    whose key the view matches)."""
+    """The plan a chain reads: `plan_of`'s for a whole tree; for one group's masked view (from
+    ``optax.partition``), the most recently used plan of a whole tree the view `_covers`."""
     key = _key(tree)
     if not any(entry[1:] == _MASKED for entry in key):
         return _memoised(key, tree, options)

@@ -1,16 +1,11 @@
 """What a language model's parameter tree says about the model, and every axis read from it.
 
-Names say what a parameter is for (the name sets and predicates below read them); shapes say
-how big the model is. The labels and the optimizer plan use both, so that a name that
-contradicts the shapes is an error instead of a silently wrong geometry. This module is the one
-place an axis is inferred: the vocabulary size ``V`` and width ``d`` (from the token table
-``(V, d)``, else a named head), the repeated blocks and the layer axes of scanned stacks
-(`find_stacks`), the mixture-of-experts routers, expert stacks and expert count ``E``
-(`find_experts`), Muon's matrix axes (`muon_axes`: layer and expert axes are batch axes), the
-head's vocabulary axis (`head_vocab_axis`) and a router's axes (`router_axes`). Where the shapes
-do not decide, `StructureError` carries the likely reading, for an error that lists every such
-leaf at once. The rules with examples: docs/guides/labels.md ("How labels are decided", "Muon's
-matrix axes", "Mixture of experts").
+Names say what a parameter is for, shapes how big the model is; the labels and the plan use
+both, so a name that contradicts the shapes is an error, not a silently wrong geometry. Every
+axis is inferred here: ``V`` and ``d`` (`find_vocab`), the layer axes of stacks (`find_stacks`),
+routers, expert stacks and ``E`` (`find_experts`), Muon's matrix axes (`muon_axes`), the head's
+vocabulary axis and a router's axes. Where the shapes do not decide, `StructureError` carries
+the likely reading. The rules with examples: docs/guides/labels.md.
 """
 
 from __future__ import annotations
@@ -48,9 +43,8 @@ def naming_path(path: Sequence[str]) -> Path:
     """`path` without the wrapper components at its end (`rowgeom._names.WRAPPER_SUFFIXES`)."""
     path = tuple(path)
     for suffix in WRAPPER_SUFFIXES:
-        n = len(suffix)
-        if len(path) > n - 1 and tuple(c.lower() for c in path[-n:]) == suffix:
-            return path[:-n]
+        if tuple(c.lower() for c in path[-len(suffix):]) == suffix:
+            return path[:-len(suffix)]
     return path
 
 
@@ -83,11 +77,8 @@ def block_position(path: Sequence[str]) -> tuple[int, bool] | None:
     path = naming_path(path)
     for i, component in enumerate(path[:-1]):
         c = component.lower()
-        if c.isdigit():
-            if i == 0:
-                continue  # a list of modules at the root (sequential), not a block container
-            return i, False
-        if _numbered_block(c):
+        # (a number at the root is a list of modules, sequential, not a block container)
+        if (c.isdigit() and i > 0) or _numbered_block(c):
             return i, False
         if is_container(c):
             return (i + 1, False) if path[i + 1].isdigit() else (i, True)
@@ -99,11 +90,8 @@ def is_position_embedding(path: Sequence[str]) -> bool:
     whose ``_``-separated words include a position word (``pos``, ``position``,
     ``positional``, ``posembed``, ``pos``/``position`` + ``embed...``), so ``W_pos`` and
     ``abs_pos_emb`` are, ``composer``, ``purpose`` and ``transposed_proj`` are not."""
-    for component in path:
-        c = component.lower()
-        if c in POSITION_EMBEDDING_NAMES or any(POSITION_WORD.fullmatch(w) for w in c.split("_")):
-            return True
-    return False
+    return any(c.lower() in POSITION_EMBEDDING_NAMES
+               or any(POSITION_WORD.fullmatch(w) for w in c.lower().split("_")) for c in path)
 
 
 def is_expert_component(component: str) -> bool:
@@ -113,20 +101,19 @@ def is_expert_component(component: str) -> bool:
     return bool(EXPERT_MODULE.search(c)) and not c.startswith("shared") and not is_container(c)
 
 
+def module_index(path: Sequence[str]) -> int:
+    """Length of a leaf's module path: ``gate/kernel`` -> 1 (the storage name is no module)."""
+    nm = naming_path(path)
+    return len(nm) - (2 if len(nm) > 1 and nm[-1].lower() in GENERIC_LEAF_NAMES else 1)
+
+
 def router_index(path: Sequence[str], router_names: Collection[str]) -> int | None:
     """Index of the component naming a router (``gate/kernel`` -> the ``gate``), or None."""
     nm = naming_path(path)
     if nm and nm[-1].lower() in router_names:
         return len(nm) - 1
-    if len(nm) > 1 and nm[-2].lower() in router_names and nm[-1].lower() in GENERIC_LEAF_NAMES:
-        return len(nm) - 2
-    return None
-
-
-def module_index(path: Sequence[str]) -> int:
-    """Length of a leaf's module path: ``gate/kernel`` -> 1 (the storage name is no module)."""
-    nm = naming_path(path)
-    return len(nm) - (2 if len(nm) > 1 and nm[-1].lower() in GENERIC_LEAF_NAMES else 1)
+    k = module_index(path)
+    return k if k < len(nm) - 1 and nm[k].lower() in router_names else None
 
 
 def is_vector_name(path: Sequence[str], vector_names: Collection[str]) -> bool:
@@ -167,9 +154,9 @@ def _numbered_experts(paths, module: Path) -> int | None:
 class _MatrixLeaves:
     """The rank >= 2 leaves `find_experts` reads: shapes, labels and axes besides a layer axis."""
 
-    def __init__(self, entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]]):
+    def __init__(self, entries, width: int | None, stacks: Mapping):
         self.entries = [(tuple(p), tuple(s), lb) for p, s, lb in entries if len(s) >= 2]
-        self.axes = {p: axes_of(p, s) for p, s, _ in self.entries}
+        self.axes = {p: unstacked_axes(p, s, stacks) for p, s, _ in self.entries}
         self.shapes = {p: s for p, s, _ in self.entries}
         self.labels = {p: lb for p, _, lb in self.entries}
         self.width = width
@@ -241,24 +228,17 @@ def _shaped_router(leaves: _MatrixLeaves, module, members, movable):
               and lb in ("hidden", None) and movable(p) and len(leaves.axes[p]) == 2
               and width is not None and width in [leaves.shapes[p][a] for a in leaves.axes[p]]
               and leaves.router_sizes(p) & sizes]
-    if len(shaped) == 1 and len(leaves.router_sizes(shaped[0]) & sizes) == 1:
-        return shaped[0], (leaves.router_sizes(shaped[0]) & sizes).pop()
+    if len(shaped) == 1 and len(common := leaves.router_sizes(shaped[0]) & sizes) == 1:
+        return shaped[0], common.pop()
     return None, None
 
 
-def find_experts(entries, width: int | None, axes_of: Callable[[Path, tuple], list[int]], *,
-                 router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
-                 movable: Callable[[Path], bool] = lambda p: True):
-    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (section comment).
-
-    `entries`: ``(path, shape, label)`` of every leaf (label None: not named); `axes_of(path,
-    shape)`: a leaf's axes besides its layer axis (`rowgeom._structure.unstacked_axes`).
-    Routers are the leaves labelled ``"router"`` and, where `movable(path)`, the ``"hidden"`` or
-    unlabelled leaves named in `router_names` (or unnamed ``(d, E)`` matrices beside expert
-    stacks) that the shapes confirm; expert stacks are among the ``"hidden"`` or unlabelled
-    leaves.
-    """
-    leaves = _MatrixLeaves(entries, width, axes_of)
+def find_experts(entries, width: int | None, stacks: Mapping, router_names: Collection[str],
+                 movable: Callable[[Path], bool]):
+    """``(experts, routers)``: expert-stack leaf -> ``E``, router leaf -> ``E`` (section comment)
+    of ``(path, shape, label)`` entries; only leaves labelled ``"router"``, or ``"hidden"``/None
+    and `movable`, may become routers."""
+    leaves = _MatrixLeaves(entries, width, stacks)
     routers: dict[Path, int | None] = {}
     experts: dict[Path, int | None] = {}
     for module, candidates in _named_routers(leaves, router_names, movable).items():
@@ -284,8 +264,6 @@ def find_experts(entries, width: int | None, axes_of: Callable[[Path, tuple], li
             experts.update((m, count) for m in members)
     return experts, routers
 
-
-# --- What a language model's parameter tree says about the model, and every axis read from it.
 
 _EMPTY: Mapping = types.MappingProxyType({})
 
@@ -313,10 +291,8 @@ class ModelStructure(NamedTuple):
 
 
 def find_vocab(embeddings, heads) -> tuple[int | None, int | None, tuple | None]:
-    """``(V, d, path)`` from the token embedding ``(V, d)``, else a head matrix (larger axis V).
-
-    `embeddings` and `heads` are lists of ``(path, shape)`` of rank-2 leaves.
-    """
+    """``(V, d, path)`` from the token embedding ``(V, d)``, else a head matrix (larger axis V),
+    of the ``(path, shape)`` of rank-2 leaves."""
     tokens = [(p, s) for p, s in embeddings if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in p)]
     if not tokens:
         tokens = [(p, s) for p, s in embeddings if not is_position_embedding(p)]
@@ -345,18 +321,20 @@ def _common_leading_axis(leaves, width):
             sizes = {s[axis] for _, s in leaves}
             if len(sizes) == 1:
                 found.add((axis, sizes.pop()))
-    return {f for f in found if f[1] != width} if width is not None else found
+    return {f for f in found if f[1] != width}
+
+
+def _vector_layers(shape, width) -> tuple[int, int] | None:
+    """``(axis, L)`` of a stacked vector ``(L, d)`` / ``(d, L)``; None for any other shape."""
+    if width is None or len(shape) != 2 or list(shape).count(width) != 1:
+        return None
+    axis = 1 - shape.index(width)
+    return axis, shape[axis]
 
 
 def _stacked_norms(leaves, width, vectors) -> set:
-    """``{(axis, L)}`` read off stacked vectors ``(L, d)`` / ``(d, L)`` of a container."""
-    found = set()
-    for path, shape in leaves:
-        if width is not None and len(shape) == 2 and path in vectors \
-                and list(shape).count(width) == 1:
-            axis = 1 - shape.index(width)
-            found.add((axis, shape[axis]))
-    return found
+    """``{(axis, L)}`` read off the stacked vectors of a container."""
+    return {_vector_layers(s, width) for p, s in leaves if p in vectors} - {None}
 
 
 def _no_layer_axis(leaves) -> bool:
@@ -365,13 +343,9 @@ def _no_layer_axis(leaves) -> bool:
 
 
 def find_stacks(entries, width: int | None, vectors: Collection[Path]) -> dict:
-    """Layer axis and depth of every stack of scanned layers (named or by structure): read off
-    its norm scales (``(L, d)``, or MaxText's ``(d, L)``), else the one leading axis all its
-    leaves share.
-
-    `entries`: ``(path, shape)`` of every leaf; `vectors`: the paths of the norm scales and
-    biases. Returns ``{stack prefix: (axis, L) or None}`` (None: not determinable).
-    """
+    """``{stack prefix: (axis, L) or None}`` (None: not determinable) of every stack of scanned
+    layers, named or structural, among ``(path, shape)`` entries: read off its norm scales
+    (`vectors`: ``(L, d)``, or MaxText's ``(d, L)``), else the one leading axis its leaves share."""
     members: dict[tuple[str, ...], list] = {}
     for path, shape in entries:
         pos = block_position(path)
@@ -431,46 +405,50 @@ def in_blocks(path: Sequence[str], stacks: Mapping) -> bool:
     return block_position(path) is not None or stack_of(path, stacks) is not None
 
 
-def layer_axis(path, shape, stacks: Mapping, *, min_rank: int = 3) -> int | None:
-    """The layer axis of a leaf of rank >= `min_rank` in a stack, if it has one."""
+def layer_axis(path, shape, stacks: Mapping, *, min_rank: int = 3,
+               where: str | None = None) -> int | None:
+    """The layer axis of a leaf of rank >= `min_rank` in a stack, if it has one; given `where`
+    (the leaf as a message names it), a leaf of a stack without one is a StructureError."""
     stack = stack_of(path, stacks)
-    if stack is None or stack[1] is None or len(shape) < min_rank:
+    if stack is None or len(shape) < min_rank:
         return None
-    axis, depth = stack[1]
-    return axis if shape[axis] == depth else None
+    prefix, info = stack
+    if info is not None and shape[info[0]] == info[1]:
+        return info[0]
+    if where is None:
+        return None
+    if info is None:
+        raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
+                             "axis cannot be told from the shapes")
+    raise StructureError(f"{where} has no layer axis of size {info[1]} at position {info[0]} "
+                         f"like the rest of the stack {'/'.join(prefix)}")
 
 
-def unstacked_axes(path, shape, stacks: Mapping, *, min_rank: int = 3) -> list[int]:
-    """The axes of a leaf other than its layer axis (when it has one)."""
-    layer = layer_axis(path, shape, stacks, min_rank=min_rank)
+def unstacked_axes(path, shape, stacks: Mapping, *, min_rank: int = 3,
+                   where: str | None = None) -> list[int]:
+    """The axes of a leaf other than its layer axis (when it has one; `layer_axis`)."""
+    layer = layer_axis(path, shape, stacks, min_rank=min_rank, where=where)
     return [a for a in range(len(shape)) if a != layer]
 
 
 def _loose_layer_sizes(vectors, width, stacks) -> frozenset[int]:
-    """``L`` of stacked vectors ``(L, d)`` / ``(d, L)`` outside any stack (a likely layer axis
-    for an error to suggest)."""
-    if width is None:
-        return frozenset()
-    return frozenset(s[1 - s.index(width)] for p, s in vectors if len(s) == 2
-                     and list(s).count(width) == 1 and stack_of(p, stacks) is None)
+    """``L`` of stacked vectors outside any stack (a likely layer axis for an error)."""
+    return frozenset(layers[1] for p, s in vectors if stack_of(p, stacks) is None
+                     and (layers := _vector_layers(s, width)) is not None)
 
 
 def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
                     movable: Callable[[Path], bool] = lambda p: False) -> ModelStructure:
-    """V, d, layer stacks, experts and routers of labelled leaves: ``(path, shape, label, ...)``.
-
-    ``V`` and ``d`` come from the leaves labelled ``"embedding"``/``"head"``; a leaf labelled
-    ``"vector"`` is a norm scale or bias; `movable(path)`: whether a ``"hidden"`` (or None)
-    label may still turn out to be a router (`rowgeom._structure.find_experts`).
-    """
+    """V, d, layer stacks, experts and routers of labelled leaves ``(path, shape, label, ...)``
+    (V and d from the ``"embedding"``/``"head"`` leaves, norm scales and biases ``"vector"``);
+    `movable(path)`: whether a ``"hidden"`` (or None) label may still become a router."""
     leaves = [(tuple(p), tuple(s), lb) for p, s, lb, *_ in leaves]
     rank2 = lambda lab: [(p, s) for p, s, lb in leaves if lb == lab and len(s) == 2]
     vocab, width, source = find_vocab(rank2("embedding"), rank2("head"))
     vectors = tuple((p, s) for p, s, lb in leaves if lb == "vector")
     stacks = find_stacks([(p, s) for p, s, _ in leaves], width, {p for p, _ in vectors})
     names = frozenset(router_names)
-    experts, routers = find_experts(leaves, width, lambda p, s: unstacked_axes(p, s, stacks),
-                                    router_names=names, movable=movable)
+    experts, routers = find_experts(leaves, width, stacks, names, movable)
     return ModelStructure(vocab, width, source, types.MappingProxyType(stacks),
                           types.MappingProxyType(experts), types.MappingProxyType(routers),
                           names, vectors, _loose_layer_sizes(vectors, width, stacks))
@@ -480,11 +458,9 @@ def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NA
 
 
 class StructureError(ValueError):
-    """A shape-based inference that cannot be made unambiguously (the message names the leaf).
-
-    ``suggestion``: the likely ``(reduction_axes, output_axes)`` for an error to offer, or None;
-    ``roles``: ``{axis: "experts" | "layers"}`` of the batch axes that reading assumes.
-    """
+    """A shape-based inference the shapes do not decide (the message names the leaf), with the
+    likely ``(reduction_axes, output_axes)`` for an error to offer (``suggestion``, or None) and
+    the batch axes that reading assumes (``roles``: ``{axis: "experts" | "layers"}``)."""
 
     def __init__(self, message: str, suggestion: tuple | None = None,
                  roles: dict[int, str] | None = None):
@@ -495,24 +471,18 @@ class StructureError(ValueError):
 
 def batch_roles(path, shape, structure: ModelStructure) -> dict[int, str]:
     """``{axis: "layers" | "experts"}`` of the batch axes `muon_axes` takes out of a leaf."""
-    roles = {}
-    layer = layer_axis(path, shape, structure.stacks)
-    if layer is not None:
-        roles[layer] = "layers"
-    count = structure.experts.get(tuple(path))
-    rest = [a for a in range(len(shape)) if a != layer]
-    if count is not None and len(rest) >= 3:
-        hits = [a for a in rest if shape[a] == count]
-        if len(hits) == 1:
-            roles[hits[0]] = "experts"
+    rest = unstacked_axes(path, shape, structure.stacks)
+    roles = {a: "layers" for a in range(len(shape)) if a not in rest}
+    hits = [a for a in rest if shape[a] == structure.experts.get(tuple(path))]
+    if len(rest) >= 3 and len(hits) == 1:
+        roles[hits[0]] = "experts"
     return roles
 
 
 def batch_axes(dims: Any, ndim: int) -> tuple[int, ...]:
     """The axes of a rank-`ndim` leaf that `dims` (reduction, output) leaves as a batch."""
-    used: set[int] = set()
-    for side in (dims.reduction_axis, dims.output_axis):
-        used |= set((side,) if isinstance(side, int) else side)
+    used = {a for side in (dims.reduction_axis, dims.output_axis)
+            for a in ((side,) if isinstance(side, int) else side)}
     return tuple(a for a in range(ndim) if a not in used)
 
 
@@ -522,12 +492,9 @@ def norm_widths(path: Sequence[str], structure: ModelStructure) -> set[int]:
     names = naming_path(path)
     module = names[:-2] if len(names) > 2 and names[-1].lower() in GENERIC_LEAF_NAMES \
         else names[:-1]
-    found = set()
-    for vpath, vshape in structure.vectors:
-        rest = [vshape[a] for a in unstacked_axes(vpath, vshape, structure.stacks, min_rank=2)]
-        if vpath[:len(module)] == module and len(rest) == 1 and rest[0] != structure.width:
-            found.add(rest[0])
-    return found
+    sizes = ([vshape[a] for a in unstacked_axes(vpath, vshape, structure.stacks, min_rank=2)]
+             for vpath, vshape in structure.vectors if vpath[:len(module)] == module)
+    return {rest[0] for rest in sizes if len(rest) == 1 and rest[0] != structure.width}
 
 
 def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -550,31 +517,12 @@ def _pair_or_split(shape, left, width, features):
     return None if width is None else _split(shape, left, width, features)
 
 
-def _without_layer_axis(path, shape, structure, where) -> list[int]:
-    """The axes of a leaf of a stack other than its layer axis; StructureError when the stack's
-    layer axis is unknown or this leaf lacks it."""
-    rest = list(range(len(shape)))
-    stack = stack_of(path, structure.stacks)
-    if stack is None or len(shape) < 3:
-        return rest
-    prefix, info = stack
-    if info is None:
-        raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
-                             "axis cannot be told from the shapes")
-    axis, depth = info
-    if shape[axis] != depth:
-        raise StructureError(f"{where} has no layer axis of size {depth} at position {axis} like "
-                             f"the rest of the stack {'/'.join(prefix)}")
-    rest.remove(axis)
-    return rest
-
-
 def _without_expert_axis(path, shape, rest, structure, features, where) -> list[int]:
     """`rest` without an expert stack's expert axis (its one axis of size ``E``)."""
     if path not in structure.experts or len(rest) < 3:
         return rest
     count, width = structure.experts[path], structure.width
-    hits = [a for a in rest if count is not None and shape[a] == count]
+    hits = [a for a in rest if shape[a] == count]
     if len(hits) == 1:
         return [a for a in rest if a != hits[0]]
     guess = [a for a in rest if width is None or shape[a] != width][:1]
@@ -592,7 +540,7 @@ def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructu
     shape, path = tuple(shape), tuple(path)
     width, features = structure.width, norm_widths(path, structure)
     where = f"{'/'.join(path)} {shape}"
-    rest = _without_layer_axis(path, shape, structure, where)
+    rest = unstacked_axes(path, shape, structure.stacks, where=where)
     rest = _without_expert_axis(path, shape, rest, structure, features, where)
     if len(rest) == 2:
         return (rest[0],), (rest[1],)
@@ -638,11 +586,13 @@ def head_vocab_axis(path: Sequence[str], shape: Sequence[int], vocab_size: int |
         "lm_optimizer(head=rowgeom.HeadOptions(vocab_axis=...))")
 
 
-def router_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
+def router_axes(path, shape, structure: ModelStructure, *, any_order: bool = False
+                ) -> tuple[int, int]:
     """``(feature axis, expert axis)`` of a router: its two axes besides a layer axis, the
     expert axis of size ``E`` (else the one not of size ``d``; else by the leaf name: a
     PyTorch-style ``weight`` is ``(E, d)``, a ``kernel``, ``w`` or a router name of the
-    structure's `router_names` Flax-style ``(d, E)``)."""
+    structure's `router_names` Flax-style ``(d, E)``; else, with `any_order` (a Muon router:
+    the polar factor does not depend on which side is which), its two axes in order)."""
     path, shape = tuple(path), tuple(shape)
     rest = unstacked_axes(path, shape, structure.stacks)
     if len(rest) != 2:
@@ -658,20 +608,8 @@ def router_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
     name = naming_path(path)[-1].lower() if path else ""
     if name in ("weight", "weights"):
         return rest[1], rest[0]  # PyTorch-style (E, d)
-    if name in ("kernel", "w") or name in structure.router_names:
+    if name in ("kernel", "w") or name in structure.router_names or any_order:
         return rest[0], rest[1]  # Flax-style (d, E)
     raise StructureError(f"cannot tell the expert axis of router {'/'.join(path)} {shape} (no "
                          "expert count, no model width, a leaf name that says no layout)")
 
-
-def router_matrix_axes(path, shape, structure: ModelStructure) -> tuple[int, int]:
-    """``(feature axis, expert axis)`` for a Muon router: `router_axes`, else, for a matrix
-    (a layer axis aside), its two axes in order (the polar factor does not depend on which
-    side is which)."""
-    try:
-        return router_axes(path, shape, structure)
-    except StructureError:
-        rest = unstacked_axes(path, shape, structure.stacks)
-        if len(rest) != 2:
-            raise
-        return rest[0], rest[1]

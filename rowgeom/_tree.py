@@ -1,19 +1,16 @@
 """Parameter paths and arguments: the one tree walker, per-leaf options and argument checks.
 
-- A **path** is a tuple of ``str``, one per key (`key_name`), shown ``"/"``-joined (`path_str`)
-  in every message and mapping key.
-- **Flax boxes** (``nnx.Variable``, Linen ``nn.Partitioned``) are transparent: a boxed leaf has
-  the path of the parameter, so the Variables ``nnx.Optimizer`` hands ``tx.init`` and the plain
-  arrays it hands ``tx.update`` have the same paths. Flax is never imported here.
-- **Masked** leaves (`is_masked`: ``None`` and ``optax.MaskedNode``) are leaves wherever a
-  transform walks.
-- A **per-leaf option** (labels, ``vocab_axis``, Muon dimension numbers) has one semantics
-  everywhere (`resolve_per_leaf`): one value for every leaf, a callable ``tree -> option``, or
-  a tree matched by path (nested, flat with ``"/"``-joined keys, or a mix) whose entry at a
-  path covers every leaf below it (the longest prefix wins). An entry that covers no leaf is an
-  error naming it (a typo must not silently do nothing).
-- **Arguments** are checked one way (the last section): every error names the argument (an
-  options object's as ``Owner.field``) and what was expected.
+- A **path** is a tuple of ``str``, one per key (`key_name`), shown ``"/"``-joined (`path_str`).
+- **Flax boxes** (``nnx.Variable``, Linen ``nn.Partitioned``) are transparent: the Variables
+  ``nnx.Optimizer`` hands ``tx.init`` and the arrays it hands ``tx.update`` have the same paths.
+  Flax is never imported here. **Masked** leaves (`is_masked`) are leaves wherever a transform
+  walks.
+- A **per-leaf option** (labels, ``vocab_axis``, Muon dimension numbers) is one value, a
+  callable ``tree -> option``, or a tree matched by path (nested, flat with ``"/"``-joined keys,
+  or a mix), an entry covering every leaf below it (the longest prefix wins; an entry covering no
+  leaf is an error naming it): `resolve_per_leaf`.
+- **Argument** errors name the argument (an options object's as ``Owner.field``) and what was
+  expected.
 """
 
 from __future__ import annotations
@@ -87,14 +84,12 @@ def box_types() -> tuple[type, ...]:
 
 def is_box(x) -> bool:
     """Whether `x` is a Flax box (``nnx.Variable``, Linen ``AxisMetadata``)."""
-    boxes = box_types()
-    return bool(boxes) and isinstance(x, boxes)
+    return isinstance(x, box_types())
 
 
-def unbox(x: Any, boxes: tuple[type, ...] | None = None) -> Any:
+def unbox(x: Any) -> Any:
     """The array (or ShapeDtypeStruct, or label) inside a Flax box; `x` itself otherwise."""
-    boxes = box_types() if boxes is None else boxes
-    if not (boxes and isinstance(x, boxes)):
+    if not is_box(x):
         return x
     box: Any = x  # a Variable (get_value), a Linen box (unbox) or an older Variable (value)
     if hasattr(box, "get_value"):
@@ -126,9 +121,9 @@ def flatten_with_paths(tree, *, open_boxes: bool = False,
     boxes = box_types()
     extra = is_leaf if is_leaf is not None else (lambda x: False)
     outer, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: extra(x) or (bool(boxes) and isinstance(x, boxes)))
+        tree, is_leaf=lambda x: extra(x) or isinstance(x, boxes))
     named = [(_components(keys), leaf) for keys, leaf in outer]
-    if not open_boxes or not any(boxes and isinstance(x, boxes) for _, x in named):
+    if not open_boxes or not any(isinstance(x, boxes) for _, x in named):
         return named, treedef
     opened: list[tuple[Path, Any]] = []
     for path, leaf in named:
@@ -143,10 +138,9 @@ def tree_paths(tree) -> list[tuple[Path, Any]]:
     return flatten_with_paths(tree)[0]
 
 
-def map_with_paths(fn: Callable[..., Any], tree, *, open_boxes: bool = False,
-                   is_leaf: Callable[[Any], bool] | None = None):
-    """``fn(path, leaf)`` on every leaf of `tree` (`flatten_with_paths`), same structure out."""
-    leaves, treedef = flatten_with_paths(tree, open_boxes=open_boxes, is_leaf=is_leaf)
+def map_with_paths(fn: Callable[..., Any], tree):
+    """``fn(path, leaf)`` on every leaf of `tree` (Flax boxes as leaves), same structure out."""
+    leaves, treedef = flatten_with_paths(tree)
     return jax.tree_util.tree_unflatten(treedef, [fn(path, leaf) for path, leaf in leaves])
 
 
@@ -155,8 +149,7 @@ def map_with_paths(fn: Callable[..., Any], tree, *, open_boxes: bool = False,
 
 def prefix_entries(prefix, *, is_entry: Callable[[Any], bool] | None = None) -> dict[Path, Any]:
     """``{path: entry}`` of a prefix tree, its Flax boxes unboxed; `is_entry` stops the walk."""
-    boxes = box_types()
-    return {path: unbox(x, boxes) for path, x in flatten_with_paths(prefix, is_leaf=is_entry)[0]}
+    return {path: unbox(x) for path, x in flatten_with_paths(prefix, is_leaf=is_entry)[0]}
 
 
 def lookup_prefix(table: Mapping[Path, Any], path: Path) -> tuple[bool, Any]:
@@ -239,12 +232,11 @@ def check_min_rank(x: ArrayLike, min_rank: int, *, argname: str, what: str = "")
                 f"{argname} must have rank >= {min_rank}{extra}, got shape {jnp.shape(x)}")
 
 
-def check_matrix_like(x: ArrayLike, *, argname: str, vocab_axis: Any,
-                      argname_axis: str = "vocab_axis") -> int:
+def check_matrix_like(x: ArrayLike, *, argname: str, vocab_axis: Any) -> int:
     """Validates a head-like array (rank >= 2, float) and returns its vocab axis."""
     check_min_rank(x, 2, argname=argname, what="token rows along vocab_axis, features elsewhere")
     check_floating(x, argname=argname)
-    return canonical_axis(vocab_axis, jnp.ndim(x), argname=argname_axis)
+    return canonical_axis(vocab_axis, jnp.ndim(x))
 
 
 def static_args_hint(*names: str) -> str:
