@@ -103,6 +103,7 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     batch = cfg.data.batch_size
     mesh_lib.check_batch(batch, mesh)
+    own_dump = dump_dir is None
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="rowgeom-plan-")
     shutil.rmtree(dump_dir, ignore_errors=True)
     dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
@@ -110,9 +111,16 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     trainer = Trainer(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len), jnp.int32,
                                   sharding=mesh_lib.batch_sharding(mesh))
-    with jax.set_mesh(mesh):
-        compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens).compile(
-            compiler_options=dump)
+    try:
+        with jax.set_mesh(mesh):
+            compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens,
+                                                    tokens).compile(compiler_options=dump)
+        partitioned = _partitioned(dump_dir)
+    finally:
+        # The dump also holds the compiler's object files and LLVM IR (about 10 MB a step):
+        # a directory this function made goes whatever happened; a caller's stays.
+        if own_dump:
+            shutil.rmtree(dump_dir, ignore_errors=True)
     params = jax.tree.leaves(trainer.abstract_state["params"])
     out = compiled_lib.read_compiled(compiled)
     out.update(
@@ -124,7 +132,7 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
         param_count=sum(p.size for p in params),
         param_bytes=sum(p.size * p.dtype.itemsize for p in params),
         model_flops=model_lib.flops_per_token(cfg.model) * batch * cfg.seq_len / len(devices),
-        partitioned=_partitioned(dump_dir))
+        partitioned=partitioned)
     return out
 
 
@@ -250,9 +258,7 @@ def _partitioned(dump_dir: str | None) -> dict | None:
     if not dumps:
         return None
     with open(dumps[-1]) as f:
-        result = compiled_lib.analyse_hlo(f.read())
-    shutil.rmtree(dump_dir, ignore_errors=True)
-    return result
+        return compiled_lib.analyse_hlo(f.read())
 
 
 def _gib(n: float) -> str:
