@@ -11,8 +11,8 @@
   invocation deselects everything else (jax's device count is fixed once its backend starts).
 - `commands` marks the tests that run a whole command as written, end to end (README's
   commands, the quick benchmark suite: minutes each on a CPU). Only a `-m` expression that names
-  `commands` runs them (`python -m pytest -m commands`; `.ci/run` runs them in a step of their
-  own): the suite's time stays the suite's.
+  `commands` runs them (`python -m pytest -m commands`, before a release or after changing a
+  command; CI does not): the suite's time stays the suite's.
 - Every test has a timeout (pytest-timeout, `[tool.pytest.ini_options]` in pyproject.toml).
 - One JAX persistent compilation cache per pytest invocation (a fresh temporary directory,
   shared by xdist's workers and every subprocess a test starts, removed at the end): a program

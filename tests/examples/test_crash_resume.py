@@ -248,6 +248,25 @@ def test_token_cache_with_a_foreign_tokenizer_is_rebuilt(root, tmp_path, caplog)
         caplog.clear()
 
 
+def test_a_token_cache_that_fails_to_build_leaves_nothing(root, tmp_path, monkeypatch):
+    """Tokenizing fails part-way (a full disk): the error reaches the caller, and no partial
+    copy of the corpus stays in the work directory."""
+    from examples.lm.tools import prepare
+
+    real = prepare.write_shards
+
+    def full_disk(files, out, **kwargs):
+        real(files, out, **kwargs)  # every shard written, then the disk fills
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prepare, "write_shards", full_disk)
+    work = tmp_path / "w"
+    with pytest.raises(OSError, match="No space left"):
+        data.prepare_tokens(source=root / "corpus", workdir=work,
+                            vocab_size=configs.get_config("test").model.vocab_size)
+    assert list((work / "tokens").iterdir()) == []
+
+
 def test_loading_code_never_unpickles_or_evaluates():
     """Token shards, tokenizer files and checkpoints are raw arrays and JSON only."""
     banned = re.compile(r"\bpickle\b|\bcloudpickle\b|\bdill\b|\beval\(|\bexec\(|"

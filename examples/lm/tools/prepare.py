@@ -332,6 +332,9 @@ def token_cache(source, workdir, *, vocab_size: int, val_fraction: float = 0.05,
     except ValueError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"{name}: {e}") from None
+    except BaseException:  # a full disk, Ctrl-C: no half-written copy of the corpus stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     meta = json.loads((tmp / "prepare.json").read_text())
     (tmp / "meta.json").write_text(json.dumps({"fingerprint": fingerprint, **meta}, indent=1))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the work directory
