@@ -39,13 +39,14 @@ def copy_json_package(directory: Path) -> Path:
     return directory
 
 
-def write_llmc_shard(path, tokens):
-    """llm.c's write_datafile(filename, toks, model_desc="gpt-2")."""
+def write_llmc_shard(path, tokens, model_desc="gpt-2"):
+    """llm.c's write_datafile(filename, toks, model_desc) (dev/data/data_common.py)."""
+    info = {"gpt-2": (20240520, 1, np.uint16), "llama-3": (20240801, 7, np.uint32)}[model_desc]
     header = np.zeros(256, dtype=np.int32)
-    header[0] = 20240520
-    header[1] = 1
+    header[0] = info[0]
+    header[1] = info[1]
     header[2] = len(tokens)
-    toks_np = np.array(tokens, dtype=np.uint16)
+    toks_np = np.array(tokens, dtype=info[2])
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(toks_np.tobytes())

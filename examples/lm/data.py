@@ -3,8 +3,9 @@
 `prepare_tokens(source=...)` gives the train and validation splits of token files (a directory,
 a glob or a `.bin` file, split by name) in one of three layouts, told apart by their first bytes:
 **rowgeom** (`tools/prepare.py`; a 32-byte `HEADER`: magic, version 1, dtype code 1 = uint16 /
-2 = uint32, token count, largest id), **llm.c / modded-nanogpt** (256 int32: magic 20240520,
-version 1, count; then uint16) and **nanoGPT** (`train.bin` / `val.bin`, raw uint16). Text, or
+2 = uint32, token count, largest id), **llm.c / modded-nanogpt** (256 int32: magic, version,
+count; then the tokens: `LLMC_LAYOUTS`, GPT-2's uint16 or Llama 3's uint32) and **nanoGPT**
+(`train.bin` / `val.bin`, raw uint16). Text, or
 None (the standard library), is tokenized once by `tools/prepare.py` into cached rowgeom shards.
 Headers are checked against file sizes, and largest ids against the vocabulary, on opening.
 `BatchSampler` and `ValidationSet` are pure functions of `(seed, step)`: a resumed run replays
@@ -24,14 +25,19 @@ import numpy as np
 ROWGEOM_MAGIC = b"RGTOKENS"
 HEADER = struct.Struct("<8sIIQQ")  # 32 bytes, little-endian
 DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
-LLMC_MAGIC, LLMC_HEADER_BYTES = 20240520, 1024
+LLMC_HEADER_BYTES = 1024
+# llm.c's two shard layouts (its dev/data/data_common.py, HEADERS_INFO): int32 magic ->
+# (layout, version, token dtype). The tokenizers differ, so one source may not mix them.
+LLMC_LAYOUTS = {20240520: ("llmc", 1, np.dtype("<u2")),          # "gpt-2"
+                20240801: ("llmc-llama3", 7, np.dtype("<u4"))}   # "llama-3"
 
 
 class TokenSplits(NamedTuple):
     train: np.ndarray  # 1-D token ids: a read-only memmap, or ShardedTokens over several
     val: np.ndarray
     vocab_size: int  # every id is < vocab_size
-    format: str = "text"  # "text" (tokenized here), "rowgeom", "llmc" or "nanogpt"
+    # "text" (tokenized here), "rowgeom", "llmc", "llmc-llama3" or "nanogpt"
+    format: str = "text"
 
 
 def open_shard(path) -> tuple[str, np.memmap, int]:
@@ -50,18 +56,19 @@ def open_shard(path) -> tuple[str, np.memmap, int]:
             raise ValueError(f"token shard {path} has version {version}, dtype code {code}; this "
                              "code reads version 1 with codes 1 (uint16) and 2 (uint32)")
         layout, offset, dtype = "rowgeom", HEADER.size, DTYPE_CODES[code]
-    elif len(head) >= 12 and struct.unpack("<i", head[:4])[0] == LLMC_MAGIC:
-        version, count = struct.unpack("<2i", head[4:12])
-        if version != 1:
+    elif len(head) >= 12 and struct.unpack("<i", head[:4])[0] in LLMC_LAYOUTS:
+        magic, version, count = struct.unpack("<3i", head[:12])
+        layout, known, dtype = LLMC_LAYOUTS[magic]
+        if version != known:
             raise ValueError(f"llm.c shard {path} has version {version}; this code reads "
-                             "version 1 (uint16 tokens)")
-        layout, offset, dtype = "llmc", LLMC_HEADER_BYTES, np.dtype("<u2")
+                             f"version {known} ({dtype.name} tokens) under magic {magic}")
+        offset = LLMC_HEADER_BYTES
     elif path.name in ("train.bin", "val.bin"):
         layout, offset, dtype, count = "nanogpt", 0, np.dtype("<u2"), path.stat().st_size // 2
     else:
         raise ValueError(f"{path} is not a known token file: no rowgeom header (b'RGTOKENS'), no "
-                         f"llm.c header (int32 magic {LLMC_MAGIC}), and not named train.bin / "
-                         "val.bin (nanoGPT raw uint16)")
+                         f"llm.c header (int32 magic {' or '.join(map(str, LLMC_LAYOUTS))}), "
+                         "and not named train.bin / val.bin (nanoGPT raw uint16)")
     expected, actual = offset + count * dtype.itemsize, path.stat().st_size
     if actual != expected or count == 0:
         raise ValueError(f"token file {path}: header says {count} {dtype.name} tokens "

@@ -41,6 +41,25 @@ def test_llmc_shards_by_directory_or_glob(tmp_path, rng, as_glob):
     np.testing.assert_array_equal(splits.train[295:305], np.asarray(splits.train)[295:305])
 
 
+def test_llmc_llama3_shards_hold_uint32_ids_and_do_not_mix_with_gpt2_ones(tmp_path, rng):
+    """llm.c's Llama 3 layout (magic 20240801, version 7, uint32): ids past uint16 read back
+    exactly; a source that mixes it with GPT-2 shards (another tokenizer) is refused."""
+    train, val = rng.integers(0, 128256, size=400), rng.integers(0, 128256, size=90)
+    train[7] = 128255  # Llama 3's largest id, beyond uint16
+    write_llmc_shard(tmp_path / "edu_fineweb_train_000001.bin", train, "llama-3")
+    write_llmc_shard(tmp_path / "edu_fineweb_val_000000.bin", val, "llama-3")
+    splits = data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=128256)
+    assert splits.format == "llmc-llama3"
+    np.testing.assert_array_equal(np.asarray(splits.train), train)
+    np.testing.assert_array_equal(np.asarray(splits.val), val)
+    with pytest.raises(ValueError, match=r"holds token id 128255, not below the vocabulary "
+                                         r"size 50304"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=50304)
+    write_llmc_shard(tmp_path / "edu_fineweb_train_000002.bin", train[:100] % 50257)  # GPT-2
+    with pytest.raises(ValueError, match=r"mixes token file layouts \['llmc', 'llmc-llama3'\]"):
+        data.prepare_tokens(source=tmp_path, workdir=tmp_path / "w", vocab_size=128256)
+
+
 def test_llmc_header_errors_name_the_file(tmp_path):
     write_llmc_shard(tmp_path / "x_train_0.bin", np.arange(100))
     write_llmc_shard(tmp_path / "x_val_0.bin", np.arange(100))
