@@ -27,6 +27,7 @@ compilation cache, which the uninterrupted run fills first.
 import gc
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -265,6 +266,32 @@ def test_a_token_cache_that_fails_to_build_leaves_nothing(root, tmp_path, monkey
         data.prepare_tokens(source=root / "corpus", workdir=work,
                             vocab_size=configs.get_config("test").model.vocab_size)
     assert list((work / "tokens").iterdir()) == []
+
+
+def test_a_relaunch_removes_the_token_cache_builds_a_killed_run_left(root, tmp_path):
+    """A run killed while tokenizing leaves its build directory (a partial copy of the corpus);
+    the relaunch removes it, and keeps a live process's and another host's."""
+    import socket
+
+    work = tmp_path / "w"
+    vocab = configs.get_config("test").model.vocab_size
+    first = np.array(data.prepare_tokens(source=root / "corpus", workdir=work,
+                                         vocab_size=vocab).train)
+    (cache,) = (work / "tokens").iterdir()
+    shutil.rmtree(cache)
+    finished = subprocess.Popen([sys.executable, "-c", ""])
+    finished.wait()  # its pid names no live process now
+    host = socket.gethostname()
+    builds = {"dead": f".{cache.name}.{host}.{finished.pid}.x1",
+              "live": f".{cache.name}.{host}.{os.getppid()}.x2",
+              "elsewhere": f".{cache.name}.other-host.{finished.pid}.x3"}
+    for name in builds.values():
+        (work / "tokens" / name).mkdir()
+        (work / "tokens" / name / "train_000000.bin").write_bytes(b"partial")
+    again = data.prepare_tokens(source=root / "corpus", workdir=work, vocab_size=vocab)
+    np.testing.assert_array_equal(np.asarray(again.train), first)
+    assert sorted(p.name for p in (work / "tokens").iterdir()) == sorted(
+        [cache.name, builds["live"], builds["elsewhere"]])
 
 
 def test_loading_code_never_unpickles_or_evaluates():

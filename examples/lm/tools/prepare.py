@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -325,7 +326,8 @@ def token_cache(source, workdir, *, vocab_size: int, val_fraction: float = 0.05,
             shutil.rmtree(cache, ignore_errors=True)
     # Build in a private directory and rename it into place: readers never see a partial cache.
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}."))
+    _remove_dead_builds(cache)
+    tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=_build_prefix(cache)))
     try:
         write_shards(files, tmp, tokenizer=tokenizer, vocab_size=vocab_size,
                      val_fraction=val_fraction, progress=False, strict=strict)
@@ -343,6 +345,35 @@ def token_cache(source, workdir, *, vocab_size: int, val_fraction: float = 0.05,
     except OSError:  # another process finished first; its cache is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return _load_cache(cache, fingerprint, vocab_size)
+
+
+def _build_prefix(cache: Path, host: str | None = None, pid: int | None = None) -> str:
+    """The name a build directory of `cache` starts with: who is writing it."""
+    host = socket.gethostname() if host is None else host
+    return f".{cache.name}.{host}.{os.getpid() if pid is None else pid}."
+
+
+def _remove_dead_builds(cache: Path) -> None:
+    """Remove the build directories of `cache` that a killed process of this host left (a
+    preempted machine relaunching the same command): a partial copy of the corpus each, which
+    would otherwise stay for good. Another host's, or a live process's, are left alone."""
+    own = _build_prefix(cache, pid=0)[:-2]  # ".<cache>.<host>."
+    for path in cache.parent.glob(f"{globlib.escape(own)}*"):
+        pid = path.name[len(own):].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():  # a leftover of an earlier process that had this pid
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _load_cache(cache: Path, fingerprint: dict, vocab_size: int) -> data.TokenSplits:
