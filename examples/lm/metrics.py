@@ -8,6 +8,7 @@ one (`deterministic_part`). Only process 0 writes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -18,6 +19,7 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
 WALL_CLOCK_KEYS = ("tokens_per_sec", "sec_per_step", "mfu")
+log = logging.getLogger(__name__)
 
 
 # Dense bf16 FLOP/s per chip or GPU by `device_kind` prefix (lower case), from the vendors' data
@@ -59,11 +61,32 @@ def _plain(value):
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:
+    """The records of DIR/metrics.jsonl, in order ([] when there is none); see `_records`."""
     path = epath.Path(workdir) / METRICS_FILE
     if not path.exists():
         return []
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [record for _, record in _records(path)]
+
+
+def _records(path: epath.Path) -> list[tuple[str, dict]]:
+    """(line, record) for each line of a metrics.jsonl. A last line cut short (a full disk, a
+    machine stopped mid-write) is left out with a warning: the run that resumes redoes its step.
+    An unreadable line before the last is damage: an error naming the file and the line."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    out = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}, is not a metrics record ({e}): "
+                                 "move the file away to start a new one") from None
+            log.warning("%s: its last line is cut short (%s); leaving it out", path, e)
+            break
+        out.append((line, record))
+    return out
 
 
 class MetricsWriter:
@@ -88,11 +111,11 @@ class MetricsWriter:
         path = self.workdir / METRICS_FILE
         if not path.exists():
             return
-        lines = [ln + "\n" for ln in path.read_text().splitlines() if ln.strip()]
-        kept = [ln for ln in lines if json.loads(ln)["step"] <= step]
-        if len(kept) != len(lines):
+        text = path.read_text()
+        kept = "".join(line + "\n" for line, record in _records(path) if record["step"] <= step)
+        if kept != text:  # records to redo, or a last line cut short (appends would join it)
             tmp = self.workdir / (METRICS_FILE + ".tmp")
-            tmp.write_text("".join(kept))
+            tmp.write_text(kept)
             tmp.replace(path)
 
     def clear(self) -> list[str]:

@@ -348,7 +348,10 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                 raise UsageError(str(e)) from e
             out(f"resumed from step {step} ({ckpt.directory})")
         done = int(jax.device_get(state["micro_step"])) // cfg.optim.grad_accum_steps
-        writer.truncate_after(done)
+        try:
+            writer.truncate_after(done)
+        except ValueError as e:  # a damaged metrics.jsonl
+            raise UsageError(str(e)) from e
         if done >= cfg.steps:
             out(f"the run in {workdir} is finished: {done} of --steps {cfg.steps} done; to train "
                 f"further, rerun with a larger --steps N and --change_horizon (the schedule is "

@@ -2,7 +2,8 @@
 
 An uninterrupted run of the tiny `test` config saves checkpoints at steps 2 and 4. What a run
 killed after step 3 leaves on disk is then made from it: the checkpoint of step 4 is removed and
-metrics.jsonl keeps the lines of steps 1-3 (step 3 was logged, its checkpoint never written). The
+metrics.jsonl keeps the lines of steps 1-3 (step 3 was logged, its checkpoint never written) and
+the start of step 4's (the machine stopped in the middle of writing it). The
 same `train` call on that workdir must resume from checkpoint 2, train step 3 next, and end with
 the uninterrupted run's metrics (every field but the wall-clock ones, bit for bit: losses, the
 head-step probe and tracker stats of step 3) and its final train state, bit for bit.
@@ -62,12 +63,14 @@ def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root
     assert {"train_loss", "head_step_diameter", "tracked_lower", "tracked_upper"} <= set(
         first_after)
 
-    # A run killed after step 3: checkpoint 2 is the latest, step 3's metrics line was written.
+    # A run killed after step 3: checkpoint 2 is the latest, step 3's metrics line was written,
+    # and step 4's was cut short.
     killed = root / "killed"
     shutil.copytree(clean, killed)
     shutil.rmtree(killed / "checkpoints" / str(STEPS))
     lines = (killed / metrics.METRICS_FILE).read_text().splitlines(keepends=True)
-    (killed / metrics.METRICS_FILE).write_text("".join(lines[:RESUME_FROM + 1]))
+    (killed / metrics.METRICS_FILE).write_text(
+        "".join(lines[:RESUME_FROM + 1]) + lines[RESUME_FROM + 1][:25])
     assert _saved_steps(killed) == [RESUME_FROM]
 
     out = []
@@ -84,3 +87,20 @@ def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root
     assert meta == clean_meta
     assert int(state["micro_step"]) == STEPS * cfg.optim.grad_accum_steps
     jax.tree.map(np.testing.assert_array_equal, state, clean_state)
+
+
+def test_a_metrics_file_cut_short_loses_its_last_line_and_a_damaged_one_is_named(tmp_path):
+    """Only the last line of metrics.jsonl can be cut short by a stop mid-write: it is left out
+    (and rewritten away before the next append). An unreadable line before it is damage, an
+    error naming the file and the line."""
+    path = tmp_path / metrics.METRICS_FILE
+    path.write_text('{"step": 1, "train_loss": 5.0}\n{"step": 2, "train_loss": 4.5}\n{"step": 3')
+    assert metrics.read_metrics(tmp_path) == [{"step": 1, "train_loss": 5.0},
+                                              {"step": 2, "train_loss": 4.5}]
+    writer = metrics.MetricsWriter(tmp_path)
+    writer.truncate_after(5)
+    assert path.read_text() == '{"step": 1, "train_loss": 5.0}\n{"step": 2, "train_loss": 4.5}\n'
+    path.write_text('{"step": 1}\n{"step": 2, "train\n{"step": 3}\n')
+    for read in (lambda: metrics.read_metrics(tmp_path), lambda: writer.truncate_after(3)):
+        with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2, is not a metrics record"):
+            read()
