@@ -270,7 +270,9 @@ def test_a_token_cache_that_fails_to_build_leaves_nothing(root, tmp_path, monkey
 
 def test_a_relaunch_removes_the_token_cache_builds_a_killed_run_left(root, tmp_path):
     """A run killed while tokenizing leaves its build directory (a partial copy of the corpus);
-    the relaunch removes it, and keeps a live process's and another host's."""
+    the relaunch removes it, and keeps a live process's, one whose lock is held (its process
+    lives in another PID namespace) and another host's."""
+    import fcntl
     import socket
 
     work = tmp_path / "w"
@@ -284,14 +286,20 @@ def test_a_relaunch_removes_the_token_cache_builds_a_killed_run_left(root, tmp_p
     host = socket.gethostname()
     builds = {"dead": f".{cache.name}.{host}.{finished.pid}.x1",
               "live": f".{cache.name}.{host}.{os.getppid()}.x2",
-              "elsewhere": f".{cache.name}.other-host.{finished.pid}.x3"}
+              "locked": f".{cache.name}.{host}.{finished.pid}.x3",
+              "elsewhere": f".{cache.name}.other-host.{finished.pid}.x4"}
     for name in builds.values():
         (work / "tokens" / name).mkdir()
         (work / "tokens" / name / "train_000000.bin").write_bytes(b"partial")
-    again = data.prepare_tokens(source=root / "corpus", workdir=work, vocab_size=vocab)
+    held = os.open(work / "tokens" / builds["locked"], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        again = data.prepare_tokens(source=root / "corpus", workdir=work, vocab_size=vocab)
+    finally:
+        os.close(held)
     np.testing.assert_array_equal(np.asarray(again.train), first)
     assert sorted(p.name for p in (work / "tokens").iterdir()) == sorted(
-        [cache.name, builds["live"], builds["elsewhere"]])
+        [cache.name, builds["live"], builds["locked"], builds["elsewhere"]])
 
 
 def test_loading_code_never_unpickles_or_evaluates():

@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a file: the package is not importable
     raise SystemExit(2)
 
 import argparse
+import fcntl
 import glob as globlib
 import hashlib
 import json
@@ -328,40 +329,66 @@ def token_cache(source, workdir, *, vocab_size: int, val_fraction: float = 0.05,
     cache.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_builds(cache)
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=_build_prefix(cache)))
+    lock = _lock(tmp)  # held until the directory is in place or gone; a killed process drops it
     try:
-        write_shards(files, tmp, tokenizer=tokenizer, vocab_size=vocab_size,
-                     val_fraction=val_fraction, progress=False, strict=strict)
-    except ValueError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"{name}: {e}") from None
-    except BaseException:  # a full disk, Ctrl-C: no half-written copy of the corpus stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    meta = json.loads((tmp / "prepare.json").read_text())
-    (tmp / "meta.json").write_text(json.dumps({"fingerprint": fingerprint, **meta}, indent=1))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the work directory
-    try:
-        os.replace(tmp, cache)
-    except OSError:  # another process finished first; its cache is identical
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            write_shards(files, tmp, tokenizer=tokenizer, vocab_size=vocab_size,
+                         val_fraction=val_fraction, progress=False, strict=strict)
+            meta = json.loads((tmp / "prepare.json").read_text())
+            (tmp / "meta.json").write_text(json.dumps({"fingerprint": fingerprint, **meta},
+                                                      indent=1))
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the workdir
+        except BaseException as e:  # also a full disk or Ctrl-C: no half-written copy stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, ValueError):
+                raise ValueError(f"{name}: {e}") from None
+            raise
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process finished first; its cache is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if lock is not None:
+            os.close(lock)
     return _load_cache(cache, fingerprint, vocab_size)
 
 
-def _build_prefix(cache: Path, host: str | None = None, pid: int | None = None) -> str:
-    """The name a build directory of `cache` starts with: who is writing it."""
-    host = socket.gethostname() if host is None else host
-    return f".{cache.name}.{host}.{os.getpid() if pid is None else pid}."
+def _build_prefix(cache: Path) -> str:
+    """The name a build directory of `cache` starts with: the host and process writing it."""
+    return f".{cache.name}.{socket.gethostname()}.{os.getpid()}."
+
+
+def _lock(path: Path) -> int | None:
+    """An open descriptor of directory `path` holding an exclusive `flock` on it, or None where
+    it is held elsewhere or the file system has no such locks. The kernel drops the lock when
+    its process dies, however it dies."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _remove_dead_builds(cache: Path) -> None:
     """Remove the build directories of `cache` that a killed process of this host left (a
-    preempted machine relaunching the same command): a partial copy of the corpus each, which
-    would otherwise stay for good. Another host's, or a live process's, are left alone."""
-    own = _build_prefix(cache, pid=0)[:-2]  # ".<cache>.<host>."
+    preempted machine relaunching the same command), each a partial copy of the corpus that
+    would otherwise stay for good. A directory goes only when its process is gone and nothing
+    holds its lock (`_lock`; a process in another PID namespace still holds it); another host's
+    are left alone."""
+    own = f".{cache.name}.{socket.gethostname()}."
     for path in cache.parent.glob(f"{globlib.escape(own)}*"):
         pid = path.name[len(own):].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        lock = _lock(path)
+        if lock is not None:
             shutil.rmtree(path, ignore_errors=True)
+            os.close(lock)
 
 
 def _alive(pid: int) -> bool:
