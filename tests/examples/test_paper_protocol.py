@@ -6,7 +6,14 @@ optimizer groups (`rowgeom.describe`), the learning-rate schedule and the evalua
 Nothing is trained.
 """
 
+import contextlib
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -225,3 +232,46 @@ def test_the_launcher_runs_the_18_runs_or_a_subset(capsys):
     args = configs.parser().parse_args(command[3:])
     assert configs.config_from_args(args) == configs.override(configs.paper_config("380m", "adamw"),
                                                             {"seed": 2})
+
+
+_RUN = """
+import os, signal, sys, time, pathlib
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *a: (out.with_suffix(".saved").touch(), sys.exit(0)))
+out.with_suffix(".started").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def test_the_launcher_passes_a_sigterm_to_the_run_and_starts_no_other(tmp_path):
+    """A SIGTERM to the launcher alone (a container's process 1) reaches the run in progress,
+    which saves and exits 0, as the trainer does; the next run never starts."""
+    script = tmp_path / "run.py"
+    script.write_text(_RUN)
+    launcher = (
+        "import sys\n"
+        "from examples.lm.tools import paper_runs\n"
+        f"paper_runs.commands = lambda **kw: [[sys.executable, {str(script)!r}, "
+        f"{str(tmp_path / 'first')!r}], [sys.executable, {str(script)!r}, "
+        f"{str(tmp_path / 'second')!r}]]\n"
+        "sys.exit(paper_runs.main(['--root', 'r']))\n")
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=Path(__file__).parents[2],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "first.started").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        proc.kill()
+        for started in tmp_path.glob("*.started"):  # a run left behind
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(started.read_text()), signal.SIGKILL)
+    assert (tmp_path / "first.saved").exists()
+    assert not (tmp_path / "second.started").exists()
+    assert ("preempted (SIGTERM) during run 1, which saved a checkpoint; rerun the same "
+            in log.read_text())

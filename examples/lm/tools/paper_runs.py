@@ -11,7 +11,10 @@ ROOT/SIZE-HEAD-seedSEED --data.source DATA --no-progress` in a process of its ow
 accelerator of the node (the config's mesh: data parallel over all devices). Rerunning the same
 command resumes an interrupted run from its latest checkpoint and reports a finished one
 without training it again (the trainer's own resumption). Arguments after `--` go to every run
-unchanged (e.g. `-- --mesh.fsdp 8`). The runs' metrics.jsonl are what a table of Table 3's
+unchanged (e.g. `-- --mesh.fsdp 8`). A SIGTERM to this command (a preemption notice; in a
+container it is often process 1, the only one the notice reaches) is passed on to the run in
+progress, which saves a checkpoint of its step and exits; no further run starts, and rerunning
+the same command resumes it. The runs' metrics.jsonl are what a table of Table 3's
 layout is built from: the record of the last update holds val_loss, head_step_diameter and
 head_step_hilbert_rms.
 """
@@ -22,6 +25,7 @@ import argparse
 import itertools
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -77,13 +81,38 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(todo)}] {shlex.join(command)}", flush=True)
         if args.dry_run:
             continue
-        done = subprocess.run(command, check=False)
-        if done.returncode:
-            print(f"paper_runs.py: run {i} exited with status {done.returncode}; rerun the "
+        returncode, preempted = _run(command)
+        if returncode:
+            print(f"paper_runs.py: run {i} exited with status {returncode}; rerun the "
                   "same command to resume it", file=sys.stderr)
-            return done.returncode
+            return returncode
+        if preempted:  # the run saved its step and exited 0, as the trainer does on SIGTERM
+            print(f"paper_runs.py: preempted (SIGTERM) during run {i}, which saved a checkpoint; "
+                  "rerun the same command to resume it", flush=True)
+            return 0
     return 0
 
+
+def _run(command: list[str]) -> tuple[int, bool]:
+    """(exit status, whether a SIGTERM came) of `command`. A SIGTERM this process gets is
+    passed on to it; a run that also gets one from its process group sees two, which the
+    trainer takes as one."""
+    signalled: list[int] = []
+    children: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        signalled.append(signum)
+        for child in children:
+            child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        children.append(subprocess.Popen(command))
+        if signalled:  # it came while the run was starting
+            children[0].send_signal(signal.SIGTERM)
+        return children[0].wait(), bool(signalled)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 if __name__ == "__main__":
     sys.exit(main())
