@@ -8,7 +8,8 @@ Run from the repository root, as a module:
     python -m examples.lm.train --config 190m --mesh.fsdp 8 --workdir gs://bucket/run
 
 Top to bottom: `Trainer` (the state, its shardings, the jitted step and probes), `start` (resume
-or fresh, mesh, data), `train` (the loop; SIGTERM saves the current step and exits 0) and `main`.
+or fresh, mesh, data), `train` (the loop; SIGTERM saves the current step and exits 0: `Preempted`)
+and `main`.
 """
 
 from __future__ import annotations
@@ -147,6 +148,17 @@ class Trainer:
 
 class UsageError(ValueError):
     """A problem with the command line, the data or the work directory, explained in one line."""
+
+
+class Preempted(SystemExit):
+    """Raised by `train` once it has saved the checkpoint of a run stopped by SIGTERM (or, on
+    several hosts, at JAX's preemption sync point). Uncaught, the process exits with status 0,
+    as the command does; a caller that trains several runs stops there, and never takes the
+    unfinished run for a finished one. The same call resumes it."""
+
+    def __init__(self, step: int, directory):
+        super().__init__(0)
+        self.step, self.directory = step, directory
 
 
 class Run(NamedTuple):
@@ -318,7 +330,8 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
 
     A workdir with checkpoints resumes (`start`). stop_after: stop after this many steps without
     a final save, as if interrupted (tests of exact resumption). SIGTERM saves the current step
-    and returns. Problems with the config, the data or the workdir raise `UsageError`.
+    and raises `Preempted`. Problems with the config, the data or the workdir raise
+    `UsageError`.
     """
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
@@ -327,6 +340,7 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                   change_horizon=change_horizon, out=out)
     cfg = setup.cfg
     writer = bar = preemption = None
+    preempted = False
     try:
         check_fits(cfg, setup.mesh)
         trainer = Trainer(cfg, setup.mesh)
@@ -389,6 +403,8 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
             if opened is not None:
                 opened.close()
         _close(setup.ckpt)
+    if preempted:
+        raise Preempted(end, setup.ckpt.directory)
     last_eval = loop.last_eval
     if end == cfg.steps:  # finished: the plot and the summary line
         writer.plot()

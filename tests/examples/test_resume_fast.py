@@ -104,3 +104,22 @@ def test_a_metrics_file_cut_short_loses_its_last_line_and_a_damaged_one_is_named
     for read in (lambda: metrics.read_metrics(tmp_path), lambda: writer.truncate_after(3)):
         with pytest.raises(ValueError, match=r"metrics\.jsonl, line 2, is not a metrics record"):
             read()
+
+
+def test_a_preempted_run_raises_preempted_after_its_checkpoint_and_the_same_call_finishes(
+        root, monkeypatch):
+    """Preemption (here the watcher saying so after step 3) saves that step and raises
+    `Preempted`, exit status 0: a caller never takes the run for a finished one. The same
+    call then resumes it and finishes."""
+    cfg, out = _cfg(root), []
+    workdir = root / "preempted"
+    with monkeypatch.context() as patch:
+        patch.setattr(train.PreemptionWatcher, "reached", lambda self, step: step == 3)
+        with pytest.raises(train.Preempted) as stopped:
+            train.train(cfg, workdir, progress=False, print_fn=out.append)
+    assert (stopped.value.code, stopped.value.step) == (0, 3)
+    assert any(line.startswith("preempted (SIGTERM): saved a checkpoint at step 3") for line in out)
+    assert _saved_steps(workdir) == [RESUME_FROM, 3]
+    assert [r["step"] for r in metrics.read_metrics(workdir)] == [1, 2, 3]
+    train.train(cfg, workdir, progress=False, print_fn=lambda *a, **k: None)
+    assert [r["step"] for r in metrics.read_metrics(workdir)] == list(range(1, STEPS + 1))

@@ -114,6 +114,25 @@ def test_quick_study_resumes_without_training(quick, monkeypatch):
     assert compare_heads.main([*argv, "--report-only"])["summary"] == result["summary"]
 
 
+def test_a_preempted_run_stops_the_study_and_is_not_recorded(tmp_path, monkeypatch):
+    """A run the trainer stops for preemption (`train.Preempted`) ends the study there, with
+    exit status 0, and leaves no result: the relaunched study trains it again."""
+    from examples.lm import train
+
+    def preempted(cfg, rundir, **kwargs):
+        rundir.mkdir(parents=True)
+        raise train.Preempted(3, rundir / "checkpoints")
+
+    monkeypatch.setattr(compare_heads.train, "train", preempted)
+    cfg = configs.get_config("test")
+    with pytest.raises(SystemExit) as stopped:
+        compare_heads.run_one(cfg, tmp_path, role="sweep", head="rownorm", lr=0.1, seed=1,
+                              log=lambda *a: None)
+    assert stopped.value.code == 0
+    (rundir,) = tmp_path.iterdir()
+    assert not (rundir / compare_heads.RESULT_FILE).exists()
+
+
 def test_configs_accept_rescaled_head_and_probe_window():
     cfg = configs.parse_config(["--config", "test", "--head", "rownorm-rescaled"])
     assert optimizer.head_group(cfg).learning_rate == 5 * cfg.optim.learning_rate
