@@ -98,7 +98,11 @@ def run_one(cfg: configs.Config, workdir: Path, *, role: str, head: str, lr: flo
     run_cfg = configs.override(cfg, {"head": head, "optim.head_learning_rate": lr, "seed": seed})
     log(f"[{time.strftime('%H:%M:%S')}] {rundir.name}")
     t0 = time.perf_counter()
-    train.train(run_cfg, rundir, progress=False, print_fn=lambda *a: None)
+    try:
+        train.train(run_cfg, rundir, progress=False, print_fn=lambda *a: None)
+    except train.Preempted as stop:  # exit status 0; the relaunch trains this run again
+        log(f"    preempted at step {stop.step}: the study stops here; rerun the same command")
+        raise
     wall = time.perf_counter() - t0
     record = {"role": role, "head": head, "head_learning_rate": lr, "seed": seed,
               "wall_s": wall, **summarize(metrics.read_metrics(rundir), run_cfg)}

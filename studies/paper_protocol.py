@@ -93,7 +93,11 @@ def run_one(cfg: configs.Config, rundir: Path, log) -> dict:
         shutil.rmtree(rundir)
     log(f"[{time.strftime('%H:%M:%S')}] {rundir.name}")
     load, t0 = os.getloadavg()[0], time.perf_counter()
-    train.train(cfg, rundir, progress=False, print_fn=lambda *a: None)
+    try:
+        train.train(cfg, rundir, progress=False, print_fn=lambda *a: None)
+    except train.Preempted as stop:  # exit status 0; the relaunch trains this run again
+        log(f"    preempted at step {stop.step}: the study stops here; rerun the same command")
+        raise
     record = {"wall_s": time.perf_counter() - t0, "load_average": [load, os.getloadavg()[0]]}
     done.write_text(json.dumps(record))
     last = metrics.read_metrics(rundir)[-1]

@@ -125,10 +125,13 @@ def test_a_preempted_run_stops_the_study_and_is_not_recorded(tmp_path, monkeypat
 
     monkeypatch.setattr(compare_heads.train, "train", preempted)
     cfg = configs.get_config("test")
+    logged = []
     with pytest.raises(SystemExit) as stopped:
         compare_heads.run_one(cfg, tmp_path, role="sweep", head="rownorm", lr=0.1, seed=1,
-                              log=lambda *a: None)
+                              log=logged.append)
     assert stopped.value.code == 0
+    assert logged[-1] == ("    preempted at step 3: the study stops here; rerun the same "
+                          "command")
     (rundir,) = tmp_path.iterdir()
     assert not (rundir / compare_heads.RESULT_FILE).exists()
 
