@@ -258,6 +258,23 @@ def test_easydel_moe_family_routes_exactly_with_no_options(family):
 
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_transformers_tied_llama_keeps_an_unused_head_that_tied_flags(family):
+    """transformers' Flax Llama and Mistral with tie_word_embeddings=True keep lm_head/kernel (the
+    logits read the token table instead): the tree alone looks untied, so tied= is the user's to
+    give; with it the kernel is flagged as probably unused, and nothing is trained as the head."""
+    config_cls, model_cls, config, _, _ = HF_FAMILIES[family]
+    transformers = _transformers()
+    with warnings.catch_warnings(), jax.numpy_rank_promotion("allow"):
+        warnings.simplefilter("ignore")
+        params = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+            **config, tie_word_embeddings=True), _do_init=False).params_shape_tree
+    rows = {r.path: r for r in rowgeom.describe(params, tied="embedding")}
+    assert rows["lm_head/kernel"].label == "embedding"
+    assert rows["lm_head/kernel"].note.startswith("probably unused")
+    assert not any(r.label == "head" for r in rows.values())
+
+
 def test_easydel_tied_model_keeps_an_unused_head_that_describe_flags():
     """EasyDeL builds lm_head/kernel even with tie_word_embeddings=True (the logits read the
     token table): under tied= it is flagged as probably unused, not trained as the head."""
