@@ -181,6 +181,39 @@ def test_pretrained_tokenizer_encodes_text_and_jsonl(tmp_path):
                             vocab_size=4096, tokenizer=tmp_path / "missing.json")
 
 
+def test_json_datasets_and_compressed_files_read_as_their_records(tmp_path):
+    """The same documents as .jsonl, as .json holding JSON Lines (`datasets`' to_json) or an
+    array of {"text": ...} objects, and gzip-, bzip2- and xz-compressed: the same tokens, never
+    the JSON syntax itself. A .json that is no such dataset stays a text document; zstd is an
+    error saying what to do."""
+    import bz2
+    import gzip
+    import lzma
+
+    texts = [f.read_text() for f in sorted(JSON_PACKAGE.glob("*.py"))]
+    make_tokenizer(tmp_path / "tokenizer.json", texts)
+    lines = "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts))
+    sources = {"docs.jsonl": lines.encode(), "lines.json": lines.encode(),
+               "array.json": json.dumps([{"text": t} for t in texts]).encode(),
+               "c4.json.gz": gzip.compress(lines.encode()),
+               "docs.jsonl.bz2": bz2.compress(lines.encode()),
+               "docs.jsonl.xz": lzma.compress(lines.encode())}
+    read = {}
+    for name, raw in sources.items():
+        (tmp_path / name).write_bytes(raw)
+        splits = data.prepare_tokens(source=tmp_path / name, workdir=tmp_path / "w",
+                                     vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
+        read[name] = (np.asarray(splits.train).tolist(), np.asarray(splits.val).tolist())
+    assert all(tokens == read["docs.jsonl"] for tokens in read.values()), list(read)
+    config = tmp_path / "package.json"  # a text document that happens to be JSON
+    config.write_text('{"name": "x",\n "version": "1.0"}\n')
+    assert prepare.read_documents([config]) == [config.read_text()]
+    (tmp_path / "pile.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(20))
+    with pytest.raises(ValueError, match=r"pile\.jsonl\.zst is zstd-compressed: decompress it"):
+        data.prepare_tokens(source=tmp_path / "pile.jsonl.zst", workdir=tmp_path / "w",
+                            vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
+
+
 def test_prepare_command_writes_shards_the_trainer_reads(tmp_path, capsys):
     corpus = copy_json_package(tmp_path / "corpus")
     texts = [f.read_text() for f in sorted(corpus.iterdir())]

@@ -5,11 +5,12 @@
     python -m examples.lm.train --data.source shards --data.tokenizer shards/tokenizer.json
 
 Sources are text files, `.jsonl` files (one JSON object with a "text" field per line, each a
-document) and directories or globs of them. Several files are split into train and validation by
-file (`split_files`), a single file by its last lines / records. Documents are separated by the
-tokenizer's end-of-document token. With `--tokenizer` the given `tokenizer.json` encodes; without
-it a byte-level BPE of `--vocab_size` is trained on the train split (`tokenizer.py`). The
-tokenizer used is saved as OUT/tokenizer.json.
+document), `.json` files holding such lines or an array of such objects, any of them compressed
+with gzip, bzip2 or xz, and directories or globs of them. Several files are split into train
+and validation by file (`split_files`), a single file by its last lines / records. Documents
+are separated by the tokenizer's end-of-document token. With `--tokenizer` the given
+`tokenizer.json` encodes; without it a byte-level BPE of `--vocab_size` is trained on the train
+split (`tokenizer.py`). The tokenizer used is saved as OUT/tokenizer.json.
 
 Encoding runs on every core (`tokenizers`' `encode_batch`, in groups of about 8 MiB of text) with
 a progress bar. Output: OUT/train_000000.bin, ..., OUT/val_000000.bin, ... in the rowgeom shard
@@ -31,11 +32,14 @@ if __package__ in (None, ""):  # run as a file: the package is not importable
     raise SystemExit(2)
 
 import argparse
+import bz2
 import fcntl
 import glob as globlib
+import gzip
 import hashlib
 import json
 import logging
+import lzma
 import os
 import shutil
 import socket
@@ -51,7 +55,7 @@ from examples.lm.tools import tokenizer as bpe
 log = logging.getLogger(__name__)
 
 _GROUP_CHARS = 8 << 20  # text encoded per encode_batch call (parallel inside)
-_CACHE_FORMAT = 2  # bump when the cache layout or the encoding changes
+_CACHE_FORMAT = 3  # bump when the cache layout or the encoding changes
 # Third-party packages, tests and build artefacts (which differ between installs) are not corpus.
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 
@@ -99,47 +103,91 @@ def _decode(raw: bytes, path: Path, strict: bool) -> str:
         raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _jsonl_records(path: Path, text: str) -> list[str]:
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+# Compressed files the standard library reads (C4 ships .json.gz); zstd (The Pile, SlimPajama)
+# needs a package of its own, so such a file is an error saying so.
+_CODECS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _read_text(path: Path, strict: bool) -> tuple[str, str]:
+    """(text, suffix of what it holds) of one file, decompressed first if it is .gz/.bz2/.xz."""
+    path = Path(path)
+    raw, suffix = path.read_bytes(), path.suffix
+    if suffix in _CODECS:
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} is not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f'{path}:{number}: each jsonl line must be an object with a string '
-                             f'"text" field')
-        records.append(record["text"])
-    return records
+            raw = _CODECS[suffix](raw)
+        except (OSError, EOFError, lzma.LZMAError) as e:
+            raise ValueError(f"{path} cannot be decompressed ({e})") from None
+        suffix = Path(path.stem).suffix
+    elif raw[:4] == _ZSTD_MAGIC:
+        raise ValueError(f"{path} is zstd-compressed: decompress it first (zstd -d); .gz, .bz2 "
+                         "and .xz files are read as they are")
+    return _decode(raw, path, strict), suffix
+
+
+def _text_of(record) -> str | None:
+    return record.get("text") if isinstance(record, dict) else None
+
+
+def _records(path: Path, text: str, suffix: str) -> list[str] | None:
+    """The documents of a JSON Lines file (`.jsonl`: a bad line is an error naming it), or of a
+    `.json` file holding JSON Lines or an array of objects with a string "text" field (what
+    `datasets`' `to_json` and many corpora write); None for any other file, a document of its
+    own (a `.json` that is not such a dataset included)."""
+    if suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number} is not JSON ({e.msg})") from None
+            if not isinstance(_text_of(record), str):
+                raise ValueError(f'{path}:{number}: each jsonl line must be an object with a '
+                                 'string "text" field')
+            records.append(record["text"])
+        return records
+    if suffix != ".json":
+        return None
+    try:
+        if text.lstrip().startswith("["):
+            items = json.loads(text)
+        else:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        return None
+    texts = [_text_of(item) for item in items] if isinstance(items, list) else [None]
+    return texts if texts and all(isinstance(t, str) for t in texts) else None
 
 
 def read_documents(files, *, strict: bool = True) -> list[str]:
-    """One document per text file, one per record of a `.jsonl` file."""
+    """One document per text file, one per record of a JSON Lines or JSON dataset file
+    (`_records`)."""
     docs = []
     for f in files:
-        text = _decode(Path(f).read_bytes(), f, strict)
-        docs.extend(_jsonl_records(f, text) if Path(f).suffix == ".jsonl" else [text])
+        text, suffix = _read_text(f, strict)
+        records = _records(f, text, suffix)
+        docs.extend([text] if records is None else records)
     return docs
 
 
 def split_documents(files, *, val_fraction: float, strict: bool = True):
     """(train documents, validation documents): by file when there are several files, else the
-    last `val_fraction` of the single file's lines (text) or records (jsonl)."""
+    last `val_fraction` of the single file's lines (text) or records (a JSON dataset)."""
     if len(files) > 1:
         train_files, val_files = split_files(files, val_fraction=val_fraction)
         return (read_documents(train_files, strict=strict),
                 read_documents(val_files, strict=strict))
     path = Path(files[0])
-    jsonl = path.suffix == ".jsonl"
-    units = (read_documents(files, strict=strict) if jsonl
-             else _decode(path.read_bytes(), path, strict).splitlines(keepends=True))
+    text, suffix = _read_text(path, strict)
+    records = _records(path, text, suffix)
+    units = text.splitlines(keepends=True) if records is None else records
     if len(units) < 2:
-        raise ValueError(f"{path} needs at least 2 {'records' if jsonl else 'lines'} to split "
-                         "into train and validation")
+        raise ValueError(f"{path} needs at least 2 {'lines' if records is None else 'records'} "
+                         "to split into train and validation")
     n_val = min(len(units) - 1, max(1, round(len(units) * val_fraction)))
-    if jsonl:
+    if records is not None:
         return units[:-n_val], units[-n_val:]
     return ["".join(units[:-n_val])], ["".join(units[-n_val:])]
 
@@ -421,7 +469,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="prepare.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("sources", nargs="+", metavar="SOURCE",
-                        help="text or .jsonl files, directories or globs")
+                        help="text, .jsonl or .json files (.gz, .bz2, .xz too), directories "
+                             "or globs")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (empty)")
     parser.add_argument("--tokenizer", metavar="PATH", default=None,
                         help="a Hugging Face tokenizer.json (default: train a byte-level BPE)")
