@@ -179,6 +179,16 @@ def test_pretrained_tokenizer_encodes_text_and_jsonl(tmp_path):
     with pytest.raises(ValueError, match=r"tokenizer .*missing\.json does not exist"):
         data.prepare_tokens(source=tmp_path / "docs.jsonl", workdir=tmp_path / "w",
                             vocab_size=4096, tokenizer=tmp_path / "missing.json")
+    # A directory save_pretrained wrote names the tokenizer.json in it.
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    with pytest.raises(ValueError, match=r"tokenizer directory .*saved has no tokenizer\.json"):
+        data.prepare_tokens(source=tmp_path / "docs.jsonl", workdir=tmp_path / "w",
+                            vocab_size=4096, tokenizer=saved)
+    (saved / "tokenizer.json").write_bytes((tmp_path / "tokenizer.json").read_bytes())
+    by_directory = data.prepare_tokens(source=tmp_path / "docs.jsonl", workdir=tmp_path / "w",
+                                       vocab_size=4096, tokenizer=saved)
+    np.testing.assert_array_equal(np.asarray(by_directory.val), expected)
 
 
 def test_json_datasets_and_compressed_files_read_as_their_records(tmp_path):

@@ -357,7 +357,7 @@ def token_cache(source, workdir, *, vocab_size: int, val_fraction: float = 0.05,
         # A work directory inside the source must not feed its own cache back into the corpus.
         files = [f for f in files if not f.is_relative_to(workdir)]
     tokenizer_hash = None if tokenizer is None else hashlib.sha256(
-        Path(tokenizer).expanduser().read_bytes()).hexdigest()
+        bpe.tokenizer_file(tokenizer).read_bytes()).hexdigest()
     # Sizes and mtimes, not contents: a cache hit must not read a large corpus.
     stats = [[f.relative_to(root).as_posix() if root else f.name, st.st_size, st.st_mtime_ns]
              for f, st in ((f, f.stat()) for f in files)]

@@ -48,11 +48,24 @@ def train_bpe(texts: list[str], vocab_size: int):
     return tokenizer
 
 
-def load_tokenizer(path):
-    """A Hugging Face `tokenizers.Tokenizer` from a `tokenizer.json` (JSON, nothing executed)."""
+def tokenizer_file(path) -> Path:
+    """The `tokenizer.json` that `path` names: the file itself, or the one in a directory (what
+    `save_pretrained` writes)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer directory {path} has no tokenizer.json (a Hugging Face "
+                             "tokenizer saved with save_pretrained has one)")
+        return path / "tokenizer.json"
     if not path.is_file():
         raise ValueError(f"tokenizer {path} does not exist (expected a tokenizer.json file)")
+    return path
+
+
+def load_tokenizer(path):
+    """A Hugging Face `tokenizers.Tokenizer` from a `tokenizer.json`, or a directory holding one
+    (`tokenizer_file`; JSON, nothing executed)."""
+    path = tokenizer_file(path)
     try:
         return _tokenizers().Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises plain Exceptions
