@@ -5,6 +5,7 @@ trainer's loader. None of these files is written with the example's own writer.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -215,13 +216,20 @@ def test_json_datasets_and_compressed_files_read_as_their_records(tmp_path):
                                      vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
         read[name] = (np.asarray(splits.train).tolist(), np.asarray(splits.val).tolist())
     assert all(tokens == read["docs.jsonl"] for tokens in read.values()), list(read)
+    (tmp_path / "PAR1.txt").write_text("PAR1: a text that starts like a Parquet file\n" * 3)
+    assert prepare.read_documents([tmp_path / "PAR1.txt"]) == [(tmp_path / "PAR1.txt").read_text()]
     config = tmp_path / "package.json"  # a text document that happens to be JSON
     config.write_text('{"name": "x",\n "version": "1.0"}\n')
     assert prepare.read_documents([config]) == [config.read_text()]
-    (tmp_path / "pile.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + bytes(20))
-    with pytest.raises(ValueError, match=r"pile\.jsonl\.zst is zstd-compressed: decompress it"):
-        data.prepare_tokens(source=tmp_path / "pile.jsonl.zst", workdir=tmp_path / "w",
-                            vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
+    binary = {"pile.jsonl.zst": (b"\x28\xb5\x2f\xfd", "is zstd-compressed: decompress it"),
+              "train.parquet": (b"PAR1", "is a Parquet file: export its text to .jsonl"),
+              "data-00000-of-00001.arrow": (b"\xff\xff\xff\xff", "is an Arrow stream"),
+              "ids.npy": (b"\x93NUMPY", "is a NumPy .npy array: write its token ids as")}
+    for name, (magic, message) in binary.items():
+        (tmp_path / name).write_bytes(magic + b"\xfe" * 20)  # binary: never UTF-8
+        with pytest.raises(ValueError, match=re.escape(f"{name} {message}")):
+            data.prepare_tokens(source=tmp_path / name, workdir=tmp_path / "w",
+                                vocab_size=4096, tokenizer=tmp_path / "tokenizer.json")
 
 
 def test_prepare_command_writes_shards_the_trainer_reads(tmp_path, capsys):

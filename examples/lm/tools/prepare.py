@@ -106,7 +106,17 @@ def _decode(raw: bytes, path: Path, strict: bool) -> str:
 # Compressed files the standard library reads (C4 ships .json.gz); zstd (The Pile, SlimPajama)
 # needs a package of its own, so such a file is an error saying so.
 _CODECS = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# Binary files people point a text source at (never UTF-8), told apart by their first bytes.
+_EXPORT = ("export its text to .jsonl (`datasets`' to_json) or tokenize it into token files "
+           "(llm.c / rowgeom shards)")
+_NOT_TEXT = {b"\x28\xb5\x2f\xfd": "is zstd-compressed: decompress it first (zstd -d); .gz, .bz2 "
+                                  "and .xz files are read as they are",
+             b"PAR1": f"is a Parquet file: {_EXPORT}",
+             b"ARROW1": f"is an Arrow file: {_EXPORT}",
+             b"\xff\xff\xff\xff": f"is an Arrow stream (`datasets`' save_to_disk): {_EXPORT}",
+             b"\x93NUMPY": "is a NumPy .npy array: write its token ids as a rowgeom shard "
+                           "(tools/prepare.py's write_shard) or an llm.c .bin",
+             b"PK\x03\x04": "is a zip archive: extract it first"}
 
 
 def _read_text(path: Path, strict: bool) -> tuple[str, str]:
@@ -119,10 +129,13 @@ def _read_text(path: Path, strict: bool) -> tuple[str, str]:
         except (OSError, EOFError, lzma.LZMAError) as e:
             raise ValueError(f"{path} cannot be decompressed ({e})") from None
         suffix = Path(path.stem).suffix
-    elif raw[:4] == _ZSTD_MAGIC:
-        raise ValueError(f"{path} is zstd-compressed: decompress it first (zstd -d); .gz, .bz2 "
-                         "and .xz files are read as they are")
-    return _decode(raw, path, strict), suffix
+    try:
+        return _decode(raw, path, strict), suffix
+    except ValueError:  # not UTF-8: say what it is, where its first bytes tell
+        for magic, what in _NOT_TEXT.items():
+            if raw.startswith(magic):
+                raise ValueError(f"{path} {what}") from None
+        raise
 
 
 def _text_of(record) -> str | None:
