@@ -114,5 +114,6 @@ def _run(command: list[str]) -> tuple[int, bool]:
     finally:
         signal.signal(signal.SIGTERM, previous)
 
+
 if __name__ == "__main__":
     sys.exit(main())
