@@ -168,6 +168,16 @@ MATRIX_LEAF_NAMES = frozenset({"kernel", "embedding"})
 GENERIC_LEAF_NAMES = frozenset({"kernel", "weight", "weights", "w", "embedding"})
 """Leaf names that say how a parameter is stored, not what it is for (the module name does)."""
 
+OUT_IN_LEAF_NAMES = frozenset({"weight"})
+"""Leaf names of matrices stored ``(out, in)``: PyTorch's and Equinox's ``Linear.weight`` (as
+for a head, ``(V, d)``, and a router, ``(E, d)``). Flax's ``kernel`` is ``(in, out)``. Which side
+is fan-in matters to Muon's ``"keller"`` and ``"spectral"`` scales."""
+
+GPT2_CONV1D_NAMES = frozenset({"c_attn", "c_proj", "c_fc", "q_attn"})
+"""GPT-2's ``Conv1D`` modules. Hugging Face's Flax GPT-2 stores their ``kernel`` ``(out, in)``
+and transposes it in the forward pass; its fused ``c_attn`` of shape ``(3d, d)`` tells such a
+tree (a Flax port built on ``nn.Dense`` has ``(d, 3d)``, ``(in, out)`` like any ``kernel``)."""
+
 VOCAB_AXIS_BY_LEAF_NAME = types.MappingProxyType({"kernel": 1, "embedding": 0, "weight": 0})
 """A rank-2 head's vocabulary axis from its leaf name when the shapes cannot tell: Flax's
 ``kernel`` is ``(d, V)``, an ``embedding`` table and PyTorch-style ``weight`` are ``(V, d)``."""

@@ -573,7 +573,13 @@ def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
             axis = head_vocab_axis(path, shape, structure.vocab_size)
         except StructureError as err:
             raise ValueError(str(err)) from None
-    return (MuonDimensionNumbers(0, 1) if hp.head.optimizer == "muon" else None), axis
+    if hp.head.optimizer != "muon":
+        return None, axis
+    if not -2 <= axis < 2:
+        raise ValueError(f"HeadOptions.vocab_axis={axis} is not an axis of the head "
+                         f"{path_str(path)} {shape}")
+    vocab = axis % 2  # fan-out; the other axis, d, is fan-in
+    return MuonDimensionNumbers(1 - vocab, vocab), axis
 
 
 def _note(path, shape, label, structure, reason) -> str:

@@ -22,8 +22,10 @@ from rowgeom._names import (
     DEFAULT_ROUTER_NAMES,
     EXPERT_MODULE,
     GENERIC_LEAF_NAMES,
+    GPT2_CONV1D_NAMES,
     MATRIX_LEAF_NAMES,
     NORM_MODULE,
+    OUT_IN_LEAF_NAMES,
     POSITION_EMBEDDING_NAMES,
     POSITION_WORD,
     TOKEN_EMBEDDING_NAMES,
@@ -276,7 +278,8 @@ class ModelStructure(NamedTuple):
     ``experts``: expert-stack leaf path -> expert count ``E`` (None: not decided);
     ``routers``: router leaf path -> ``E`` (None: not decided); ``router_names``: the names
     that mean a router (the labeler's); ``vectors``: ``(path, shape)`` of the norm scales and
-    biases; ``loose_layer_sizes``: lengths ``L`` of stacked vectors ``(L, d)`` outside any stack.
+    biases; ``loose_layer_sizes``: lengths ``L`` of stacked vectors ``(L, d)`` outside any stack;
+    ``out_in_modules``: module names whose ``kernel`` this tree stores ``(out, in)`` (`out_in`).
     """
 
     vocab_size: int | None
@@ -288,6 +291,7 @@ class ModelStructure(NamedTuple):
     router_names: frozenset[str] = DEFAULT_ROUTER_NAMES
     vectors: tuple[tuple[Path, tuple[int, ...]], ...] = ()
     loose_layer_sizes: frozenset[int] = frozenset()
+    out_in_modules: frozenset[str] = frozenset()
 
 
 def find_vocab(embeddings, heads) -> tuple[int | None, int | None, tuple | None]:
@@ -451,7 +455,18 @@ def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NA
     experts, routers = find_experts(leaves, width, stacks, names, movable)
     return ModelStructure(vocab, width, source, types.MappingProxyType(stacks),
                           types.MappingProxyType(experts), types.MappingProxyType(routers),
-                          names, vectors, _loose_layer_sizes(vectors, width, stacks))
+                          names, vectors, _loose_layer_sizes(vectors, width, stacks),
+                          _conv1d_out_in(leaves, width))
+
+
+def _conv1d_out_in(leaves, width: int | None) -> frozenset[str]:
+    """`GPT2_CONV1D_NAMES` when a fused ``c_attn`` kernel of the tree is ``(3d, d)`` (Hugging
+    Face's Flax GPT-2), else none: only the fused projection's shape tells the two apart."""
+    for path, shape, _ in leaves:
+        names = [c.lower() for c in naming_path(path)[-2:]]
+        if width and names == ["c_attn", "kernel"] and shape[-2:] == (3 * width, width):
+            return GPT2_CONV1D_NAMES
+    return frozenset()
 
 
 # --- Matrix axes --------------------------------------------------------------------------------
@@ -535,6 +550,16 @@ def _without_expert_axis(path, shape, rest, structure, features, where) -> list[
                          dict.fromkeys(guess, "experts"))
 
 
+def out_in(path: Sequence[str], structure: ModelStructure) -> bool:
+    """Whether a matrix leaf is stored ``(out, in)``: a ``weight`` (`OUT_IN_LEAF_NAMES`), or a
+    ``kernel`` of a module the tree stores that way (``structure.out_in_modules``)."""
+    names = [c.lower() for c in naming_path(path)]
+    if not names:
+        return False
+    return names[-1] in OUT_IN_LEAF_NAMES or (
+        names[-1] == "kernel" and len(names) > 1 and names[-2] in structure.out_in_modules)
+
+
 def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructure):
     """``(reduction_axes, output_axes)`` of a matrix-like leaf, or StructureError naming it."""
     shape, path = tuple(shape), tuple(path)
@@ -542,8 +567,9 @@ def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructu
     where = f"{'/'.join(path)} {shape}"
     rest = unstacked_axes(path, shape, structure.stacks, where=where)
     rest = _without_expert_axis(path, shape, rest, structure, features, where)
-    if len(rest) == 2:
-        return (rest[0],), (rest[1],)
+    if len(rest) == 2:  # fan-in first, unless the leaf is stored (out, in)
+        fan_in, fan_out = rest[::-1] if out_in(path, structure) else rest
+        return (fan_in,), (fan_out,)
     if not in_blocks(path, structure.stacks):
         # The likely reading: a leading axis of a stacked vector's length is a layer axis.
         lead = [a for a in rest[:2] if shape[a] in structure.loose_layer_sizes

@@ -167,6 +167,17 @@ def test_plan_rows_carry_every_fact_the_chains_use():
     assert {r.reason for r in given} == {"given"}
 
 
+def test_a_muon_heads_fan_in_is_the_width_axis_of_either_layout():
+    """Muon's "keller"/"spectral" scales read fan-in and fan-out: a head's fan-out is V."""
+    table = {"embed": {"embedding": jax.ShapeDtypeStruct((V, D), jnp.float32)}}
+    for name, shape, dims in [("kernel", (D, V), (0, 1)), ("weight", (V, D), (1, 0))]:
+        params = {**table, "lm_head": {name: jax.ShapeDtypeStruct(shape, jnp.float32)}}
+        row = rowgeom.describe(params, head="muon").by_label("head")[f"lm_head/{name}"]
+        assert row.muon_dims == rowgeom.MuonDimensionNumbers(*dims), name
+    with pytest.raises(ValueError, match=r"vocab_axis=2 is not an axis of the head lm_head"):
+        rowgeom.describe(params, head=rowgeom.HeadOptions(optimizer="muon", vocab_axis=2))
+
+
 def test_the_router_group_follows_the_hidden_groups_override():
     groups = rowgeom.group_options(LR, groups={"hidden": rowgeom.GroupOptions(
         learning_rate=2e-3, weight_decay=0.0)})

@@ -269,7 +269,7 @@ TABLES = {
         (r"/wte/embedding$", "embedding", None),
         (r"/wpe/embedding$", "embedding", None),
         (r"/(ln_\w+)/(scale|bias)$|/bias$", "vector", None),
-        (r"/(c_attn|c_proj|c_fc)/kernel$", "hidden", MAT)]),
+        (r"/(c_attn|c_proj|c_fc)/kernel$", "hidden", ((1,), (0,)))]),  # (out, in)
     "hf-flax-llama": (hf_llama, {}, [
         (r"embed_tokens/embedding$", "embedding", None),
         (r"(layernorm|norm)/weight$", "vector", None),

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::Deprec
                                         "ignore::UserWarning")
 
 V, D, H, K, F, E, FE, P = 96, 32, 4, 2, 64, 6, 48, 64
-MAT = ((0,), (1,))
+MAT = ((0,), (1,))  # (fan-in axes, fan-out axes) of a Flax kernel (in, out)
+OUT_IN = ((1,), (0,))  # GPT-2's FlaxConv1D kernel: (features, inputs), transposed when applied
 
 
 def _transformers():
@@ -50,7 +51,13 @@ HF_FAMILIES = {
     "gpt2": ("GPT2Config", "FlaxGPT2LMHeadModel",
              dict(vocab_size=V, n_embd=D, n_layer=2, n_head=H, n_positions=P), "embedding", [
                  *_HF_COMMON, (r"/(wte|wpe)/embedding$", "embedding", None),
-                 (r"/h/\d/(attn|mlp)/c_\w+/kernel$", "hidden", MAT)]),
+                 (r"/h/\d/(attn|mlp)/c_\w+/kernel$", "hidden", OUT_IN)]),
+    "gpt2-untied": ("GPT2Config", "FlaxGPT2LMHeadModel",
+                    dict(vocab_size=V, n_embd=D, n_layer=2, n_head=H, n_positions=P,
+                         tie_word_embeddings=False), None, [
+                        *_HF_COMMON, (r"/(wte|wpe)/embedding$", "embedding", None),
+                        (r"/h/\d/(attn|mlp)/c_\w+/kernel$", "hidden", OUT_IN),
+                        (r"^lm_head/kernel$", "head", 1)]),
     "llama": ("LlamaConfig", "FlaxLlamaForCausalLM",
               dict(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=2,
                    num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=P),

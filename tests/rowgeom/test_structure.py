@@ -118,6 +118,23 @@ CASES = [
          "geometry", {"layers/0/attn/query/kernel": "Muon, in 0 out 1,2"}),
     Case("matrix axes", False, {**LM, "layers/0/attn/mix/kernel": (D, H, D)},
          "raises", {"match": r"mix/kernel \(16, 2, 16\) has 2 axes of the model width"}),
+    # Which side is fan-in (Muon's "keller" and "spectral" scales read it): a Flax kernel is
+    # (in, out); a PyTorch/Equinox `weight` is (out, in), and so is Hugging Face's Flax GPT-2
+    # Conv1D kernel, told by its fused c_attn (3d, d) (a Flax nn.Dense port has (d, 3d)).
+    Case("stored (out, in)", True, {**LM, "layers/0/mlp/up/weight": (F, D)},
+         "geometry", {"layers/0/mlp/up/weight": "Muon, in 1 out 0"}),
+    Case("stored (out, in)", True, {**LM, "h/0/attn/c_attn/kernel": (3 * D, D),
+                                    "h/0/mlp/c_fc/kernel": (F, D),
+                                    "h/0/mlp/c_proj/kernel": (D, F)},
+         "geometry", {"h/0/attn/c_attn/kernel": "Muon, in 1 out 0",
+                      "h/0/mlp/c_fc/kernel": "Muon, in 1 out 0",
+                      "h/0/mlp/c_proj/kernel": "Muon, in 1 out 0"}),
+    Case("stored (out, in)", False, {**LM, "h/0/attn/c_attn/kernel": (D, 3 * D),
+                                     "h/0/mlp/c_fc/kernel": (D, F),
+                                     "h/0/mlp/c_proj/kernel": (F, D)},
+         "geometry", {"h/0/attn/c_attn/kernel": "Muon, in 0 out 1",
+                      "h/0/mlp/c_fc/kernel": "Muon, in 0 out 1",
+                      "h/0/mlp/c_proj/kernel": "Muon, in 0 out 1"}),
     # Repeated blocks: a numbered component or container; a norm named "layer..." is none.
     Case("blocks", True, {**LM, "layers_0/adapter/kernel": (D, F),
                           "layers_1/adapter/kernel": (D, F)},
