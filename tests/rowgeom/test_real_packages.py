@@ -9,8 +9,8 @@ axis). A package that is not installed skips its tests, saying why; install them
 Python >= 3.12: ``tests/rowgeom/test_moe.py`` holds both in their exact layouts, written by hand.
 
 Packages: transformers 4.57 (its Flax models; transformers 5 has none), penzai 0.2
-(``pz.unbind_params(..., freeze=True)``: the tuple penzai trains), EasyDeL 0.3 (``EASYDEL_AUTO=0``
-on CPU).
+(``pz.unbind_params(..., freeze=True)``: the tuple penzai trains), Equinox 0.13 (``Linear.weight``
+is ``(out, in)``), EasyDeL 0.3 (``EASYDEL_AUTO=0`` on CPU).
 """
 
 import importlib
@@ -189,6 +189,54 @@ def test_penzai_training_tree_is_refused_naming_every_matrix_then_routes(stacked
                               muon=rowgeom.MuonOptions(dimension_numbers=dims))
     real = jax.tree.map(jnp.zeros_like, params)
     tx.update(jax.tree.map(jnp.ones_like, real), tx.init(real), real)
+
+
+# ------------------------------------------------------------------------------- Equinox
+
+
+def test_equinox_linear_weights_are_read_out_in_and_route_with_no_options():
+    """Equinox's ``Linear.weight`` is ``(out_features, in_features)`` and its ``Embedding``
+    ``weight`` ``(V, d)``: the tree ``eqx.filter(model, eqx.is_array)`` a user trains routes
+    with no options, each matrix's fan-in on axis 1 (Muon's "keller"/"spectral" scales read
+    it)."""
+    eqx = pytest.importorskip("equinox", reason="equinox is not installed")
+
+    class Block(eqx.Module):
+        ln1: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        ln2: eqx.nn.LayerNorm
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 3)
+            self.ln1, self.ln2 = eqx.nn.LayerNorm(D), eqx.nn.LayerNorm(D)
+            self.attn = eqx.nn.MultiheadAttention(H, D, key=k[0])
+            self.up, self.down = eqx.nn.Linear(D, F, key=k[1]), eqx.nn.Linear(F, D, key=k[2])
+
+    class GPT(eqx.Module):
+        embed: eqx.nn.Embedding
+        blocks: list
+        ln_f: eqx.nn.LayerNorm
+        lm_head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 4)
+            self.embed = eqx.nn.Embedding(V, D, key=k[0])
+            self.blocks = [Block(k[1]), Block(k[2])]
+            self.ln_f = eqx.nn.LayerNorm(D)
+            self.lm_head = eqx.nn.Linear(D, V, use_bias=False, key=k[3])
+
+    model = eqx.filter_eval_shape(GPT, jax.random.key(0))  # shapes only: nothing compiles
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    assert model.blocks[0].up.weight.shape == (F, D)  # (out, in), as upstream documents
+    _check("equinox", rowgeom.describe(params), [
+        (r"^embed/weight$", "embedding", None), (r"(ln\w*)/(weight|bias)$|/bias$", "vector", None),
+        (r"blocks/\d/(attn/\w+_proj|up|down)/weight$", "hidden", OUT_IN),
+        (r"^lm_head/weight$", "head", 0)])
+    tx = rowgeom.lm_optimizer(1e-3, muon=rowgeom.MuonOptions(scale="keller"))
+    state = jax.eval_shape(tx.init, params)
+    jax.eval_shape(tx.update, params, state, params)
 
 
 # -------------------------------------------------------------------------------- EasyDeL
