@@ -327,6 +327,19 @@ MUTANTS: tuple[Mutant, ...] = (
            "        for child in children:\n            child.send_signal(signum)\n", "",
            "paper_runs does not pass a SIGTERM on to the run in progress",
            ("tests/examples/test_paper_protocol.py",)),
+    Mutant("weight-read-in-out", "rowgeom/_structure.py",
+           "fan_in, fan_out = rest[::-1] if out_in(path, structure) else rest",
+           "fan_in, fan_out = rest",
+           "a matrix stored (out, in) (a weight, GPT-2's Flax Conv1D) gets fan-in on axis 0",
+           ("tests/rowgeom/test_structure.py",)),
+    Mutant("gpt2-conv1d-as-dense", "rowgeom/_structure.py",
+           "shape[-2:] == (3 * width, width)", "shape[-2:] == (width, 3 * width)",
+           "HF Flax GPT-2's (3d, d) c_attn is not told from a Dense port's (d, 3d)",
+           ("tests/rowgeom/test_structure.py",)),
+    Mutant("muon-head-fan-in-on-vocab", "rowgeom/_recipe.py",
+           "return MuonDimensionNumbers(1 - vocab, vocab), axis",
+           "return MuonDimensionNumbers(0, 1), axis",
+           "a (V, d) Muon head takes V as its fan-in", ("tests/rowgeom/test_options_plan.py",)),
 )
 
 
