@@ -11,7 +11,8 @@ The arguments go to `python -m pytest -p benchmarks.suite_compiles`. Loaded that
 is a pytest plugin: every test process (xdist's workers too) counts jax's compile events against
 the test running then (its setup, call and teardown) and writes them to a JSON file; the command
 then prints the totals (wall and CPU time of the whole run, compiles, seconds spent compiling),
-the modules, tests and programs that compile most. A persistent-cache hit is counted, and timed,
+the modules, tests and programs that compile most, and the programs one test compiles most (a
+fixture could share them). A persistent-cache hit is counted, and timed,
 as a compile (jax times the lookup in the same event) and also listed apart. Compiles in a
 process a test starts (a killed run, a second host) are not counted: it does not load the plugin.
 """
@@ -35,6 +36,8 @@ _HIT = "/jax/compilation_cache/cache_hits"
 # Per test: [compiles, compile seconds, persistent-cache hits, wall seconds]
 _tests: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])
 _programs: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+# Per "test::program": [compiles, compile seconds], to find the test behind a program's count
+_pairs: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 _current = {"test": "<collection>", "start": 0.0}
 
 
@@ -46,6 +49,9 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         program = _programs[kwargs.get("fun_name", "?")]
         program[0] += 1
         program[1] += duration
+        pair = _pairs[f"{_current['test']} {kwargs.get('fun_name', '?')}"]
+        pair[0] += 1
+        pair[1] += duration
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -78,7 +84,7 @@ def pytest_sessionfinish(session) -> None:
     if out and _tests and (os.environ.get("PYTEST_XDIST_WORKER") or not _is_controller(session)):
         name = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(os.path.join(out, f"compiles-{name}.json"), "w") as f:
-            json.dump({"tests": _tests, "programs": _programs}, f)
+            json.dump({"tests": _tests, "programs": _programs, "pairs": _pairs}, f)
 
 
 def _is_controller(session) -> bool:
@@ -100,6 +106,7 @@ def report(directory: str, *, top: int = 15) -> str:
     """The markdown tables of the counts the test processes wrote to `directory`."""
     tests: dict[str, list[float]] = {}
     programs: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    pairs: dict[str, list[float]] = {}
     for path in sorted(glob.glob(os.path.join(directory, "compiles-*.json"))):
         with open(path) as f:
             data = json.load(f)
@@ -107,6 +114,7 @@ def report(directory: str, *, top: int = 15) -> str:
         for name, (n, s) in data["programs"].items():
             programs[name][0] += n
             programs[name][1] += s
+        pairs.update(data.get("pairs", {}))
     modules: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0, 0.0, 0, 0.0])
     for nodeid, (n, s, hits, wall) in tests.items():
         m = modules[nodeid.split("::")[0]]
@@ -130,6 +138,10 @@ def report(directory: str, *, top: int = 15) -> str:
                                                                    "compile s"),
                       [(f"`{p}`", a[0], f"{a[1]:.1f}")
                        for p, a in sorted(programs.items(), key=lambda i: -i[1][1])[:top]]))
+    out.append(_table("Programs by test (a program one test compiles often: share it)",
+                      ("test", "program", "compiles", "compile s"),
+                      [(*pair.rsplit(" ", 1), a[0], f"{a[1]:.1f}")
+                       for pair, a in sorted(pairs.items(), key=lambda i: -i[1][1])[:top]]))
     return "\n".join(out)
 
 
