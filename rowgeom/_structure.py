@@ -525,10 +525,12 @@ def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ..
     return None
 
 
-def _pair_or_split(shape, left, width, features):
-    """The reading to suggest for the axes left: the two of them, else the rank >= 3 rule."""
+def _pair_or_split(shape, left, width, features, stored_out_in=False):
+    """The reading to suggest for the axes left: the two of them (fan-in first, see `out_in`),
+    else the rank >= 3 rule."""
     if len(left) == 2:
-        return (left[0],), (left[1],)
+        fan_in, fan_out = left[::-1] if stored_out_in else left
+        return (fan_in,), (fan_out,)
     return None if width is None else _split(shape, left, width, features)
 
 
@@ -546,7 +548,8 @@ def _without_expert_axis(path, shape, rest, structure, features, where) -> list[
            f"it has {len(hits)} axes of the expert count E={count}")
     raise StructureError(f"{where} is an expert stack and which axis indexes the experts is not "
                          f"told by the shapes: {why}",
-                         _pair_or_split(shape, left, width, features) if guess else None,
+                         _pair_or_split(shape, left, width, features, out_in(path, structure))
+                         if guess else None,
                          dict.fromkeys(guess, "experts"))
 
 
@@ -577,7 +580,8 @@ def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructu
         raise StructureError(
             f"{where} has rank {len(rest)} outside the repeated blocks, so a layer axis (a "
             "batch axis) cannot be told from a matrix axis",
-            _pair_or_split(shape, [a for a in rest if a not in lead], width, features),
+            _pair_or_split(shape, [a for a in rest if a not in lead], width, features,
+                           out_in(path, structure)),
             dict.fromkeys(lead, "layers"))
     if width is None:
         raise StructureError(f"{where} has rank {len(rest)} and the model width is unknown (no "

@@ -129,6 +129,8 @@ CASES = [
          "geometry", {"h/0/attn/c_attn/kernel": "Muon, in 1 out 0",
                       "h/0/mlp/c_fc/kernel": "Muon, in 1 out 0",
                       "h/0/mlp/c_proj/kernel": "Muon, in 1 out 0"}),
+    Case("stored (out, in)", True, {**LM, "layers/0/moe/experts/up/weight": (E, F, D)},
+         "raises", {"match": r"experts/up/weight.*reduction_axis=2, output_axis=1"}),
     Case("stored (out, in)", False, {**LM, "h/0/attn/c_attn/kernel": (D, 3 * D),
                                      "h/0/mlp/c_fc/kernel": (D, F),
                                      "h/0/mlp/c_proj/kernel": (F, D)},
