@@ -65,14 +65,15 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
     path = epath.Path(workdir) / METRICS_FILE
     if not path.exists():
         return []
-    return [record for _, record in _records(path)]
+    return [record for _, record in _records(path, path.read_text())]
 
 
-def _records(path: epath.Path) -> list[tuple[str, dict]]:
-    """(line, record) for each line of a metrics.jsonl. A last line cut short (a full disk, a
-    machine stopped mid-write) is left out with a warning: the run that resumes redoes its step.
-    An unreadable line before the last is damage: an error naming the file and the line."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+def _records(path: epath.Path, text: str) -> list[tuple[str, dict]]:
+    """(line, record) for each line of `text`, the metrics.jsonl at `path`. A last line cut
+    short (a full disk, a machine stopped mid-write) is left out with a warning: the run that
+    resumes redoes its step. An unreadable line before the last is damage: an error naming the
+    file and the line."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     out = []
     for number, line in enumerate(lines, 1):
         try:
@@ -112,7 +113,8 @@ class MetricsWriter:
         if not path.exists():
             return
         text = path.read_text()
-        kept = "".join(line + "\n" for line, record in _records(path) if record["step"] <= step)
+        kept = "".join(line + "\n" for line, record in _records(path, text)
+                       if record["step"] <= step)
         if kept != text:  # records to redo, or a last line cut short (appends would join it)
             tmp = self.workdir / (METRICS_FILE + ".tmp")
             tmp.write_text(kept)
