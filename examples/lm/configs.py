@@ -18,12 +18,14 @@ from examples.lm import sharding
 from examples.lm.model import REMAT_POLICIES, ModelConfig
 
 SCHEDULES = ("cosine", "wsd")
+SHUFFLES = ("sequences", "batches")  # data.BatchSampler's granularity
 MUON_SCALES = ("rms", "keller", "spectral", "none")
 HEAD_IMPLS = ("auto", "xla", "cpu")  # rowgeom.HeadOptions.impl
 HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields whose values are checked against a fixed set (shown by --help).
-CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "model.compute_dtype": DTYPES,
+CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "data.shuffle": SHUFFLES,
+           "model.compute_dtype": DTYPES,
            "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
            "optim.muon_scale": MUON_SCALES, "optim.head_impl": HEAD_IMPLS}
 # Magnitudes (rates, decays, epsilons), >= 0: a negative rate is gradient ascent.
@@ -51,6 +53,10 @@ class DataConfig:
     dir: str | None = None  # tokenizer / token cache; None -> WORKDIR/data
     tokenizer: str | None = None  # a tokenizer.json: model.vocab_size follows it, padded
     batch_size: int = 16  # sequences per micro-batch (global, over all processes)
+    # What an epoch shuffles within a file (data.BatchSampler): its aligned sequences, so that a
+    # batch mixes the corpus, or, as the paper's loader does, whole updates' groups of
+    # consecutive sequences (a batch of a small corpus is then a few documents' text).
+    shuffle: str = "sequences"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +334,7 @@ def paper_config(size: str, head: str = "rownorm") -> Config:
         grad_accum_steps=p.accum, muon_scale="keller", muon_eps=1e-5, adam_b2=0.999,
         adam_eps=1e-10, head_bias_correction=rownorm, head_eps=1e-8 if rownorm else None)
     return Config(
-        model=model, data=DataConfig(batch_size=micro), optim=optim,
+        model=model, data=DataConfig(batch_size=micro, shuffle="batches"), optim=optim,
         eval=EvalConfig(every=500, tokens=PAPER_EVAL_TOKENS, hilbert_sequences=4,
                         exact_diameter_max_elements=1 << 30, diameter_every=10,
                         centring=rownorm),

@@ -8,12 +8,15 @@ count; then the tokens: `LLMC_LAYOUTS`, GPT-2's uint16 or Llama 3's uint32) and 
 (`train.bin` / `val.bin`, raw uint16). Text, or
 None (the standard library), is tokenized once by `tools/prepare.py` into cached rowgeom shards.
 Headers are checked against file sizes, and largest ids against the vocabulary, on opening.
-`BatchSampler` and `ValidationSet` are pure functions of `(seed, step)`: a resumed run replays
-the same data, and each process reads only its share of every batch.
+`BatchSampler` (the paper's loader: each epoch shuffles the shard order and the order of whole
+update-sized groups of aligned sequences within a shard) and `ValidationSet` (the split's first
+sequences) are pure functions of `(seed, index)`: a resumed run replays the same data, and each
+process reads only its share of every batch.
 """
 
 from __future__ import annotations
 
+import functools
 import glob as globlib
 import os
 import struct
@@ -176,39 +179,85 @@ def prepare_tokens(*, source=None, workdir, vocab_size: int, val_fraction: float
 
 
 class BatchSampler:
-    """Random windows of `seq_len + 1` tokens (inputs the first `seq_len`, targets the last),
-    a pure function of (seed, step). Every process draws the same `batch_size` window starts and
-    reads only its own `batch_size / process_count` consecutive rows of them."""
+    """The training batches, epoch by epoch, a pure function of `(seed, index)`.
+
+    Each file is cut into aligned sequences of `seq_len + 1` tokens (sequence k is tokens
+    `[k·seq_len, (k+1)·seq_len]`: inputs the first `seq_len`, targets the last). Epoch e reads
+    the files in an order shuffled by `(seed, e)`, and each file's sequences as whole groups of
+    one update's `batch_size × grad_accum_steps`: with `shuffle="batches"` (the paper's loader)
+    the groups are runs of consecutive sequences in an order shuffled by `(seed, e, file)`, the
+    file's last incomplete group not read; with `"sequences"` the groups are consecutive runs of
+    the file's sequences shuffled by `(seed, e, file)`, so that an update mixes the file's text
+    (the sequences left over after whole groups, fewer than one group, differ by epoch). Within an
+    epoch no token is a target twice, and no sequence crosses two files. Micro-batch `index` is
+    micro-batch `index % grad_accum_steps` of update `index // grad_accum_steps`'s group, and
+    each process reads its `batch_size / process_count` consecutive rows of it: the sequences of
+    an update depend neither on the accumulation split nor on the process count, and a resumed
+    run replays the same data."""
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int,
-                 process_index: int = 0, process_count: int = 1):
-        if min(batch_size, seq_len, process_count) < 1 or seed < 0:
+                 grad_accum_steps: int = 1, shuffle: str = "sequences", process_index: int = 0,
+                 process_count: int = 1):
+        if shuffle not in ("sequences", "batches"):
+            raise ValueError(f"BatchSampler: shuffle must be 'sequences' or 'batches', got "
+                             f"{shuffle!r}")
+        if min(batch_size, seq_len, grad_accum_steps, process_count) < 1 or seed < 0:
             raise ValueError(
-                "BatchSampler: batch_size, seq_len, process_count must be >= 1 and seed >= 0, "
-                f"got {batch_size}, {seq_len}, {process_count}, {seed}")
+                "BatchSampler: batch_size, seq_len, grad_accum_steps, process_count must be >= 1"
+                f" and seed >= 0, got {batch_size}, {seq_len}, {grad_accum_steps}, "
+                f"{process_count}, {seed}")
         if batch_size % process_count or not 0 <= process_index < process_count:
             raise ValueError(
                 f"BatchSampler: batch_size {batch_size} is not divisible by process_count "
                 f"{process_count}, or process_index {process_index} is not in [0, process_count)")
-        if len(tokens) < seq_len + 1:
-            raise ValueError(
-                f"BatchSampler: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}")
-        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, batch_size, seq_len, seed
+        self.shards = list(getattr(tokens, "shards", [tokens]))  # ShardedTokens: its files
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.accum, self.shuffle = grad_accum_steps, shuffle
         self.local_batch_size = batch_size // process_count
         self.process_index = process_index
+        per_update = batch_size * grad_accum_steps
+        self.sequences = [(len(s) - 1) // seq_len for s in self.shards]
+        self.groups = [n // per_update for n in self.sequences]
+        self.updates_per_epoch = sum(self.groups)
+        if not self.updates_per_epoch:
+            raise ValueError(
+                f"no training file holds one update's batch_size x grad_accum_steps x seq_len + 1"
+                f" = {per_update * seq_len + 1} tokens (the largest has "
+                f"{max(len(s) for s in self.shards)}); use more data, or a smaller "
+                "--data.batch_size / --optim.grad_accum_steps / --model.max_seq_len")
 
-    def get(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs_BT, targets_BT), int32, B = local batch size; targets_BT[:, t] follows
-        inputs_BT[:, t] in the token stream."""
-        if step < 0:
-            raise ValueError(f"BatchSampler.get: step must be >= 0, got {step}")
-        rng = np.random.default_rng([self.seed, step])
-        starts_B = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        lo = self.process_index * self.local_batch_size
-        rows = [np.asarray(self.tokens[s: s + self.seq_len + 1])
-                for s in starts_B[lo: lo + self.local_batch_size]]
-        windows_BT1 = np.stack(rows).astype(np.int32)
-        return windows_BT1[:, :-1], windows_BT1[:, 1:]
+    def get(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs_BT, targets_BT) of micro-batch `index`, int32, B = local batch size;
+        targets_BT[:, t] follows inputs_BT[:, t] in the token stream."""
+        if index < 0:
+            raise ValueError(f"BatchSampler.get: index must be >= 0, got {index}")
+        update, micro = divmod(index, self.accum)
+        epoch, position = divmod(update, self.updates_per_epoch)
+        for shard in _shuffled(len(self.shards), self.seed, epoch, 0):
+            if position < self.groups[shard]:
+                break
+            position -= self.groups[shard]
+        T, per_update, rows = self.seq_len, self.batch_size * self.accum, self.local_batch_size
+        first = micro * self.batch_size + self.process_index * rows  # in the update's group
+        if self.shuffle == "batches":  # a run of consecutive sequences: one read
+            group = int(_shuffled(self.groups[shard], self.seed, epoch, int(shard), 1)[position])
+            start = (group * per_update + first) * T
+            window = np.asarray(self.shards[shard][start: start + rows * T + 1]).astype(np.int32)
+            return window[:-1].reshape(rows, T), window[1:].reshape(rows, T)
+        sequences = _shuffled(self.sequences[shard], self.seed, epoch, int(shard), 2)
+        chosen = sequences[position * per_update + first: position * per_update + first + rows]
+        windows = np.stack([np.asarray(self.shards[shard][k * T: k * T + T + 1])
+                            for k in chosen.tolist()]).astype(np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
+
+@functools.lru_cache(maxsize=8)
+def _shuffled(n: int, *entropy: int) -> np.ndarray:
+    """0..n-1 in the order numpy's generator seeded with `entropy` shuffles them (cached: every
+    micro-batch of an epoch asks for the same shard order)."""
+    order = np.arange(n)
+    np.random.default_rng(list(entropy)).shuffle(order)
+    return order
 
 
 class ValidationSet:

@@ -169,6 +169,7 @@ class Run(NamedTuple):
     ckpt: checkpointing.Checkpointer
     latest: int | None  # the checkpoint to resume from
     tokens: data.TokenSplits
+    train_set: data.BatchSampler
     val_set: data.ValidationSet
 
 
@@ -227,16 +228,15 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
         tokens = data.prepare_tokens(source=cfg.data.source, workdir=data_dir,
                                      vocab_size=cfg.model.num_tokens,
                                      tokenizer=cfg.data.tokenizer)
-        need = cfg.data.batch_size * cfg.seq_len + 1
-        if len(tokens.train) < need:
-            raise ValueError(f"the training split has {len(tokens.train)} tokens, fewer than one "
-                             f"batch of batch_size x seq_len + 1 = {need}; use more data or a "
-                             "smaller --data.batch_size / --model.max_seq_len")
+        train_set = data.BatchSampler(
+            tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
+            grad_accum_steps=cfg.optim.grad_accum_steps, shuffle=cfg.data.shuffle,
+            process_index=jax.process_index(), process_count=jax.process_count())
         val_set = data.ValidationSet(
             tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
             eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
             process_count=jax.process_count())
-        return Run(cfg, mesh, ckpt, latest, tokens, val_set)
+        return Run(cfg, mesh, ckpt, latest, tokens, train_set, val_set)
     except BaseException as e:
         if ckpt is not None:
             _close(ckpt)
@@ -282,7 +282,8 @@ def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
         f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} parameters; "
         f"{'exact' if trainer.exact_diameter else 'bracketed'} head diameter; data: "
         f"{tokens.format}, {len(tokens.train):,} train / {len(tokens.val):,} validation tokens, "
-        f"{setup.val_set.num_tokens:,} evaluated")
+        f"{setup.val_set.num_tokens:,} evaluated, "
+        f"{cfg.steps / setup.train_set.updates_per_epoch:.3g} training epochs")
     out(str(rowgeom.describe(state["params"], cfg.optim.learning_rate,
                              **optimizer_options(cfg))))
 
@@ -488,10 +489,7 @@ class _Loop:
         cfg, mesh = setup.cfg, setup.mesh
         self.cfg, self.trainer, self.writer = cfg, trainer, writer
         self.accum = cfg.optim.grad_accum_steps
-        self.train_batches = _Batches(data.BatchSampler(
-            setup.tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
-            seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count()),
-            mesh)
+        self.train_batches = _Batches(setup.train_set, mesh)
         self.val_batches = _Batches(setup.val_set, mesh)
         # The probe's sequences: the same on every process, and replicated.
         probe = data.BatchSampler(setup.tokens.val, batch_size=cfg.eval.hilbert_sequences,

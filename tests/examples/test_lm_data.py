@@ -243,14 +243,15 @@ def test_shard_directory_is_memory_mapped_and_validated(tmp_path, rng):
 # --------------------------------------------------------------------------- batches
 
 
-def test_batch_sampler_is_a_pure_function_of_seed_and_step():
+def test_batch_sampler_is_a_pure_function_of_seed_and_index():
     tokens = np.arange(10_000, dtype=np.uint16)
     sampler = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
     inputs, targets = sampler.get(5)
     assert inputs.shape == targets.shape == (8, 16)
     assert inputs.dtype == targets.dtype == np.int32
-    # arange tokens: every row is a contiguous window, and targets are inputs shifted by one.
+    # arange tokens: every row is an aligned window, and targets are inputs shifted by one.
     np.testing.assert_array_equal(np.diff(inputs, axis=1), 1)
+    np.testing.assert_array_equal(inputs[:, 0] % 16, 0)
     np.testing.assert_array_equal(targets, inputs + 1)
     assert inputs.min() >= 0 and targets.max() <= 9_999
     fresh = data.BatchSampler(tokens, batch_size=8, seq_len=16, seed=3)
@@ -270,14 +271,71 @@ def test_process_shares_partition_the_global_batch(rng):
         np.testing.assert_array_equal(np.concatenate([s[k] for s in shares]), full[k])
 
 
-def test_batch_sampler_reads_sharded_tokens_like_the_concatenation(tmp_path, rng):
-    parts = [rng.integers(0, 500, size=n) for n in (30, 5, 40)]
-    shards = [data.read_shard(corpus_lib.write_shard(tmp_path / f"t{i}.bin", p))
-              for i, p in enumerate(parts)]
-    a = data.BatchSampler(data.ShardedTokens(shards), batch_size=16, seq_len=9, seed=1).get(0)
-    b = data.BatchSampler(np.concatenate(parts), batch_size=16, seq_len=9, seed=1).get(0)
-    np.testing.assert_array_equal(a[0], b[0])
-    np.testing.assert_array_equal(a[1], b[1])
+def _epoch_reference(lengths, *, batch, seq_len):
+    """Every update-sized group of aligned windows the paper's loader reads in one epoch, as
+    (file, first token of each window) tuples, found by brute force from the file lengths."""
+    groups = []
+    for f, n in enumerate(lengths):
+        starts = list(range(0, n - seq_len, seq_len))  # each window needs seq_len + 1 tokens
+        for g in range(len(starts) // batch):
+            groups.append(tuple((f, s) for s in starts[g * batch: (g + 1) * batch]))
+    return groups
+
+
+@pytest.mark.parametrize("shuffle", ["batches", "sequences"])
+def test_an_epoch_reads_each_file_in_whole_groups_once_in_a_shuffled_order(tmp_path, shuffle):
+    """Aligned windows that never cross files, each at most once per epoch, each update's from
+    one file and a file's updates one after the other, the orders shuffled anew each epoch.
+    "batches" (the paper's loader) reads exactly each file's whole groups of consecutive
+    windows (brute-force reference); "sequences" reads as many windows of each file, any."""
+    lengths, batch, seq_len = (61, 5, 200, 130), 3, 7
+    offsets = np.cumsum((0, *lengths))  # token t of file f holds the id offsets[f] + t
+    shards = [data.read_shard(corpus_lib.write_shard(
+        tmp_path / f"t{f}.bin", np.arange(offsets[f], offsets[f] + n))) for f, n in
+        enumerate(lengths)]
+    sampler = data.BatchSampler(data.ShardedTokens(shards), batch_size=batch, seq_len=seq_len,
+                                seed=1, shuffle=shuffle)
+    reference = _epoch_reference(lengths, batch=batch, seq_len=seq_len)
+    assert sampler.updates_per_epoch == len(reference) == 2 + 0 + 9 + 6
+
+    def group(update):
+        inputs, targets = sampler.get(update)
+        np.testing.assert_array_equal(targets, inputs + 1)  # never across a file's end
+        file = np.searchsorted(offsets, inputs[:, 0], side="right") - 1
+        assert len(set(file)) == 1 and np.all(inputs[:, -1] + 1 < offsets[file + 1])
+        return tuple((int(f), int(i - offsets[f])) for f, i in zip(file, inputs[:, 0]))
+
+    epochs = [[group(e * len(reference) + u) for u in range(len(reference))] for e in range(3)]
+    for epoch in epochs:
+        if shuffle == "batches":
+            assert sorted(epoch) == sorted(reference)  # each group exactly once
+        windows = [w for g in epoch for w in g]
+        assert len(set(windows)) == len(windows) == len(reference) * batch  # none twice
+        assert all(start % seq_len == 0 for _, start in windows)
+        files = [g[0][0] for g in epoch]  # a file's updates one after the other
+        assert sorted(f for i, f in enumerate(files) if i == 0 or files[i - 1] != f) == [0, 2, 3]
+        assert sorted(files) == sorted(g[0][0] for g in reference)
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != reference
+    consecutive = all(np.all(np.diff([w[1] for w in g]) == seq_len) for e in epochs for g in e)
+    assert consecutive == (shuffle == "batches")
+
+
+@pytest.mark.parametrize("shuffle", ["batches", "sequences"])
+def test_the_sequences_of_an_update_do_not_depend_on_the_accumulation_split(rng, shuffle):
+    """Update u reads one group: its micro-batches split it, whatever the split and the number
+    of processes (so a run with more accumulation steps, or more hosts, sees the same data)."""
+    tokens = rng.integers(0, 500, size=20_000).astype(np.uint16)
+    kw = dict(seq_len=10, seed=2, shuffle=shuffle)
+    whole = data.BatchSampler(tokens, batch_size=8, **kw)
+    for update in (0, 7, whole.updates_per_epoch + 3):
+        want = whole.get(update)[0]
+        split = data.BatchSampler(tokens, batch_size=2, grad_accum_steps=4, **kw)
+        got = np.concatenate([split.get(update * 4 + m)[0] for m in range(4)])
+        np.testing.assert_array_equal(got, want)
+        hosts = [data.BatchSampler(tokens, batch_size=4, grad_accum_steps=2, process_index=p,
+                                   process_count=2, **kw) for p in range(2)]
+        got = np.concatenate([h.get(update * 2 + m)[0] for m in range(2) for h in hosts])
+        np.testing.assert_array_equal(got, want)
 
 
 def test_batch_sampler_validation():
@@ -287,10 +345,13 @@ def test_batch_sampler_validation():
     with pytest.raises(ValueError, match="process_index 2 is not in"):
         data.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, process_index=2,
                           process_count=2)
-    with pytest.raises(ValueError, match="fewer than seq_len"):
-        data.BatchSampler(tokens, batch_size=4, seq_len=100, seed=0)
+    with pytest.raises(ValueError, match=r"no training file holds one update's batch_size x "
+                       r"grad_accum_steps x seq_len \+ 1 = 193 tokens \(the largest has 100\)"):
+        data.BatchSampler(tokens, batch_size=4, seq_len=16, seed=0, grad_accum_steps=3)
     with pytest.raises(ValueError, match="process_count must be >= 1"):
         data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, process_count=0)
+    with pytest.raises(ValueError, match="shuffle must be 'sequences' or 'batches', got 'docs'"):
+        data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, shuffle="docs")
 
 
 def test_default_source_is_the_standard_library(tmp_path, monkeypatch):

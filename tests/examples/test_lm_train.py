@@ -328,7 +328,8 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
             (["--d_model", "48"], "unrecognized arguments: --d_model 48"),
             (["--data.source", str(tmp_path / "missing")], "missing does not exist"),
             (["--config", "test", "--data.source", str(small)],
-             "fewer than one batch of batch_size x seq_len + 1 = 257"),
+             "no training file holds one update's batch_size x grad_accum_steps x seq_len + 1 "
+             "= 257 tokens"),
             (["--config", "test", "--data.tokenizer", str(small)], "is not a Hugging Face"),
             (["--config", "test", "--mesh.data", "3"],
              "--mesh.data/--mesh.fsdp/--mesh.tensor = (3, 1, 1) need 3 devices")):

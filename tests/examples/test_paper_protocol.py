@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import rowgeom
-from examples.lm import configs, model, optimizer
+from examples.lm import configs, data, model, optimizer
 
 # The paper's Table 1 and Table 2, typed from the paper.
 PAPER = {
@@ -172,6 +172,38 @@ def test_diagnostics_are_the_papers(size):
     assert cfg.resolved_eval_tokens() % (cfg.data.batch_size * cfg.seq_len) == 0
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_the_data_order_is_the_papers_loaders(size, tmp_path):
+    """Each epoch shuffles the shard order and the order of whole updates (256 × 2,048 tokens
+    of consecutive sequences) within a shard: two GPT-2 shards in llm.c's layout, read by the
+    sampler the trainer builds from this config, give runs of 256 consecutive aligned
+    sequences, whatever the micro-batch split."""
+    cfg = configs.get_config(size)
+    assert cfg.data.shuffle == "batches"
+    per_update = cfg.data.batch_size * cfg.optim.grad_accum_steps
+    assert per_update == 256
+    paths = []
+    for i in range(2):  # 5 and 3 updates' worth of sequences, and part of one more
+        n = (5 - 2 * i) * per_update * cfg.seq_len + 1 + 1000
+        header = np.zeros(256, "<i4")
+        header[:3] = 20240520, 1, n
+        path = tmp_path / f"fineweb_train_00000{i}.bin"
+        ids = i * 10_000 + np.arange(n) // cfg.seq_len  # each aligned sequence's own id
+        path.write_bytes(header.tobytes() + ids.astype("<u2").tobytes())
+        paths.append(path)
+    tokens = data.ShardedTokens([data.read_shard(p) for p in paths])
+    sampler = data.BatchSampler(tokens, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
+                                seed=0, grad_accum_steps=cfg.optim.grad_accum_steps,
+                                shuffle=cfg.data.shuffle)
+    assert sampler.updates_per_epoch == 5 + 3
+    for update in range(8):
+        inputs = np.concatenate([sampler.get(update * cfg.optim.grad_accum_steps + m)[0]
+                                 for m in range(cfg.optim.grad_accum_steps)])
+        assert inputs.shape == (256, 2048)
+        assert np.all(inputs == inputs[:, :1])  # aligned: one sequence id per row
+        np.testing.assert_array_equal(np.diff(inputs[:, 0]), 1)  # consecutive, in one shard
+
+
 def test_other_heads_are_refused_on_the_paper_configs():
     with pytest.raises(ValueError, match=r"^--head must be one of .* for the paper's config"):
         configs.parse_config(["--config", "190m", "--head", "muon"])
@@ -208,7 +240,9 @@ def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
     assert last["head_step_hilbert_rms"] > 0
     for key in ("centring_ratio", "ema_mean_row_ratio", "uncentred_step_diameter"):
         assert np.isfinite(last[key]), key
-    assert last["centring_ratio"] < 0.5 and last["uncentred_step_diameter"] <= 2 * head_lr * 1.01
+    # The centring moves the step (by a data-dependent amount: no bound holds in general), and
+    # every uncentred row moves by at most the rate too.
+    assert last["centring_ratio"] > 0 and last["uncentred_step_diameter"] <= 2 * head_lr * 1.01
 
 
 def test_the_launcher_runs_the_18_runs_or_a_subset(capsys):
@@ -221,17 +255,23 @@ def test_the_launcher_runs_the_18_runs_or_a_subset(capsys):
                              "--workdir runs/paper/190m-rownorm-seed0 --no-progress "
                              "--data.source /d")
     assert paper_runs.main(["--dry-run", "--root", "r", "--sizes", "640m", "--heads", "adamw",
-                            "--seeds", "1", "--", "--mesh.fsdp", "8"]) == 0
+                            "--seeds", "1", "--data.source", "/d", "--", "--mesh.fsdp", "8"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert line.endswith("--config 640m --head adamw --seed 1 --workdir r/640m-adamw-seed1 "
-                         "--no-progress --mesh.fsdp 8")
+                         "--no-progress --data.source /d --mesh.fsdp 8")
+    # No corpus named: refused (each run would train on the standard library's text).
+    with pytest.raises(SystemExit) as exit_info:
+        paper_runs.main(["--dry-run", "--root", "r"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("paper_runs.py: error: the following arguments are "
+                                       "required: --data.source (see --help)\n")
     # Every command parses as the paper's config for its head.
     from examples.lm import configs
     command = paper_runs.commands(sizes=["380m"], heads=["adamw"], seeds=[2], root="r",
-                                  data_source=None)[0]
+                                  data_source="/d")[0]
     args = configs.parser().parse_args(command[3:])
     assert configs.config_from_args(args) == configs.override(configs.paper_config("380m", "adamw"),
-                                                            {"seed": 2})
+                                                            {"seed": 2, "data.source": "/d"})
 
 
 _RUN = """
@@ -254,7 +294,7 @@ def test_the_launcher_passes_a_sigterm_to_the_run_and_starts_no_other(tmp_path):
         f"paper_runs.commands = lambda **kw: [[sys.executable, {str(script)!r}, "
         f"{str(tmp_path / 'first')!r}], [sys.executable, {str(script)!r}, "
         f"{str(tmp_path / 'second')!r}]]\n"
-        "sys.exit(paper_runs.main(['--root', 'r']))\n")
+        "sys.exit(paper_runs.main(['--root', 'r', '--data.source', 'd']))\n")
     log = tmp_path / "launcher.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=Path(__file__).parents[2],

@@ -1,10 +1,11 @@
 """Launch the paper's 18 runs (arXiv 2608.22253, Table 3), or any subset, one after another on
 one node.
 
-    python -m examples.lm.tools.paper_runs --data.source /data/fineweb10B --root runs/paper
+    python -m examples.lm.tools.paper_runs --data.source /data/fineweb100B --root runs/paper
     python -m examples.lm.tools.paper_runs --sizes 190m --heads adamw rownorm --seeds 0 \
-        --data.source /data/fineweb10B --root runs/paper
-    python -m examples.lm.tools.paper_runs --dry-run --root runs/paper     # print the commands only
+        --data.source /data/fineweb100B --root runs/paper
+    python -m examples.lm.tools.paper_runs --dry-run --data.source /data/fineweb100B \
+        --root runs/paper                                   # print the commands only
 
 Each run is `python -m examples.lm.train --config SIZE --head HEAD --seed SEED --workdir
 ROOT/SIZE-HEAD-seedSEED --data.source DATA --no-progress` in a process of its own, using every
@@ -39,7 +40,7 @@ def run_name(size: str, head: str, seed: int) -> str:
     return f"{size}-{head}-seed{seed}"
 
 
-def commands(*, sizes, heads, seeds, root: str, data_source: str | None,
+def commands(*, sizes, heads, seeds, root: str, data_source: str,
              extra=()) -> list[list[str]]:
     """The trainer's command line of every (size, head, seed), sizes outermost."""
     out = []
@@ -47,15 +48,13 @@ def commands(*, sizes, heads, seeds, root: str, data_source: str | None,
         command = [sys.executable, "-m", "examples.lm.train", "--config", size, "--head", head,
                    "--seed", str(seed), "--workdir", os.path.join(root, run_name(size, head,
                                                                                  seed)),
-                   "--no-progress"]
-        if data_source is not None:
-            command += ["--data.source", data_source]
+                   "--no-progress", "--data.source", data_source]
         out.append(command + list(extra))
     return out
 
 
 def parser() -> argparse.ArgumentParser:
-    out = argparse.ArgumentParser(prog="paper_runs.py", description=__doc__.split("\n\n")[0])
+    out = configs.Parser(prog="paper_runs.py", description=__doc__.split("\n\n")[0])
     out.add_argument("--sizes", nargs="+", default=list(configs.PAPER_MODELS),
                      choices=list(configs.PAPER_MODELS), help="default: all three")
     out.add_argument("--heads", nargs="+", default=list(configs.PAPER_HEADS),
@@ -64,8 +63,10 @@ def parser() -> argparse.ArgumentParser:
                      help="default: 0 1 2 (the paper's)")
     out.add_argument("--root", required=True, metavar="DIR",
                      help="one workdir per run under it (local or gs://)")
-    out.add_argument("--data.source", dest="data_source", default=None, metavar="PATH",
-                     help="GPT-2-tokenised shards (llm.c .bin / nanoGPT), passed to every run")
+    # Required: without it each run would train on the standard library's text.
+    out.add_argument("--data.source", dest="data_source", required=True, metavar="PATH",
+                     help="the paper's corpus, GPT-2-tokenised FineWeb100B shards in llm.c's "
+                          ".bin format, passed to every run")
     out.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return out
 
