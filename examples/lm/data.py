@@ -41,6 +41,14 @@ class TokenSplits(NamedTuple):
     vocab_size: int  # every id is < vocab_size
     # "text" (tokenized here), "rowgeom", "llmc", "llmc-llama3" or "nanogpt"
     format: str = "text"
+    tokenizer: str | None = None  # text: its tokenizer.json's sha256 (16 hex digits)
+
+    def identity(self) -> str:
+        """What a checkpoint records of the data it was trained on, so that a resume on other
+        data (a text source edited, and so tokenized anew) is refused: the format, the splits'
+        lengths and a text source's tokenizer. It reads no token."""
+        return (f"{self.format}, {len(self.train):,} train / {len(self.val):,} validation "
+                f"tokens" + (f", tokenizer sha256 {self.tokenizer}" if self.tokenizer else ""))
 
 
 def open_shard(path) -> tuple[str, np.memmap, int]:

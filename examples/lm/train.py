@@ -195,7 +195,7 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
         ckpt = checkpointing.Checkpointer(
             cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
             keep=cfg.checkpoint.keep)
-        latest = ckpt.latest_step()
+        latest, meta = ckpt.latest_step(), None
         if overwrite and (latest is not None or ckpt.damaged()):
             listed = ckpt.all_steps() + [p.name for p in ckpt.damaged()]
             out(f"--overwrite: deleting checkpoints {listed} in {ckpt.directory}")
@@ -228,6 +228,12 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
         tokens = data.prepare_tokens(source=cfg.data.source, workdir=data_dir,
                                      vocab_size=cfg.model.num_tokens,
                                      tokenizer=cfg.data.tokenizer)
+        if meta is not None and meta.get("data", tokens.identity()) != tokens.identity():
+            raise ValueError(
+                f"checkpoint {latest} in {ckpt.directory} was trained on other data "
+                f"({meta['data']}; this launch reads {tokens.identity()}): restore the data the "
+                "run used (a text source whose files changed is tokenized anew), or start over "
+                "with --overwrite")
         train_set = data.BatchSampler(
             tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
             grad_accum_steps=cfg.optim.grad_accum_steps, shuffle=cfg.data.shuffle,
@@ -288,10 +294,11 @@ def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
                              **optimizer_options(cfg))))
 
 
-def checkpoint_meta(cfg: configs.Config, step: int, mesh) -> dict:
-    """The JSON saved next to the state; a resumed run follows its `config`."""
+def checkpoint_meta(cfg: configs.Config, step: int, mesh, tokens: data.TokenSplits) -> dict:
+    """The JSON saved next to the state; a resumed run follows its `config` and must read the
+    same `data` (`TokenSplits.identity`)."""
     return {"step": step, "data_position": step * cfg.optim.grad_accum_steps,
-            "config": dataclasses.asdict(cfg),
+            "data": tokens.identity(), "config": dataclasses.asdict(cfg),
             "mesh": {a: int(mesh.shape[a]) for a in sharding.AXES},
             "process_count": jax.process_count()}
 
@@ -385,7 +392,7 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                                     tok_s=f"{record['tokens_per_sec']:.0f}")
                 preempted = step < end and preemption.reached(step)
                 if preempted or step % cfg.checkpoint.every == 0 or step == cfg.steps:
-                    setup.ckpt.save(step, state, checkpoint_meta(cfg, step, setup.mesh))
+                    setup.ckpt.save(step, state, checkpoint_meta(cfg, step, setup.mesh, setup.tokens))
                 bar.update(1)
                 if preempted:
                     setup.ckpt.wait()

@@ -7,6 +7,7 @@ One short run of the `test` config (4 steps, checkpoints at 2 and 4) is shared b
 each test damages a copy of it.
 """
 
+import json
 import shutil
 import struct
 import tempfile
@@ -132,6 +133,25 @@ def test_no_intact_checkpoint_left(finished, tmp_path, capsys):
     assert sorted(p.name for p in ck.iterdir()) == ["2.damaged", "4.damaged"]
     # A rerun does not start fresh silently either.
     _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys, "no intact checkpoint")
+
+
+def test_a_resume_on_other_data_is_refused(finished, tmp_path, capsys):
+    """Each checkpoint records the data it was trained on: a relaunch whose source now reads
+    other data (a text source edited, and so tokenized anew) stops with one line and keeps
+    everything, instead of training the model on ids that mean other text."""
+    workdir = _copy(finished, tmp_path)
+    for step in (2, 4):
+        (meta_file,) = (p for p in (workdir / "checkpoints" / str(step) / "meta").rglob("*")
+                        if p.is_file() and p.read_bytes().startswith(b"{"))
+        meta = json.loads(meta_file.read_text())
+        assert meta["data"].startswith("text, ") and "tokenizer sha256 " in meta["data"]
+        meta["data"] = meta["data"].rsplit(" ", 1)[0] + " 0123456789abcdef"
+        meta_file.write_text(json.dumps(meta))
+    lines = metrics.read_metrics(workdir)
+    _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+           f"checkpoint 4 in {workdir / 'checkpoints'} was trained on other data (text, ")
+    assert metrics.read_metrics(workdir) == lines
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
 
 
 def test_rerunning_a_finished_run_says_so(finished, tmp_path):

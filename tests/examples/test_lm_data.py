@@ -155,6 +155,20 @@ def test_work_directory_inside_the_source_is_not_corpus(corpus, counted_training
     np.testing.assert_array_equal(first.val, second.val)
 
 
+def test_the_data_identity_follows_the_text_not_the_cache(corpus, tmp_path):
+    """What a checkpoint records of its data (`TokenSplits.identity`): the same text tokenized
+    again into a fresh cache is the same data; an edited file is other data (a new BPE)."""
+    first = data.prepare_tokens(source=corpus, workdir=tmp_path / "a", vocab_size=VOCAB)
+    again = data.prepare_tokens(source=corpus, workdir=tmp_path / "b", vocab_size=VOCAB)
+    assert first.identity() == again.identity()
+    assert first.identity().startswith(f"text, {len(first.train):,} train / ")
+    assert "tokenizer sha256 " in first.identity()
+    edited = sorted(corpus.rglob("*.py"))[0]
+    edited.write_text(edited.read_text() + "\n# one more line of text\n")
+    assert data.prepare_tokens(source=corpus, workdir=tmp_path / "a",
+                               vocab_size=VOCAB).identity() != first.identity()
+
+
 # --------------------------------------------------------------------------- shards
 
 

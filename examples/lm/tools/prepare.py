@@ -475,7 +475,8 @@ def _load_cache(cache: Path, fingerprint: dict, vocab_size: int) -> data.TokenSp
     splits = data.open_splits(cache, data.token_files(cache), vocab_size)
     if [len(splits.train), len(splits.val)] != [meta["train"]["tokens"], meta["val"]["tokens"]]:
         raise ValueError("the shards do not match meta.json")
-    return splits._replace(format="text")
+    tokenizer = hashlib.sha256((cache / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    return splits._replace(format="text", tokenizer=tokenizer)
 
 
 def main(argv=None) -> dict:
