@@ -392,7 +392,8 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
                                     tok_s=f"{record['tokens_per_sec']:.0f}")
                 preempted = step < end and preemption.reached(step)
                 if preempted or step % cfg.checkpoint.every == 0 or step == cfg.steps:
-                    setup.ckpt.save(step, state, checkpoint_meta(cfg, step, setup.mesh, setup.tokens))
+                    setup.ckpt.save(step, state,
+                                    checkpoint_meta(cfg, step, setup.mesh, setup.tokens))
                 bar.update(1)
                 if preempted:
                     setup.ckpt.wait()
@@ -407,10 +408,14 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
             raise UsageError(_out_of_memory_message(cfg, e)) from e
         raise
     finally:
-        for opened in (preemption, bar, writer):
-            if opened is not None:
-                opened.close()
-        _close(setup.ckpt)
+        try:
+            for opened in (bar, writer):
+                if opened is not None:
+                    opened.close()
+            _close(setup.ckpt)  # waits for the last save
+        finally:  # a SIGTERM while the last save is written must not kill it half-way
+            if preemption is not None:
+                preemption.close()
     if preempted:
         raise Preempted(end, setup.ckpt.directory)
     last_eval = loop.last_eval

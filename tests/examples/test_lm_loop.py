@@ -18,7 +18,9 @@ built (and compiled) once for the module.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +134,35 @@ def test_resumed_run_continues_at_the_optimizer_step(root, clean, micro_batches)
     assert meta == want_meta and meta["step"] == STEPS
     assert int(state["micro_step"]) == STEPS * ACCUM
     jax.tree.map(np.testing.assert_array_equal, state, want)
+
+
+def test_a_sigterm_while_the_last_checkpoint_is_written_does_not_kill_it(root, clean,
+                                                                         micro_batches,
+                                                                         monkeypatch):
+    """The preemption handler stays until the run's last save is written: a SIGTERM then is a
+    notice the finished run needs no more (it ends normally, its last checkpoint complete), not
+    the default action, which would kill the process with the checkpoint half-written."""
+    default = []  # the handler in place before the run: what the signal meets after it
+    previous = signal.signal(signal.SIGTERM, lambda *a: default.append(a[0]))
+    real = train._close
+
+    def close(ckpt):
+        os.kill(os.getpid(), signal.SIGTERM)
+        real(ckpt)
+
+    monkeypatch.setattr(train, "_close", close)
+    workdir = root / "sigterm_at_close"
+    try:
+        _run(_cfg(root), workdir, micro_batches)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert default == []
+    ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
+    try:
+        assert ckpt.latest_step() == STEPS
+    finally:
+        ckpt.close()
+    assert deterministic_records(workdir) == deterministic_records(clean[0])
 
 
 def _one_device():
