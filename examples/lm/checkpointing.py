@@ -6,10 +6,14 @@ run killed mid-save resumes from the previous one. `restore` reads arrays straig
 with the target (orbax would cast a dtype silently). An unreadable checkpoint raises
 `DamagedCheckpoint`; `set_aside` renames it `<step>.damaged`, out of orbax's sight, so the trainer
 falls back to the previous one and the files stay to inspect (only `delete_all` removes them).
+`workdir_lock` keeps a second run out of a local workdir while one trains in it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import os
 
 import jax
@@ -28,6 +32,35 @@ class DamagedCheckpoint(ValueError):
 def is_remote(path: str | os.PathLike) -> bool:
     """True for URL-style paths (`gs://`, `s3://`, ...), which must not go through pathlib."""
     return "://" in os.fspath(path)
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
+    """Hold an exclusive `flock` on the local directory `workdir` (created if missing) while the
+    block runs; another process holding it is a ValueError. Two runs in one workdir would write
+    every checkpoint and metric line twice. The kernel drops the lock when the process dies,
+    however it dies, so a killed run never blocks its relaunch. Remote workdirs, a path that is
+    not a directory (the trainer names that error) and file systems without `flock` go
+    unlocked."""
+    path = os.path.expanduser(os.fspath(workdir))
+    fd = None
+    if enabled and not is_remote(path) and not (os.path.exists(path) and not os.path.isdir(path)):
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            fd = None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ValueError(
+                    f"another process is training in --workdir {workdir} (it holds the "
+                    "directory's lock): wait for it to end, or use another --workdir") from None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # and with it the lock
 
 
 def as_path(path: str | os.PathLike) -> epath.Path:

@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # `python examples/lm/train.py`: the package is n
           "python -m examples.lm.train ...", file=sys.stderr)
     raise SystemExit(2)
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -343,7 +344,19 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
     """
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
-    out = print_fn if lead else (lambda *a, **k: None)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(checkpointing.workdir_lock(workdir, enabled=lead))
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        return _train(cfg, workdir, overwrite=overwrite, change_horizon=change_horizon,
+                      explicit=explicit, stop_after=stop_after, progress=progress,
+                      print_fn=print_fn if lead else (lambda *a, **k: None))
+
+
+def _train(cfg, workdir, *, overwrite, change_horizon, explicit, stop_after, progress,
+           print_fn) -> dict:
+    lead, out = jax.process_index() == 0, print_fn
     setup = start(cfg, workdir, explicit=explicit, overwrite=overwrite,
                   change_horizon=change_horizon, out=out)
     cfg = setup.cfg

@@ -7,7 +7,9 @@ One short run of the `test` config (4 steps, checkpoints at 2 and 4) is shared b
 each test damages a copy of it.
 """
 
+import fcntl
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -152,6 +154,27 @@ def test_a_resume_on_other_data_is_refused(finished, tmp_path, capsys):
            f"checkpoint 4 in {workdir / 'checkpoints'} was trained on other data (text, ")
     assert metrics.read_metrics(workdir) == lines
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused(finished, tmp_path, capsys):
+    """While a run holds its workdir's lock (another process, here another descriptor), a
+    second launch there is one line and writes nothing: two runs would write every checkpoint
+    and metric line twice. The lock goes with the descriptor (with its process, killed or not),
+    and then the same command runs."""
+    workdir = _copy(finished, tmp_path)
+    lines = metrics.read_metrics(workdir)
+    fd = os.open(workdir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+               f"another process is training in --workdir {workdir}")
+        assert metrics.read_metrics(workdir) == lines
+    finally:
+        os.close(fd)
+    out = []
+    train.train(config_on(finished.parent, steps=STEPS), workdir, explicit=(),
+                progress=False, print_fn=out.append)
+    assert any("is finished" in line for line in out), out
 
 
 def test_rerunning_a_finished_run_says_so(finished, tmp_path):

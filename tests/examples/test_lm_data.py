@@ -317,7 +317,7 @@ def test_an_epoch_reads_each_file_in_whole_groups_once_in_a_shuffled_order(tmp_p
         np.testing.assert_array_equal(targets, inputs + 1)  # never across a file's end
         file = np.searchsorted(offsets, inputs[:, 0], side="right") - 1
         assert len(set(file)) == 1 and np.all(inputs[:, -1] + 1 < offsets[file + 1])
-        return tuple((int(f), int(i - offsets[f])) for f, i in zip(file, inputs[:, 0]))
+        return tuple((int(f), int(i - offsets[f])) for f, i in zip(file, inputs[:, 0], strict=True))
 
     epochs = [[group(e * len(reference) + u) for u in range(len(reference))] for e in range(3)]
     for epoch in epochs:
