@@ -63,6 +63,34 @@ def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
             os.close(fd)  # and with it the lock
 
 
+# In a workdir whose run keeps its checkpoints elsewhere (--checkpoint.dir): where they are.
+CHECKPOINT_DIR_FILE = "checkpoint_dir.txt"
+
+
+def recorded_directory(workdir) -> str | None:
+    """The checkpoint directory `workdir`'s run recorded (`record_directory`), or None."""
+    path = as_path(workdir) / CHECKPOINT_DIR_FILE
+    return (path.read_text().strip() or None) if path.exists() else None
+
+
+def has_checkpoints(directory) -> bool:
+    """Whether `directory` holds a complete checkpoint (a `<step>` directory), without opening
+    it with orbax."""
+    path = as_path(directory)
+    return path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
+
+
+def record_directory(workdir, directory) -> None:
+    """Record in `workdir` that its run keeps its checkpoints in `directory`, so that the
+    relaunch finds them without --checkpoint.dir; the default place needs no record."""
+    path, directory = as_path(workdir) / CHECKPOINT_DIR_FILE, str(directory)
+    if directory == str(as_path(workdir) / "checkpoints"):
+        path.unlink(missing_ok=True)
+    elif not path.exists() or path.read_text().strip() != directory:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(directory + "\n")
+
+
 def as_path(path: str | os.PathLike) -> epath.Path:
     """An `etils.epath.Path`: remote paths stay URLs (pathlib would turn `gs://b` into
     `gs:/b`); local ones are made absolute."""

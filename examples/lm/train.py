@@ -193,10 +193,23 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
                     and not os.path.isdir(path)):
                 raise ValueError(f"{flag} {path} is a file, not a directory: pass a directory "
                                  "(a missing one is created)")
+        recorded = checkpointing.recorded_directory(workdir)
+        if recorded is not None and cfg.checkpoint.dir is None:
+            cfg = configs.override(cfg, {"checkpoint.dir": recorded})
+            out(f"checkpoints in {recorded} (the run's --checkpoint.dir, recorded in "
+                f"{checkpointing.CHECKPOINT_DIR_FILE})")
         ckpt = checkpointing.Checkpointer(
             cfg.checkpoint.dir or checkpointing.as_path(workdir) / "checkpoints",
             keep=cfg.checkpoint.keep)
         latest, meta = ckpt.latest_step(), None
+        if (latest is None and not overwrite and recorded not in (None, str(ckpt.directory))
+                and checkpointing.has_checkpoints(recorded)):
+            raise ValueError(
+                f"--checkpoint.dir {ckpt.directory} holds no checkpoint, but the run in "
+                f"{workdir} saved its checkpoints in {recorded}: pass --checkpoint.dir "
+                f"{recorded} (or leave it out), or start over with --overwrite")
+        if jax.process_index() == 0:
+            checkpointing.record_directory(workdir, ckpt.directory)
         if overwrite and (latest is not None or ckpt.damaged()):
             listed = ckpt.all_steps() + [p.name for p in ckpt.damaged()]
             out(f"--overwrite: deleting checkpoints {listed} in {ckpt.directory}")

@@ -177,6 +177,29 @@ def test_a_second_run_in_a_workdir_in_use_is_refused(finished, tmp_path, capsys)
     assert any("is finished" in line for line in out), out
 
 
+def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(finished, tmp_path, capsys):
+    """A run that saves its checkpoints outside its workdir (--checkpoint.dir) records where:
+    the relaunch without the flag resumes from them, and one naming a directory without
+    checkpoints is one line and deletes nothing (it started fresh, and so cut metrics.jsonl
+    to the new run's lines)."""
+    workdir, elsewhere = _copy(finished, tmp_path), tmp_path / "elsewhere"
+    shutil.move(workdir / "checkpoints", elsewhere)
+    lines = metrics.read_metrics(workdir)
+    for changes in ({"checkpoint__dir": str(elsewhere)}, {}):  # the flag, then without it
+        out = []
+        train.train(config_on(finished.parent, steps=STEPS, **changes), workdir, explicit=(),
+                    progress=False, print_fn=out.append)
+        assert any("is finished" in line for line in out), out
+    assert out[0] == (f"checkpoints in {elsewhere} (the run's --checkpoint.dir, recorded in "
+                      "checkpoint_dir.txt)")
+    _fails(["--workdir", str(workdir), "--checkpoint.dir", str(tmp_path / "empty"),
+            *_flags(finished.parent)], capsys,
+           f"--checkpoint.dir {tmp_path / 'empty'} holds no checkpoint, but the run in "
+           f"{workdir} saved its checkpoints in {elsewhere}")
+    assert metrics.read_metrics(workdir) == lines
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["2", "4"]
+
+
 def test_rerunning_a_finished_run_says_so(finished, tmp_path):
     workdir = _copy(finished, tmp_path)
     out = []
