@@ -233,6 +233,11 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
                 out(f"resuming with changed settings: {listed}")
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         sharding.check_batch(cfg.data.batch_size, mesh)
+        shape = {a: int(mesh.shape[a]) for a in sharding.AXES}
+        if meta is not None and meta.get("mesh", shape) != shape:
+            out(f"resuming on mesh {shape}, checkpoint {latest} was saved from mesh "
+                f"{meta['mesh']}: the same run, its sums reduced in another order (results "
+                "differ from an uninterrupted run's in float rounding)")
         if cfg.effective_warmup() != cfg.optim.warmup_steps:
             out(f"--optim.warmup_steps {cfg.optim.warmup_steps} does not fit --steps "
                 f"{cfg.steps}: warming up over {cfg.effective_warmup()} steps instead")

@@ -271,6 +271,8 @@ def test_a_run_resumes_onto_another_mesh(tmp_path_factory, small_corpus):
     train.train(cube, moved, progress=False, print_fn=out.append)
     assert any("resumed from step 3" in line for line in out), out
     assert any("mesh(data=2, fsdp=2, tensor=2)" in line for line in out), out
+    assert ("resuming on mesh {'data': 2, 'fsdp': 2, 'tensor': 2}, checkpoint 3 was saved from "
+            "mesh {'data': 8, 'fsdp': 1, 'tensor': 1}") in "\n".join(out), out
     expected, got = deterministic_records(first), deterministic_records(moved)
     assert [r.keys() for r in got] == [r.keys() for r in expected]
     for g, e in zip(got, expected, strict=True):
