@@ -319,7 +319,8 @@ def test_an_epoch_reads_each_file_in_whole_groups_once_in_a_shuffled_order(tmp_p
         assert len(set(file)) == 1 and np.all(inputs[:, -1] + 1 < offsets[file + 1])
         return tuple((int(f), int(i - offsets[f])) for f, i in zip(file, inputs[:, 0], strict=True))
 
-    epochs = [[group(e * len(reference) + u) for u in range(len(reference))] for e in range(3)]
+    epochs = [[group(e * len(reference) + u) for u in range(len(reference))] for e in range(6)]
+    orders = set()
     for epoch in epochs:
         if shuffle == "batches":
             assert sorted(epoch) == sorted(reference)  # each group exactly once
@@ -327,9 +328,12 @@ def test_an_epoch_reads_each_file_in_whole_groups_once_in_a_shuffled_order(tmp_p
         assert len(set(windows)) == len(windows) == len(reference) * batch  # none twice
         assert all(start % seq_len == 0 for _, start in windows)
         files = [g[0][0] for g in epoch]  # a file's updates one after the other
-        assert sorted(f for i, f in enumerate(files) if i == 0 or files[i - 1] != f) == [0, 2, 3]
+        runs = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
+        assert sorted(runs) == [0, 2, 3]
+        orders.add(tuple(runs))
         assert sorted(files) == sorted(g[0][0] for g in reference)
     assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != reference
+    assert len(orders) > 1  # the file order too is shuffled anew
     consecutive = all(np.all(np.diff([w[1] for w in g]) == seq_len) for e in epochs for g in e)
     assert consecutive == (shuffle == "batches")
 
