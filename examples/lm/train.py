@@ -172,6 +172,7 @@ class Run(NamedTuple):
     tokens: data.TokenSplits
     train_set: data.BatchSampler
     val_set: data.ValidationSet
+    probe: data.BatchSampler  # the validation sequences whose hidden states probe the head
 
 
 def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool = False,
@@ -261,7 +262,15 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
             tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
             eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
             process_count=jax.process_count())
-        return Run(cfg, mesh, ckpt, latest, tokens, train_set, val_set)
+        try:  # the same sequences on every process (replicated), for every seed
+            probe = data.BatchSampler(tokens.val, batch_size=cfg.eval.hilbert_sequences,
+                                      seq_len=cfg.seq_len, seed=PROBE_SEED)
+        except ValueError:
+            raise ValueError(
+                f"no validation file holds the head probe's --eval.hilbert_sequences x seq_len "
+                f"+ 1 = {cfg.eval.hilbert_sequences * cfg.seq_len + 1} tokens; use more "
+                "validation data or a smaller --eval.hilbert_sequences") from None
+        return Run(cfg, mesh, ckpt, latest, tokens, train_set, val_set, probe)
     except BaseException as e:
         if ckpt is not None:
             _close(ckpt)
@@ -534,10 +543,7 @@ class _Loop:
         self.accum = cfg.optim.grad_accum_steps
         self.train_batches = _Batches(setup.train_set, mesh)
         self.val_batches = _Batches(setup.val_set, mesh)
-        # The probe's sequences: the same on every process, and replicated.
-        probe = data.BatchSampler(setup.tokens.val, batch_size=cfg.eval.hilbert_sequences,
-                                  seq_len=cfg.seq_len, seed=PROBE_SEED)
-        self.probe_inputs = _Batches(probe, mesh, replicated=True).get(0)[0]
+        self.probe_inputs = _Batches(setup.probe, mesh, replicated=True).get(0)[0]
         self.tokens_per_step = cfg.data.batch_size * cfg.seq_len * self.accum
         self.flops_per_token = model_lib.flops_per_token(cfg.model)
         self.peak_flops = metrics.peak_flops()  # None for an unknown device: no MFU

@@ -330,6 +330,9 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
             (["--config", "test", "--data.source", str(small)],
              "no training file holds one update's batch_size x grad_accum_steps x seq_len + 1 "
              "= 257 tokens"),
+            (["--config", "test", "--eval.hilbert_sequences", "100000"],
+             "no validation file holds the head probe's --eval.hilbert_sequences x seq_len + 1 "
+             "= 3200001 tokens"),
             (["--config", "test", "--data.tokenizer", str(small)], "is not a Hugging Face"),
             (["--config", "test", "--mesh.data", "3"],
              "--mesh.data/--mesh.fsdp/--mesh.tensor = (3, 1, 1) need 3 devices")):
