@@ -43,7 +43,7 @@ def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
     not a directory (the trainer names that error) and file systems without `flock` go
     unlocked."""
     path = os.path.expanduser(os.fspath(workdir))
-    fd = None
+    fd, created = None, not os.path.exists(path)
     if enabled and not is_remote(path) and not (os.path.exists(path) and not os.path.isdir(path)):
         os.makedirs(path, exist_ok=True)
         fd = os.open(path, os.O_RDONLY)
@@ -61,6 +61,9 @@ def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
     finally:
         if fd is not None:
             os.close(fd)  # and with it the lock
+            if created:  # a launch that failed before writing anything leaves no directory
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)  # only if empty
 
 
 # In a workdir whose run keeps its checkpoints elsewhere (--checkpoint.dir): where they are.

@@ -343,6 +343,7 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
         assert exit_info.value.code == 2, argv
         assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
         assert message in err and "Traceback" not in err, err
+        assert not (tmp_path / "w").exists(), argv  # a launch that failed leaves no workdir
 
 
 @pytest.mark.slow
