@@ -38,11 +38,12 @@ class _Step:
     def __init__(self, cfg: configs.Config, mesh):
         self.trainer, self.mesh = Trainer(cfg, mesh), mesh
         rng = np.random.default_rng(0)
-        local = rng.integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.seq_len + 1),
+        batch = rng.integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.seq_len + 1),
                              dtype=np.int32)
+        lo, hi = mesh_lib.process_rows(len(batch), mesh)  # this process's rows of it
         with jax.set_mesh(mesh):
-            self.inputs = mesh_lib.global_batch(local[:, :-1], mesh)
-            self.targets = mesh_lib.global_batch(local[:, 1:], mesh)
+            self.inputs = mesh_lib.global_batch(batch[lo:hi, :-1], mesh, batch_size=len(batch))
+            self.targets = mesh_lib.global_batch(batch[lo:hi, 1:], mesh, batch_size=len(batch))
             self.state = self.trainer.init()
         self.times: list[float] = []
         self.time()  # compile

@@ -199,30 +199,24 @@ class BatchSampler:
     (the sequences left over after whole groups, fewer than one group, differ by epoch). Within an
     epoch no token is a target twice, and no sequence crosses two files. Micro-batch `index` is
     micro-batch `index % grad_accum_steps` of update `index // grad_accum_steps`'s group, and
-    each process reads its `batch_size / process_count` consecutive rows of it: the sequences of
-    an update depend neither on the accumulation split nor on the process count, and a resumed
-    run replays the same data."""
+    a process reads its `rows` of it (`sharding.process_rows`: those its devices hold): the
+    sequences of an update depend neither on the accumulation split nor on the processes, and
+    a resumed run replays the same data."""
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int,
-                 grad_accum_steps: int = 1, shuffle: str = "sequences", process_index: int = 0,
-                 process_count: int = 1):
+                 grad_accum_steps: int = 1, shuffle: str = "sequences",
+                 rows: tuple[int, int] | None = None):
         if shuffle not in ("sequences", "batches"):
             raise ValueError(f"BatchSampler: shuffle must be 'sequences' or 'batches', got "
                              f"{shuffle!r}")
-        if min(batch_size, seq_len, grad_accum_steps, process_count) < 1 or seed < 0:
+        if min(batch_size, seq_len, grad_accum_steps) < 1 or seed < 0:
             raise ValueError(
-                "BatchSampler: batch_size, seq_len, grad_accum_steps, process_count must be >= 1"
-                f" and seed >= 0, got {batch_size}, {seq_len}, {grad_accum_steps}, "
-                f"{process_count}, {seed}")
-        if batch_size % process_count or not 0 <= process_index < process_count:
-            raise ValueError(
-                f"BatchSampler: batch_size {batch_size} is not divisible by process_count "
-                f"{process_count}, or process_index {process_index} is not in [0, process_count)")
+                "BatchSampler: batch_size, seq_len, grad_accum_steps must be >= 1 and seed >= 0, "
+                f"got {batch_size}, {seq_len}, {grad_accum_steps}, {seed}")
         self.shards = list(getattr(tokens, "shards", [tokens]))  # ShardedTokens: its files
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.accum, self.shuffle = grad_accum_steps, shuffle
-        self.local_batch_size = batch_size // process_count
-        self.process_index = process_index
+        self.first_row, self.local_batch_size = _rows(rows, batch_size, "BatchSampler")
         per_update = batch_size * grad_accum_steps
         self.sequences = [(len(s) - 1) // seq_len for s in self.shards]
         self.groups = [n // per_update for n in self.sequences]
@@ -246,7 +240,7 @@ class BatchSampler:
                 break
             position -= self.groups[shard]
         T, per_update, rows = self.seq_len, self.batch_size * self.accum, self.local_batch_size
-        first = micro * self.batch_size + self.process_index * rows  # in the update's group
+        first = micro * self.batch_size + self.first_row  # in the update's group
         if self.shuffle == "batches":  # a run of consecutive sequences: one read
             group = int(_shuffled(self.groups[shard], self.seed, epoch, int(shard), 1)[position])
             start = (group * per_update + first) * T
@@ -257,6 +251,15 @@ class BatchSampler:
         windows = np.stack([np.asarray(self.shards[shard][k * T: k * T + T + 1])
                             for k in chosen.tolist()]).astype(np.int32)
         return windows[:, :-1], windows[:, 1:]
+
+
+def _rows(rows, batch_size: int, name: str) -> tuple[int, int]:
+    """(first row, number of rows) a process reads of each batch: `rows` = [lo, hi), or all."""
+    lo, hi = (0, batch_size) if rows is None else rows
+    if not 0 <= lo < hi <= batch_size:
+        raise ValueError(f"{name}: rows must be [lo, hi) with 0 <= lo < hi <= batch_size "
+                         f"{batch_size}, got {rows}")
+    return lo, hi - lo
 
 
 @functools.lru_cache(maxsize=8)
@@ -271,10 +274,11 @@ def _shuffled(n: int, *entropy: int) -> np.ndarray:
 class ValidationSet:
     """The first `num_batches · batch_size · seq_len (+ 1)` tokens of the validation split as
     consecutive sequences, the same in every run on the same data: as many whole batches as
-    `eval_tokens` allows (at least one). Each process reads its share of each batch."""
+    `eval_tokens` allows (at least one). A process reads its `rows` of each batch (as
+    `BatchSampler`)."""
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, eval_tokens: int,
-                 process_index: int = 0, process_count: int = 1):
+                 rows: tuple[int, int] | None = None):
         per_batch = batch_size * seq_len
         available = (len(tokens) - 1) // per_batch
         if available < 1:
@@ -285,10 +289,9 @@ class ValidationSet:
         self.num_batches = min(available, max(1, eval_tokens // per_batch))
         self.num_tokens = self.num_batches * per_batch  # target tokens scored per evaluation
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.local = batch_size // process_count
-        self.process_index = process_index
+        self.first_row, self.local = _rows(rows, batch_size, "ValidationSet")
 
     def get(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        T, first = self.seq_len, index * self.batch_size + self.process_index * self.local
+        T, first = self.seq_len, index * self.batch_size + self.first_row
         window = np.asarray(self.tokens[first * T: (first + self.local) * T + 1]).astype(np.int32)
         return window[:-1].reshape(self.local, T), window[1:].reshape(self.local, T)

@@ -35,7 +35,14 @@ def maybe_initialize_distributed(mode: str = "auto") -> None:
                           for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES")))
         mode = "on" if several else "off"
     if mode == "on":
-        jax.distributed.initialize()
+        # jax reads JAX_COORDINATOR_ADDRESS but not these two: a launcher that sets them (and
+        # no cluster jax detects) describes the processes through them.
+        given = {name: os.environ.get(var) for name, var in (
+            ("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))}
+        if any(given.values()) and not all(given.values()):
+            raise ValueError("JAX_NUM_PROCESSES and JAX_PROCESS_ID describe the processes "
+                             "together: set both (and JAX_COORDINATOR_ADDRESS), or neither")
+        jax.distributed.initialize(**{k: int(v) for k, v in given.items() if v})
 
 
 _FLAGS = "--mesh.data/--mesh.fsdp/--mesh.tensor"
@@ -116,20 +123,42 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch(batch_size: int, mesh: Mesh) -> None:
-    """Raise ValueError unless the batch splits evenly over data-parallel devices and processes."""
+    """Raise ValueError unless the batch splits evenly over the data-parallel devices and each
+    process's devices hold one block of consecutive rows (`process_rows`)."""
     dp = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    if batch_size % dp or batch_size % jax.process_count():
+    if batch_size % dp:
         raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
-                         f"parallel size --mesh.data x --mesh.fsdp ({dp}) and by the process "
-                         f"count ({jax.process_count()})")
+                         f"parallel size --mesh.data x --mesh.fsdp ({dp})")
+    process_rows(batch_size, mesh)
 
 
-def global_batch(local: np.ndarray, mesh: Mesh, *, replicated_rows: bool = False) -> jax.Array:
-    """The global (B, T) array from this process's rows (every process passes its share), split
-    over the data-parallel axes; with `replicated_rows`, the whole array on every device (every
-    process then passes all of it)."""
+def process_rows(batch_size: int, mesh: Mesh, devices=None) -> tuple[int, int]:
+    """The rows [lo, hi) of a (batch_size, T) batch that `devices` (default: this process's)
+    hold under `batch_sharding`: what a process reads of every batch. All of them where the
+    data-parallel axes stay within a process (a tensor axis across processes); raises
+    ValueError where they are not one block of consecutive rows."""
+    devices = set(mesh.local_devices if devices is None else devices)
+    held = sorted({index[0].indices(batch_size)[:2] for device, index in
+                   batch_sharding(mesh).devices_indices_map((batch_size, 1)).items()
+                   if device in devices})
+    lo, hi = held[0][0], max(stop for _, stop in held)
+    if sum(stop - start for start, stop in held) != hi - lo:
+        raise ValueError(
+            f"the mesh gives process {jax.process_index()} batch rows {held}, not one block of "
+            f"consecutive rows: lay {_FLAGS} out so that each process's devices are "
+            "neighbours on the data-parallel axes (e.g. --mesh.data a multiple of the process "
+            "count)")
+    return lo, hi
+
+
+def global_batch(local: np.ndarray, mesh: Mesh, *, batch_size: int,
+                 replicated_rows: bool = False) -> jax.Array:
+    """The global (batch_size, T) array from this process's rows (`process_rows`; every
+    process passes its own), split over the data-parallel axes; with `replicated_rows`, the
+    whole array on every device (every process then passes all of it)."""
     target = replicated(mesh) if replicated_rows else batch_sharding(mesh)
-    return jax.make_array_from_process_local_data(target, local)
+    return jax.make_array_from_process_local_data(target, local,
+                                                  (batch_size, *local.shape[1:]))
 
 
 def _masked(x) -> bool:

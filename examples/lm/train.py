@@ -254,14 +254,19 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
                 f"({meta['data']}; this launch reads {tokens.identity()}): restore the data the "
                 "run used (a text source whose files changed is tokenized anew), or start over "
                 "with --overwrite")
+        rows = sharding.process_rows(cfg.data.batch_size, mesh)  # this process's share
         train_set = data.BatchSampler(
             tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
-            grad_accum_steps=cfg.optim.grad_accum_steps, shuffle=cfg.data.shuffle,
-            process_index=jax.process_index(), process_count=jax.process_count())
+            grad_accum_steps=cfg.optim.grad_accum_steps, shuffle=cfg.data.shuffle, rows=rows)
+        unread = [len(f) for f, n in zip(train_set.shards, train_set.groups, strict=True) if not n]
+        if unread:
+            out(f"warning: {len(unread)} of {len(train_set.shards)} training files hold less than "
+                f"one update's batch_size x grad_accum_steps x seq_len + 1 = "
+                f"{cfg.data.batch_size * cfg.optim.grad_accum_steps * cfg.seq_len + 1} tokens "
+                f"and are never read ({sum(unread):,} tokens); join them into larger files")
         val_set = data.ValidationSet(
             tokens.val, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
-            eval_tokens=cfg.resolved_eval_tokens(), process_index=jax.process_index(),
-            process_count=jax.process_count())
+            eval_tokens=cfg.resolved_eval_tokens(), rows=rows)
         try:  # the same sequences on every process (replicated), for every seed
             probe = data.BatchSampler(tokens.val, batch_size=cfg.eval.hilbert_sequences,
                                       seq_len=cfg.seq_len, seed=PROBE_SEED)
@@ -522,7 +527,8 @@ class _Batches:
         self.source, self.mesh, self.replicated = source, mesh, replicated
 
     def get(self, index):
-        return tuple(sharding.global_batch(x, self.mesh, replicated_rows=self.replicated)
+        return tuple(sharding.global_batch(x, self.mesh, batch_size=self.source.batch_size,
+                                           replicated_rows=self.replicated)
                      for x in self.source.get(index))
 
 
@@ -628,7 +634,10 @@ def main(argv=None) -> dict:
         cfg, explicit = configs.config_from_args(args), configs.explicit_fields(args)
     except ValueError as e:
         parser.error(str(e))
-    sharding.maybe_initialize_distributed(args.distributed)
+    try:
+        sharding.maybe_initialize_distributed(args.distributed)
+    except ValueError as e:
+        parser.error(str(e))
     if args.benchmark:
         from examples.lm.tools.benchmark import benchmark
 

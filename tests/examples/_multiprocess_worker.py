@@ -5,12 +5,14 @@ Run by tests/examples/test_multiprocess.py, not collected by pytest:
     python tests/examples/_multiprocess_worker.py \
         PROCESS_ID NUM_PROCESSES PORT DEVICES CORPUS TOKENS WORKDIR
 
-With NUM_PROCESSES > 1 every process calls `jax.distributed.initialize` against a coordinator on
-127.0.0.1:PORT (process 0 hosts it) with `DEVICES` simulated CPU devices each and gloo CPU
+With NUM_PROCESSES > 1 every process joins a coordinator on 127.0.0.1:PORT (process 0 hosts it)
+through the trainer's `--distributed auto` (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+`JAX_PROCESS_ID` set as a launcher would) with `DEVICES` simulated CPU devices each and gloo CPU
 collectives: the code path of a Cloud TPU pod slice, where each host runs the same command and
 `jax.distributed` joins the hosts' devices into one global mesh.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,13 +30,31 @@ def main(argv):
     if num_processes > 1:
         # XLA:CPU needs an explicit cross-process collectives implementation.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                                   num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=120)
+        # As a launcher describes the processes; the trainer's --distributed auto reads it.
+        os.environ.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                          JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(process_id))
+    from examples.lm import sharding
+
+    sharding.maybe_initialize_distributed("auto")
     assert jax.process_count() == num_processes, jax.process_count()
     assert jax.device_count() == 8 and jax.local_device_count() == devices, jax.devices()
 
+    import numpy as np
+
     from examples.lm import configs, train
+
+    # Each process reads the rows its devices hold: half of them on the run's mesh, all of them
+    # where the tensor axis spans both processes; the global batch is the one batch either way.
+    batch = np.arange(8 * 3).reshape(8, 3)
+    for shape in ((2, 2, 2), (1, 1, 8), (1, 2, 4)):
+        mesh = sharding.make_mesh(*shape)
+        lo, hi = sharding.process_rows(len(batch), mesh)
+        share = 8 // min(num_processes, shape[0] * shape[1])
+        assert (lo, hi) == ((lo // share) * share, (lo // share) * share + share), (shape, lo, hi)
+        array = sharding.global_batch(batch[lo:hi], mesh, batch_size=len(batch))
+        assert array.shape == batch.shape, (shape, array.shape)
+        for shard in array.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), batch[shard.index])
 
     cfg = configs.override(configs.get_config("test"), {
         "data.source": corpus, "data.dir": tokens, "steps": STEPS, "eval.every": 2,

@@ -278,8 +278,8 @@ def test_batch_sampler_is_a_pure_function_of_seed_and_index():
 def test_process_shares_partition_the_global_batch(rng):
     tokens = rng.integers(0, 500, size=5_000).astype(np.uint16)
     full = data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0).get(2)
-    shares = [data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0, process_index=i,
-                                process_count=3).get(2) for i in range(3)]
+    shares = [data.BatchSampler(tokens, batch_size=12, seq_len=8, seed=0,
+                                rows=(4 * i, 4 * i + 4)).get(2) for i in range(3)]
     assert all(s[0].shape == (4, 8) for s in shares)
     for k in (0, 1):
         np.testing.assert_array_equal(np.concatenate([s[k] for s in shares]), full[k])
@@ -350,24 +350,24 @@ def test_the_sequences_of_an_update_do_not_depend_on_the_accumulation_split(rng,
         split = data.BatchSampler(tokens, batch_size=2, grad_accum_steps=4, **kw)
         got = np.concatenate([split.get(update * 4 + m)[0] for m in range(4)])
         np.testing.assert_array_equal(got, want)
-        hosts = [data.BatchSampler(tokens, batch_size=4, grad_accum_steps=2, process_index=p,
-                                   process_count=2, **kw) for p in range(2)]
+        hosts = [data.BatchSampler(tokens, batch_size=4, grad_accum_steps=2,
+                                   rows=(2 * p, 2 * p + 2), **kw) for p in range(2)]
         got = np.concatenate([h.get(update * 2 + m)[0] for m in range(2) for h in hosts])
         np.testing.assert_array_equal(got, want)
 
 
 def test_batch_sampler_validation():
     tokens = np.arange(100)
-    with pytest.raises(ValueError, match="not divisible by process_count"):
-        data.BatchSampler(tokens, batch_size=6, seq_len=4, seed=0, process_count=4)
-    with pytest.raises(ValueError, match="process_index 2 is not in"):
-        data.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, process_index=2,
-                          process_count=2)
+    with pytest.raises(ValueError, match=r"rows must be \[lo, hi\) with 0 <= lo < hi <= "
+                                         r"batch_size 6, got \(4, 8\)"):
+        data.BatchSampler(tokens, batch_size=6, seq_len=4, seed=0, rows=(4, 8))
+    with pytest.raises(ValueError, match="rows must be"):
+        data.BatchSampler(tokens, batch_size=4, seq_len=4, seed=0, rows=(2, 2))
     with pytest.raises(ValueError, match=r"no training file holds one update's batch_size x "
                        r"grad_accum_steps x seq_len \+ 1 = 193 tokens \(the largest has 100\)"):
         data.BatchSampler(tokens, batch_size=4, seq_len=16, seed=0, grad_accum_steps=3)
-    with pytest.raises(ValueError, match="process_count must be >= 1"):
-        data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, process_count=0)
+    with pytest.raises(ValueError, match="grad_accum_steps must be >= 1"):
+        data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, grad_accum_steps=0)
     with pytest.raises(ValueError, match="shuffle must be 'sequences' or 'batches', got 'docs'"):
         data.BatchSampler(tokens, batch_size=4, seq_len=8, seed=0, shuffle="docs")
 

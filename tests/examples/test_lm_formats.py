@@ -145,7 +145,7 @@ def test_validation_set_is_the_start_of_the_split_whatever_the_seed():
     np.testing.assert_array_equal(inputs.ravel(), np.arange(80))  # consecutive, no overlap
     np.testing.assert_array_equal(targets, inputs + 1)
     halves = [data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=100,
-                                 process_index=i, process_count=2).get(1) for i in range(2)]
+                                 rows=(2 * i, 2 * i + 2)).get(1) for i in range(2)]
     np.testing.assert_array_equal(np.concatenate([h[0] for h in halves]), val.get(1)[0])
     assert data.ValidationSet(tokens, batch_size=4, seq_len=10, eval_tokens=10**9).num_batches \
         == 24  # capped by the split: (1000 - 1) // 40

@@ -192,8 +192,8 @@ def _train_steps(cfg, mesh):
     with jax.set_mesh(mesh):
         state = trainer.init()
         for batch in tokens.astype(np.int32):
-            inputs, targets = (sharding.global_batch(x, mesh) for x in (batch[:, :-1],
-                                                                        batch[:, 1:]))
+            inputs, targets = (sharding.global_batch(x, mesh, batch_size=len(x))
+                               for x in (batch[:, :-1], batch[:, 1:]))
             state, loss = trainer.train_step(state, inputs, targets)
             losses.append(float(loss))
     kernel = jax.tree.leaves(state["params"]["layers"])[0]
@@ -222,6 +222,28 @@ def test_sharded_steps_match_one_device(variant, mesh):
     assert _relative(losses, ref_losses) < 1e-5  # two steps' losses
     param_diff = max(jax.tree.leaves(jax.tree.map(_relative, params, ref_params)))
     assert param_diff < 1e-4  # every final parameter, relative to its largest entry
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 2, 4), (1, 1, 8), (2, 1, 4)])
+def test_each_process_reads_the_rows_its_devices_hold(shape):
+    """Two "processes" of 4 devices each (the first and last 4 of the mesh's device order, as
+    make_mesh lays out two hosts): each reads the batch rows its devices hold, all of them when
+    the data-parallel axes stay within a process (a tensor axis across processes; reading half
+    would silently halve the global batch), against a reference from the mesh coordinates."""
+    batch = 16
+    mesh = sharding.make_mesh(*shape)
+    order = list(mesh.devices.flat)
+    data, fsdp, _ = shape
+    for process in (order[:4], order[4:]):
+        want = set()
+        for (d, f, _), device in np.ndenumerate(mesh.devices):
+            if device in process:  # block d·F + f of the D·F blocks of rows
+                size = batch // (data * fsdp)
+                want |= set(range((d * fsdp + f) * size, (d * fsdp + f + 1) * size))
+        lo, hi = sharding.process_rows(batch, mesh, devices=process)
+        assert set(range(lo, hi)) == want
+    with pytest.raises(ValueError, match=r"not one block of consecutive rows"):
+        sharding.process_rows(batch, sharding.make_mesh(8, 1, 1), devices=order[::2])
 
 
 def test_optimizer_state_is_sharded_like_its_parameters():

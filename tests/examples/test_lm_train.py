@@ -285,6 +285,7 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     shards.mkdir()
     write_llmc_shard(shards / "corpus_val_000000.bin", ids[:2000])
     write_llmc_shard(shards / "corpus_train_000001.bin", ids[2000:])
+    write_llmc_shard(shards / "corpus_train_000002.bin", ids[:200])  # less than one update
     bucket = tmp_path / "gcs"
     cfg = configs.override(configs.get_config("test"), {
         "data.source": str(shards), "data.tokenizer": str(tmp_path / "tokenizer.json"),
@@ -295,6 +296,9 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     assert not Path("gs:").exists()  # no local directory named after the URL
     assert any("warming up over 1 steps" in line for line in out), out
     assert any("data: llmc" in line for line in out), out
+    assert ("warning: 1 of 2 training files hold less than one update's batch_size x "
+            "grad_accum_steps x seq_len + 1 = 257 tokens and are never read (200 tokens); join "
+            "them into larger files") in out
     records = metrics.read_metrics(bucket / "bucket" / "run")
     assert [r["step"] for r in records] == [1, 2] and math.isfinite(record["val_loss"])
     assert record["val_tokens"] == 256  # the test config's one batch of 8 x 32
@@ -344,6 +348,19 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
         assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
         assert message in err and "Traceback" not in err, err
         assert not (tmp_path / "w").exists(), argv  # a launch that failed leaves no workdir
+
+
+def test_half_a_process_description_is_one_line(tmp_path, capsys, monkeypatch):
+    """jax.distributed reads neither JAX_NUM_PROCESSES nor JAX_PROCESS_ID; the trainer passes
+    them on (tests/examples/_multiprocess_worker.py launches that way), and one without the
+    other is one line, not jax's traceback."""
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.delenv("JAX_PROCESS_ID", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--workdir", str(tmp_path / "w"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert "JAX_NUM_PROCESSES and JAX_PROCESS_ID describe the processes together" in err
 
 
 @pytest.mark.slow

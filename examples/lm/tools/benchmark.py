@@ -22,11 +22,12 @@ def benchmark(cfg: configs.Config, *, steps: int = 20, print_fn=print) -> dict:
     mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     trainer = Trainer(cfg, mesh)
     rng = np.random.default_rng(0)
-    local = rng.integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.seq_len + 1),
+    batch = rng.integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.seq_len + 1),
                          dtype=np.int32)
+    lo, hi = sharding.process_rows(len(batch), mesh)  # this process's rows of it
     with jax.set_mesh(mesh):
-        inputs = sharding.global_batch(local[:, :-1], mesh)
-        targets = sharding.global_batch(local[:, 1:], mesh)
+        inputs = sharding.global_batch(batch[lo:hi, :-1], mesh, batch_size=len(batch))
+        targets = sharding.global_batch(batch[lo:hi, 1:], mesh, batch_size=len(batch))
         state = trainer.init()
         full, grad_only = [], []
         for i in range(steps + 2):
