@@ -8,10 +8,10 @@ count; then the tokens: `LLMC_LAYOUTS`, GPT-2's uint16 or Llama 3's uint32) and 
 (`train.bin` / `val.bin`, raw uint16). Text, or
 None (the standard library), is tokenized once by `tools/prepare.py` into cached rowgeom shards.
 Headers are checked against file sizes, and largest ids against the vocabulary, on opening.
-`BatchSampler` (the paper's loader: each epoch shuffles the shard order and the order of whole
-update-sized groups of aligned sequences within a shard) and `ValidationSet` (the split's first
-sequences) are pure functions of `(seed, index)`: a resumed run replays the same data, and each
-process reads only its share of every batch.
+`BatchSampler` (epochs of aligned sequences, each shuffling the file order and, within a file,
+the sequences or, as the paper's loader does, whole updates of consecutive sequences) and
+`ValidationSet` (the split's first sequences) are pure functions of `(seed, index)`: a resumed
+run replays the same data, and each process reads only the rows its devices hold.
 """
 
 from __future__ import annotations
