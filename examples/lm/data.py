@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import glob as globlib
+import json
 import os
 import struct
 from pathlib import Path
@@ -86,7 +87,38 @@ def open_shard(path) -> tuple[str, np.memmap, int]:
                          f"({expected} bytes with header) but the file has {actual} bytes "
                          "(truncated, corrupt or empty)")
     tokens = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
-    return layout, tokens, int(tokens.max()) if top is None else int(top)
+    return layout, tokens, _largest_id(path, tokens) if top is None else int(top)
+
+
+def _largest_id(path: Path, tokens: np.memmap) -> int:
+    """The largest id of a token file whose header has none (llm.c, nanoGPT): a scan of every
+    token, remembered per file (path, size, mtime) in `$XDG_CACHE_HOME/rowgeom/` (default
+    `~/.cache`), so that a relaunch, the next run or another process on the same files (the
+    paper's 89B tokens of FineWeb100B: minutes) does not read them all again."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rowgeom" / (
+        "largest-token-ids.json")
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(key), int):
+        return known[key]
+    name = key.rsplit(":", 2)[0]  # entries of files gone, or of this one before, go
+    known = {k: v for k, v in known.items()
+             if k.rsplit(":", 2)[0] != name and os.path.exists(k.rsplit(":", 2)[0])}
+    known[key] = top = int(tokens.max())
+    try:  # written whole, then renamed: a reader never sees half a file
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f".{cache.name}.{os.getpid()}")
+        partial.write_text(json.dumps(known))
+        os.replace(partial, cache)
+    except OSError:  # a read-only home: scanned again next time
+        pass
+    return top
 
 
 def read_shard(path) -> np.memmap:

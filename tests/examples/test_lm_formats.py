@@ -5,6 +5,7 @@ trainer's loader. None of these files is written with the example's own writer.
 """
 
 import json
+import os
 import re
 
 import numpy as np
@@ -21,6 +22,38 @@ from examples.lm import data, train
 from examples.lm.tools import prepare
 
 # --------------------------------------------------------------------------- llm.c
+
+
+def test_a_files_largest_id_is_scanned_once_and_again_when_the_file_changes(tmp_path,
+                                                                          monkeypatch):
+    """llm.c and nanoGPT headers hold no largest id: the first opening scans every token, the
+    next ones (a relaunch, another run) read it from the cache; a rewritten file is scanned
+    again, so an id that no longer fits is still caught."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "fineweb_train_000001.bin"
+    write_llmc_shard(path, np.arange(1000) % 50257)
+    assert data.open_shard(path)[2] == 999
+    cached = json.loads((tmp_path / "cache" / "rowgeom" / "largest-token-ids.json").read_text())
+    assert list(cached.values()) == [999]
+    scans = []
+    real = np.memmap.max
+    monkeypatch.setattr(np.memmap, "max", lambda self, *a, **k: scans.append(1) or real(
+        self, *a, **k))
+    assert data.open_shard(path)[2] == 999 and scans == []  # read from the cache
+    before = path.stat().st_mtime_ns
+    write_llmc_shard(path, np.full(1000, 50300))  # the same size, another mtime
+    os.utime(path, ns=(before + 10**9, before + 10**9))  # whatever the clock's granularity
+    assert data.open_shard(path)[2] == 50300 and scans == [1]
+    gone = tmp_path / "gone_train.bin"
+    write_llmc_shard(gone, np.arange(10))
+    data.open_shard(gone)
+    gone.unlink()
+    data.open_shard(tmp_path / "fineweb_train_000001.bin")  # known: nothing written
+    write_llmc_shard(path, np.arange(5))
+    data.open_shard(path)  # its new entry replaces its old one, and the gone file's goes
+    cached = json.loads((tmp_path / "cache" / "rowgeom" / "largest-token-ids.json").read_text())
+    assert [k.rsplit(":", 2)[0] for k in cached] == [str(path.resolve())]
+    assert list(cached.values()) == [4]
 
 
 @pytest.mark.parametrize("as_glob", [False, True])
