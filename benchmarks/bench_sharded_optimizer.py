@@ -130,9 +130,9 @@ def hidden_bytes(shapes) -> int:
 def placed(shapes, specs, mesh):
     """Abstract arrays with the specs fitted to `mesh` (axes that do not divide are dropped)."""
     return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                              sharding=mesh_lib.fit_sharding(a.shape, s, mesh)),
-            shapes, specs, is_leaf=lambda x: isinstance(x, P))
+        lambda a, s: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, mesh_lib.fit_spec(a.shape, s, mesh))),
+        shapes, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def make_mesh(sizes):

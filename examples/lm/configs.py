@@ -17,17 +17,14 @@ from typing import Any
 from examples.lm import sharding
 from examples.lm.model import REMAT_POLICIES, ModelConfig
 
-SCHEDULES = ("cosine", "wsd")
-SHUFFLES = ("sequences", "batches")  # data.BatchSampler's granularity
-MUON_SCALES = ("rms", "keller", "spectral", "none")
-HEAD_IMPLS = ("auto", "xla", "cpu")  # rowgeom.HeadOptions.impl
-HEADS = ("rownorm", "adamw", "muon", "rownorm-rescaled")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields whose values are checked against a fixed set (shown by --help).
-CHOICES = {"head": HEADS, "optim.schedule": SCHEDULES, "data.shuffle": SHUFFLES,
-           "model.compute_dtype": DTYPES,
-           "model.param_dtype": DTYPES, "model.remat": REMAT_POLICIES,
-           "optim.muon_scale": MUON_SCALES, "optim.head_impl": HEAD_IMPLS}
+CHOICES = {"head": ("rownorm", "adamw", "muon", "rownorm-rescaled"),
+           "optim.schedule": ("cosine", "wsd"),
+           "data.shuffle": ("sequences", "batches"),  # data.BatchSampler's granularity
+           "model.compute_dtype": DTYPES, "model.param_dtype": DTYPES,
+           "model.remat": REMAT_POLICIES, "optim.muon_scale": ("rms", "keller", "spectral", "none"),
+           "optim.head_impl": ("auto", "xla", "cpu")}  # rowgeom.HeadOptions.impl
 # Magnitudes (rates, decays, epsilons), >= 0: a negative rate is gradient ascent.
 NON_NEGATIVE = ("optim.learning_rate", "optim.head_learning_rate",
                 "optim.embedding_learning_rate", "optim.vector_learning_rate",

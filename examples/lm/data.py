@@ -121,11 +121,6 @@ def _largest_id(path: Path, tokens: np.memmap) -> int:
     return top
 
 
-def read_shard(path) -> np.memmap:
-    """The tokens of one token file (`open_shard`), memory-mapped read-only."""
-    return open_shard(path)[1]
-
-
 class ShardedTokens:
     """Token files seen as one 1-D sequence without reading them: `len`, contiguous slices (which
     may cross file boundaries) and `np.asarray` (which reads everything)."""

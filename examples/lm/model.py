@@ -347,16 +347,6 @@ def head_matrix(model: Transformer) -> tuple[jax.Array, int]:
     return model.lm_head.kernel[...][:, :n], 1
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Trainable scalars of `cfg`'s model, not counting a padded vocabulary's (zero, untrained)
-    padding rows, as the paper counts (its 190M: 185,680,896); nothing is allocated."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-    padding_rows = cfg.vocab_size - cfg.num_tokens
-    tables = 1 if cfg.tied_embeddings else 2  # the embedding and the head
-    return total - tables * padding_rows * cfg.d_model
-
-
 def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token for MFU, as PaLM (arXiv 2204.02311, B): 6 per matmul parameter
     (per layer 4 d^2 + 3 d F, plus the d V head, tied or not) and 12 L d T for attention; the

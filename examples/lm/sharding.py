@@ -109,10 +109,6 @@ def fit_spec(shape: tuple[int, ...], spec: P, mesh: Mesh) -> P:
     return P(*fitted)
 
 
-def fit_sharding(shape: tuple[int, ...], spec: P, mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, fit_spec(shape, spec, mesh))
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -225,11 +221,6 @@ def mesh_axes(names: Sequence[str | None]) -> P:
         raise KeyError(f"logical axis names {unknown} are not in examples.lm.sharding.RULES "
                        f"(known: {sorted(RULES)})")
     return P(*(None if n is None else RULES[n] for n in names))
-
-
-def param_spec(shape: Sequence[int], names: Sequence[str | None], mesh) -> P:
-    """A parameter's PartitionSpec on `mesh` from its logical axis names."""
-    return fit_spec(tuple(shape), mesh_axes(names), mesh)
 
 
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:

@@ -74,7 +74,8 @@ class Trainer:
         self.graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
         names = nnx.to_pure_dict(nnx.get_partition_spec(abs_params))
         param_shardings = jax.tree.map(
-            lambda a, n: jax.NamedSharding(mesh, sharding.param_spec(a.shape, n, mesh)),
+            lambda a, n: jax.NamedSharding(mesh, sharding.fit_spec(a.shape, sharding.mesh_axes(n),
+                                                                   mesh)),
             nnx.to_pure_dict(abs_params), names,
             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         with jax.set_mesh(mesh):

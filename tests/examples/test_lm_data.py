@@ -177,7 +177,7 @@ def test_shard_round_trip(tmp_path, rng, high, dtype):
     tokens = rng.integers(0, high + 1, size=1001)
     tokens[0] = high
     path = corpus_lib.write_shard(tmp_path / "train.bin", tokens)
-    shard = data.read_shard(path)
+    shard = data.open_shard(path)[1]
     assert isinstance(shard, np.memmap) and shard.dtype == dtype and not shard.flags.writeable
     np.testing.assert_array_equal(shard, tokens)
     assert path.stat().st_size == 32 + tokens.size * np.dtype(dtype).itemsize
@@ -221,7 +221,7 @@ def test_corrupt_shards_raise_a_clear_error_naming_the_file(tmp_path, how):
     path = corpus_lib.write_shard(tmp_path / "val_000.bin", np.arange(100))
     reason = _corrupt(path, how)
     with pytest.raises(ValueError, match="val_000.bin") as error:
-        data.read_shard(path)
+        data.open_shard(path)
     assert reason in str(error.value)
 
 
@@ -304,8 +304,8 @@ def test_an_epoch_reads_each_file_in_whole_groups_once_in_a_shuffled_order(tmp_p
     windows (brute-force reference); "sequences" reads as many windows of each file, any."""
     lengths, batch, seq_len = (61, 5, 200, 130), 3, 7
     offsets = np.cumsum((0, *lengths))  # token t of file f holds the id offsets[f] + t
-    shards = [data.read_shard(corpus_lib.write_shard(
-        tmp_path / f"t{f}.bin", np.arange(offsets[f], offsets[f] + n))) for f, n in
+    shards = [data.open_shard(corpus_lib.write_shard(
+        tmp_path / f"t{f}.bin", np.arange(offsets[f], offsets[f] + n)))[1] for f, n in
         enumerate(lengths)]
     sampler = data.BatchSampler(data.ShardedTokens(shards), batch_size=batch, seq_len=seq_len,
                                 seed=1, shuffle=shuffle)

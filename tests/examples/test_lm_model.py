@@ -12,6 +12,7 @@ from flax import nnx
 
 from examples.lm import model as model_lib
 from examples.lm import sharding
+from examples.lm.tools import plan
 
 # Odd vocabulary and unequal widths, so a swapped axis cannot pass a shape check.
 CFG = model_lib.ModelConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48,
@@ -167,7 +168,7 @@ def test_every_param_is_annotated_with_logical_axes(scan):
         names = (stacked if in_block else ()) + EXPECTED_NAMES[key]
         assert var.get_metadata()["out_sharding"] == names, path
         assert len(names) == var.ndim, path
-        spec = sharding.param_spec(var.shape, names, mesh)
+        spec = sharding.fit_spec(var.shape, sharding.mesh_axes(names), mesh)
         want = ((None,) if scan and in_block else ()) + EXPECTED_SPECS[key]
         # An axis that does not divide its dimension (vocabulary 61 over 2) is dropped.
         want = tuple(None if a is not None and var.shape[i] % mesh.shape[a] else a
@@ -279,7 +280,7 @@ def test_config_and_input_validation(rng):
 def test_param_count_and_flops(cfg):
     d, L, f, V = cfg.d_model, cfg.num_layers, cfg.mlp_dim, cfg.vocab_size
     model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
-    n = model_lib.param_count(cfg)
+    n = plan.param_count(cfg)
     assert n == sum(v.size for v in _paths(model).values())
     norms = (2 * L + 1) * d
     assert n == V * d * (1 if cfg.tied_embeddings else 2) + L * (4 * d * d + 3 * d * f) + norms

@@ -107,7 +107,7 @@ def test_mesh_helpers():
 
 
 def test_schedules_end_at_min_lr():
-    for name in configs.SCHEDULES:
+    for name in configs.CHOICES["optim.schedule"]:
         cfg = configs.override(configs.get_config("test"), {
             "optim.schedule": name, "steps": 20, "optim.warmup_steps": 4,
             "optim.min_lr_ratio": 0.1})

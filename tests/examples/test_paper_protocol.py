@@ -22,6 +22,7 @@ from flax import nnx
 
 import rowgeom
 from examples.lm import configs, data, model, optimizer
+from examples.lm.tools import plan
 
 # The paper's Table 1 and Table 2, typed from the paper.
 PAPER = {
@@ -50,7 +51,7 @@ def test_models_are_table_1(size):
     # GPT-2's vocabulary, padded for the hardware, the padding known from the config itself.
     assert (m.vocab_size, m.valid_vocab_size, m.num_tokens) == (50_304, 50_257, 50_257)
     # The paper's count: 32*16*d^2 + 2*50257*d, padding rows excluded.
-    assert model.param_count(m) == params == 32 * 16 * d * d + 2 * 50_257 * d
+    assert plan.param_count(m) == params == 32 * 16 * d * d + 2 * 50_257 * d
     leaves = _params(configs.get_config(size))
     shapes = {"/".join(map(str, k)): v.shape for k, v in _flat(leaves)}
     # No vector parameters at all (no norm gains, no biases): every leaf is a matrix.
@@ -191,7 +192,7 @@ def test_the_data_order_is_the_papers_loaders(size, tmp_path):
         ids = i * 10_000 + np.arange(n) // cfg.seq_len  # each aligned sequence's own id
         path.write_bytes(header.tobytes() + ids.astype("<u2").tobytes())
         paths.append(path)
-    tokens = data.ShardedTokens([data.read_shard(p) for p in paths])
+    tokens = data.ShardedTokens([data.open_shard(p)[1] for p in paths])
     sampler = data.BatchSampler(tokens, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len,
                                 seed=0, grad_accum_steps=cfg.optim.grad_accum_steps,
                                 shuffle=cfg.data.shuffle)
