@@ -83,10 +83,14 @@ def config_on(root: Path, **changes) -> configs.Config:
         **{k.replace("__", "."): v for k, v in changes.items()}})
 
 
+WALL_CLOCK_KEYS = ("tokens_per_sec", "sec_per_step", "mfu")  # train._Loop._throughput's
+
+
 def deterministic_records(workdir) -> list[dict]:
     """metrics.jsonl without the wall-clock keys: what a rerun or a resumed run must reproduce
     exactly."""
-    return [metrics.deterministic_part(r) for r in metrics.read_metrics(workdir)]
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK_KEYS}
+            for r in metrics.read_metrics(workdir)]
 
 
 def restore_on_one_device(ckdir, step: int):

@@ -180,9 +180,10 @@ class Checkpointer:
                                                    "expected a JSON object"))
         return meta
 
-    def check_layout(self, step: int, abstract_state) -> None:
-        """Raise ValueError unless checkpoint `step` stores exactly `abstract_state`'s tree,
-        shapes and dtypes (orbax would cast a dtype silently)."""
+    def restore(self, step: int, abstract_state):
+        """(state, meta) of checkpoint `step`, laid out and sharded as `abstract_state` says; a
+        ValueError unless the checkpoint stores exactly its tree, shapes and dtypes (orbax would
+        cast a dtype silently)."""
         try:
             stored = self._manager.item_metadata(step)[STATE].tree
         except Exception as e:
@@ -195,10 +196,6 @@ class Checkpointer:
         if problems:
             raise ValueError(f"checkpoint {step} in {self.directory} does not match the train "
                              f"state ({len(problems)} differences): " + "; ".join(problems[:5]))
-
-    def restore(self, step: int, abstract_state):
-        """(state, meta) of checkpoint `step`, laid out and sharded as `abstract_state` says."""
-        self.check_layout(step, abstract_state)
         try:
             out = self._manager.restore(
                 step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state),

@@ -1,8 +1,8 @@
 """Metric sinks: DIR/metrics.jsonl, TensorBoard event files (a local DIR only), a PNG plot.
 
-Floats round-trip exactly; every value but the wall-clock ones (`WALL_CLOCK_KEYS`) is a
-deterministic function of the run, so a resumed run writes the same records as an uninterrupted
-one (`deterministic_part`). Only process 0 writes.
+Floats round-trip exactly; every value but the wall-clock ones (`tokens_per_sec`, `sec_per_step`,
+`mfu`) is a deterministic function of the run, so a resumed run writes the same records as an
+uninterrupted one. Only process 0 writes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from etils import epath
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
-WALL_CLOCK_KEYS = ("tokens_per_sec", "sec_per_step", "mfu")
 log = logging.getLogger(__name__)
 
 
@@ -42,11 +41,6 @@ def peak_flops(device=None) -> float | None:
         if kind.startswith(prefix):
             return PEAK_FLOPS[prefix]
     return None
-
-
-def deterministic_part(record: dict) -> dict:
-    """`record` without its wall-clock keys: what must match bit for bit across resumes."""
-    return {k: v for k, v in record.items() if k not in WALL_CLOCK_KEYS}
 
 
 def _plain(value):

@@ -157,18 +157,14 @@ def global_batch(local: np.ndarray, mesh: Mesh, *, batch_size: int,
                                                   (batch_size, *local.shape[1:]))
 
 
-def _masked(x) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
 def state_shardings(abstract: dict, param_shardings, mesh: Mesh) -> dict:
     """Shardings of the train state `{params, opt_state, ...}`: `param_shardings` for the
     parameters, and for every optimizer-state subtree laid out like them (moments, `MultiSteps`'
     accumulator, a partition group's copy with `MaskedNode`s) the same, leaf for leaf where the
     shapes match; the rest replicated. (`optax.tree_utils.tree_map_params` would initialise the
     optimizer on placeholders, but `rowgeom.lm_optimizer` labels parameters by their paths.)"""
-    repl = replicated(mesh)
-    params = abstract["params"]
+    repl, params = replicated(mesh), abstract["params"]
+    _masked = lambda x: isinstance(x, optax.MaskedNode)
     layout = jax.tree.structure(params)
 
     def like_params(tree) -> bool:

@@ -185,7 +185,6 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
     """
     ckpt = None
     try:
-        cfg = cfg.validate()
         if cfg.data.tokenizer is not None:  # its size, padded up to a multiple of 128
             n = bpe.vocab_size(bpe.load_tokenizer(cfg.data.tokenizer))
             cfg = configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
@@ -399,10 +398,8 @@ def _train(cfg, workdir, *, overwrite, change_horizon, explicit, stop_after, pro
         check_fits(cfg, setup.mesh)
         trainer = Trainer(cfg, setup.mesh)
         writer = metrics.MetricsWriter(workdir, enabled=lead)
-        if overwrite:
-            deleted = writer.clear()
-            if deleted:
-                out(f"--overwrite: deleting {', '.join(deleted)} in {workdir}")
+        if overwrite and (deleted := writer.clear()):
+            out(f"--overwrite: deleting {', '.join(deleted)} in {workdir}")
         ckpt = setup.ckpt
         if setup.latest is None:
             state = trainer.init()
@@ -633,9 +630,6 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     try:
         cfg, explicit = configs.config_from_args(args), configs.explicit_fields(args)
-    except ValueError as e:
-        parser.error(str(e))
-    try:
         sharding.maybe_initialize_distributed(args.distributed)
     except ValueError as e:
         parser.error(str(e))

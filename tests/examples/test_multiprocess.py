@@ -18,8 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
-from examples.lm import metrics
+from _lm_fixtures import deterministic_records
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
@@ -98,8 +97,7 @@ def test_two_processes_equal_one(corpus, final_checkpoint):
     (out,) = _finish(reference)
     assert "8 cpu devices, 1 process(es)" in out
 
-    got = [metrics.deterministic_part(r) for r in metrics.read_metrics(multi)]
-    expected = [metrics.deterministic_part(r) for r in metrics.read_metrics(single)]
+    got, expected = deterministic_records(multi), deterministic_records(single)
     assert [r["step"] for r in expected] == list(range(1, STEPS + 1))
     assert [r.keys() for r in got] == [r.keys() for r in expected]
     for g, e in zip(got, expected, strict=True):

@@ -17,6 +17,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from _lm_fixtures import deterministic_records
 
 from examples.lm import checkpointing, configs, metrics, train
 
@@ -39,10 +40,6 @@ def _cfg(root):
         "eval.probe_last_steps": 2})
 
 
-def _deterministic(workdir):
-    return [metrics.deterministic_part(r) for r in metrics.read_metrics(workdir)]
-
-
 def _saved_steps(workdir):
     ckpt = checkpointing.Checkpointer(workdir / "checkpoints")
     try:
@@ -56,7 +53,7 @@ def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root
     cfg, quiet = _cfg(root), lambda *args, **kwargs: None
     clean = root / "clean"
     train.train(cfg, clean, progress=False, print_fn=quiet)
-    want = _deterministic(clean)
+    want = deterministic_records(clean)
     assert [r["step"] for r in want] == list(range(1, STEPS + 1))
     assert sorted(_saved_steps(clean)) == [RESUME_FROM, STEPS]
     first_after = want[RESUME_FROM]  # step 3: its loss, the head probe and the tracker's stats
@@ -76,7 +73,7 @@ def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root
     out = []
     train.train(cfg, killed, progress=False, print_fn=out.append)
     assert any(line.startswith(f"resumed from step {RESUME_FROM} ") for line in out), out
-    got = _deterministic(killed)
+    got = deterministic_records(killed)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for mine, theirs in zip(got, want, strict=True):
         assert mine == theirs, f"step {theirs['step']}"
