@@ -256,10 +256,7 @@ def field_types() -> dict[str, tuple[type, bool]]:
 
 def parse_value(name: str, text: str):
     """Parse `text` as the type of config field `name` ("none" -> None for optional fields)."""
-    types_ = field_types()
-    if name not in types_:
-        raise ValueError(f"unknown config field --{name}")
-    typ, optional = types_[name]
+    typ, optional = field_types()[name]
     if optional and text.strip().lower() in ("none", "null"):
         return None
     if typ is bool:
@@ -476,27 +473,18 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     return out
 
 
-def _overrides(args: argparse.Namespace) -> dict:
-    overrides = {}
-    for path in field_types():
-        text = getattr(args, f"field__{path}")
-        if text is not None:
-            overrides[path] = parse_value(path, text)
-    return overrides
-
-
 def config_from_args(args: argparse.Namespace) -> Config:
     """The named config, for `--head` first (`get_config`), with the command line's overrides."""
-    overrides = _overrides(args)
+    overrides = {path: parse_value(path, text) for path in field_types()
+                 if (text := getattr(args, f"field__{path}")) is not None}
     base = get_config(args.config or DEFAULT_CONFIG, head=overrides.get("head"))
     return override(base, overrides)
 
 
 def explicit_fields(args: argparse.Namespace) -> frozenset[str]:
     """Config fields the command line set: all with `--config`, else the overrides."""
-    if args.config is not None:
-        return frozenset(field_types())
-    return frozenset(_overrides(args))
+    return frozenset(path for path in field_types()
+                     if args.config is not None or getattr(args, f"field__{path}") is not None)
 
 
 def parse_config(argv: Sequence[str]) -> Config:

@@ -58,7 +58,6 @@ class Trainer:
         # The group that trains the head ("embedding" for a tied table), for the probes.
         self.head_group = head_group(cfg)
         self.head_lr = lr_schedule(self.head_group.learning_rate, cfg)
-        self.head_wd = self.head_group.weight_decay
         mc, tx, seed = cfg.model, self.tx, cfg.seed
 
         def init_state():
@@ -85,10 +84,8 @@ class Trainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
             self.shardings)
         self._init = jax.jit(init_state, out_shardings=self.shardings)
-        gd = self.graphdef
-        batch = sharding.batch_sharding(self.mesh)
-        repl = sharding.replicated(self.mesh)
-        compute = self.compute_params
+        gd, compute = self.graphdef, self.compute_params
+        batch, repl = sharding.batch_sharding(mesh), sharding.replicated(mesh)
 
         def loss_fn(params, rest, inputs, targets):
             return nnx.merge(gd, compute(params), rest).loss(inputs, targets)
@@ -582,7 +579,7 @@ class _Loop:
         if is_eval or is_probe or is_diameter:
             # The head's rate and decay of the update just applied, typed as the probes take them.
             head = (state["params"], state["rest"])
-            lr, wd = trainer.head_lr(step - 1), jnp.float32(trainer.head_wd)
+            lr, wd = trainer.head_lr(step - 1), jnp.float32(trainer.head_group.weight_decay)
         if is_eval or is_probe:
             record |= (_floats(trainer.head_probe(*head, head_old, self.probe_inputs, lr, wd))
                        | evaluate.tracked_head_stats(state["opt_state"]))
