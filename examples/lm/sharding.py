@@ -118,14 +118,14 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, None))
 
 
-def check_batch(batch_size: int, mesh: Mesh) -> None:
-    """Raise ValueError unless the batch splits evenly over the data-parallel devices and each
-    process's devices hold one block of consecutive rows (`process_rows`)."""
+def check_batch(batch_size: int, mesh: Mesh) -> tuple[int, int]:
+    """This process's rows (`process_rows`); a ValueError unless the batch splits evenly over the
+    data-parallel devices and each process's devices hold one block of consecutive rows."""
     dp = math.prod(mesh.shape[a] for a in BATCH_AXES)
     if batch_size % dp:
         raise ValueError(f"--data.batch_size ({batch_size}) must be divisible by the data-"
                          f"parallel size --mesh.data x --mesh.fsdp ({dp})")
-    process_rows(batch_size, mesh)
+    return process_rows(batch_size, mesh)
 
 
 def process_rows(batch_size: int, mesh: Mesh, devices=None) -> tuple[int, int]:

@@ -230,7 +230,7 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
                                    for name, (was, now) in changed.items())
                 out(f"resuming with changed settings: {listed}")
         mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-        sharding.check_batch(cfg.data.batch_size, mesh)
+        rows = sharding.check_batch(cfg.data.batch_size, mesh)  # this process's share
         shape = {a: int(mesh.shape[a]) for a in sharding.AXES}
         if meta is not None and meta.get("mesh", shape) != shape:
             out(f"resuming on mesh {shape}, checkpoint {latest} was saved from mesh "
@@ -251,7 +251,6 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
                 f"({meta['data']}; this launch reads {tokens.identity()}): restore the data the "
                 "run used (a text source whose files changed is tokenized anew), or start over "
                 "with --overwrite")
-        rows = sharding.process_rows(cfg.data.batch_size, mesh)  # this process's share
         train_set = data.BatchSampler(
             tokens.train, batch_size=cfg.data.batch_size, seq_len=cfg.seq_len, seed=cfg.seed,
             grad_accum_steps=cfg.optim.grad_accum_steps, shuffle=cfg.data.shuffle, rows=rows)
