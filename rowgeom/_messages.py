@@ -1,8 +1,10 @@
 """The messages of the errors a tree that cannot be labelled or planned raises.
 
 Every problem of a tree is reported in one error, each leaf named with its shape, the labels that
-fit it and a fix to paste. The labeller (`rowgeom._labels`) and the plan (`rowgeom._recipe`)
-collect the problems; this module writes them, and runs only when a tree is wrong.
+fit it and a fix to paste. The labeller (`rowgeom._labels`), the model structure
+(`rowgeom._structure`: the axes the shapes do not decide, with the likely reading) and the plan
+(`rowgeom._recipe`) collect the problems; this module writes them, and runs only when a tree is
+wrong (`rowgeom._structure`, which it imports, imports it only where it raises).
 
 A label problem kind is a list of ``(path, shape)`` (``not_hidden`` entries carry the reason
 too); `problems_message` writes the kinds in a fixed order.
@@ -13,8 +15,16 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from rowgeom._structure import is_position_embedding
-from rowgeom._tree import path_str
+from rowgeom._structure import (
+    StructureError,
+    in_blocks,
+    is_position_embedding,
+    out_in,
+    stack_of,
+    vector_layers,
+    width_split,
+)
+from rowgeom._tree import path_name, path_str
 
 # --- `label_params`' problems -----------------------------------------------------------------
 
@@ -183,3 +193,75 @@ def undecided_muon_axes(errors) -> str:
             "named in a side are batch axes: experts, layers), correct it where needed and pass "
             "it; leaves not named there are still inferred:\n"
             "muon=rowgeom.MuonOptions(dimension_numbers={\n" + "\n".join(entries) + "\n})")
+
+
+# --- The axes the shapes do not decide (`rowgeom._structure`'s StructureErrors) -----------------
+
+
+def no_layer_axis(where: str, prefix, info) -> StructureError:
+    """A leaf of a layer stack without the stack's layer axis (``info``: its (axis, L) or None)."""
+    if info is None:
+        return StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
+                              "axis cannot be told from the shapes")
+    return StructureError(f"{where} has no layer axis of size {info[1]} at position {info[0]} "
+                          f"like the rest of the stack {'/'.join(prefix)}")
+
+
+def unknown_vocab_axis(path, shape, vocab_size) -> StructureError:
+    """A head leaf with not exactly one axis of size V and no name that says its layout."""
+    return StructureError(
+        f"cannot infer the vocabulary axis of head parameter {path_name(tuple(path))!r} "
+        f"(shape {tuple(shape)}): it has not exactly one axis of the vocabulary size "
+        f"(V={vocab_size}), and only rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' "
+        "or 'weight' ((V, d) -> 0) are recognised by name. Say it with "
+        "lm_optimizer(head=rowgeom.HeadOptions(vocab_axis=...))")
+
+
+def _pair_or_split(shape, left, width, features, stored_out_in=False):
+    """The reading to suggest for the axes left: the two of them (fan-in first, see `out_in`),
+    else the rank >= 3 rule."""
+    if len(left) == 2:
+        fan_in, fan_out = left[::-1] if stored_out_in else left
+        return (fan_in,), (fan_out,)
+    return None if width is None else width_split(shape, left, width, features)
+
+
+def undecided_expert_axis(path, shape, rest, structure, features, where) -> StructureError:
+    """An expert stack with not exactly one axis of the expert count, with the likely reading
+    (the first axis not of size d indexes the experts)."""
+    count, width = structure.experts[path], structure.width
+    hits = [a for a in rest if shape[a] == count]
+    guess = [a for a in rest if width is None or shape[a] != width][:1]
+    left = [a for a in rest if a not in guess]
+    why = ("no router (d, E) beside it tells the expert count" if count is None else
+           f"it has {len(hits)} axes of the expert count E={count}")
+    return StructureError(f"{where} is an expert stack and which axis indexes the experts is not "
+                          f"told by the shapes: {why}",
+                          _pair_or_split(shape, left, width, features, out_in(path, structure))
+                          if guess else None,
+                          dict.fromkeys(guess, "experts"))
+
+
+def undecided_matrix_axes(path, shape, rest, structure, features, where) -> StructureError:
+    """A leaf of rank >= 3 (`rest`: its axes but a layer axis) whose matrix axes the shapes do
+    not decide: outside the repeated blocks, with the model width unknown, or with not exactly
+    one axis of size d."""
+    width = structure.width
+    if not in_blocks(path, structure.stacks):
+        # The likely reading: a leading axis of the length of a stacked vector outside any stack
+        # is a layer axis.
+        loose = {layers[1] for p, s in structure.vectors if stack_of(p, structure.stacks) is None
+                 and (layers := vector_layers(s, width)) is not None}
+        lead = [a for a in rest[:2] if shape[a] in loose and shape[a] != width][:1]
+        return StructureError(
+            f"{where} has rank {len(rest)} outside the repeated blocks, so a layer axis (a "
+            "batch axis) cannot be told from a matrix axis",
+            _pair_or_split(shape, [a for a in rest if a not in lead], width, features,
+                           out_in(path, structure)),
+            dict.fromkeys(lead, "layers"))
+    if width is None:
+        return StructureError(f"{where} has rank {len(rest)} and the model width is unknown (no "
+                              "token embedding or head)")
+    wide = [a for a in rest if shape[a] == width]
+    return StructureError(f"{where} has {len(wide)} axes of the model width d={width} "
+                          "(need exactly one to tell the matrix's two sides apart)")
