@@ -7,7 +7,7 @@ fit it and a fix to paste. The labeller (`rowgeom._labels`), the model structure
 wrong (`rowgeom._structure`, which it imports, imports it only where it raises).
 
 A label problem kind is a list of ``(path, shape)`` (``not_hidden`` entries carry the reason
-too); `problems_message` writes the kinds in a fixed order.
+too); `label_problems` writes the kinds in a fixed order.
 """
 
 from __future__ import annotations
@@ -122,16 +122,48 @@ _MESSAGES = {"nameless": _nameless, "not_hidden": _not_hidden, "not_head": _not_
              "unchecked": _unchecked}
 
 
-def problems_message(problems: dict[str, list], sizes: Shapes, default) -> str | None:
+def label_problems(problems: dict[str, list], vocabs: set[int], layout, default) -> str | None:
     """One message for every problem kind found (None when there is none), in a fixed order:
     nameless trees, hidden matrices of vocabulary size, heads without one, unchecked defaults,
-    unlabelled matrices (``ambiguous``: the (V, d)-shaped ones among them)."""
+    unlabelled matrices (``ambiguous``: the (V, d)-shaped ones among them); `vocabs`: the token
+    tables' sizes, `layout`: the `ModelStructure` the names alone give."""
+    where_v = f"V={layout.vocab_size}" + (
+        f", from {path_str(layout.source)}" if layout.source else "")
+    sizes = Shapes(vocabs, layout.width, where_v)
     parts = [write(problems[kind], sizes, default) for kind, write in _MESSAGES.items()
              if problems.get(kind)]
     if problems.get("unmatched"):
         parts.append(_unmatched(problems["unmatched"], sizes, default,
                                 problems.get("ambiguous", ())))
     return "label_params: " + " Also: ".join(parts) if parts else None
+
+
+def untied_head(tied, heads) -> str:
+    """``tied`` given, and a head matrix of no token table's shape."""
+    return (f"label_params: tied={tied!r} but the params have a separate, untied head "
+            f"{show(heads)} of no token table's shape; pass tied=None (the default) for an "
+            "untied head")
+
+
+def several_tied_tables(embeds) -> str:
+    """``tied='head'`` and no one token table to train as the head."""
+    return (f"label_params: tied='head' but several embedding tables {show(embeds)}; "
+            "label the tied one with rules=[(regex, 'head')]")
+
+
+def no_label_or_transform(found, transforms) -> str:
+    """`partition_by_label`: parameters without a label (``found``: ``(path, (found, label))``),
+    else the labels without a transform, each with the parameters that use it."""
+    missing = [path_str(path) for path, (ok, _) in found if not ok]
+    if missing:
+        return "partition_by_label: no label for parameter(s) " + ", ".join(missing)
+    no_tx: dict[str, list[str]] = {}
+    for path, (_, label) in found:
+        if label not in transforms:
+            no_tx.setdefault(label, []).append(path_str(path))
+    detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in no_tx.items())
+    return (f"partition_by_label: no transform for label(s) {detail}. "
+            f"transforms has {sorted(map(str, transforms))}")
 
 
 def tied_without_head(embeds) -> str:

@@ -36,7 +36,7 @@ import optax
 
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import Labeler, partition_by_label
+from rowgeom._labels import GivenLabels, Labeler, given_labels, partition_by_label
 from rowgeom._messages import no_head_group, undecided_muon_axes
 from rowgeom._muon import (
     MuonDimensionNumbers,
@@ -73,7 +73,6 @@ from rowgeom._tree import (
     leaf_shape,
     one_of,
     path_str,
-    prefix_entries,
     prefixed,
     resolve_per_leaf,
     tree_paths,
@@ -492,21 +491,11 @@ def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
 
 def _labelled(tree: Any, hp: PlanOptions):
     """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
-    entries = tree_paths(tree)
     if isinstance(hp.labels, Labeler):
         leaves = hp.labels.label_leaves(tree)
         return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
                 {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
-    given = hp.labels(tree) if callable(hp.labels) else hp.labels
-    given = dict(given) if isinstance(given, _GivenLabels) else given
-    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
-                                is_value=lambda v: isinstance(v, str), argname="labels")
-    missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
-               if not found]
-    if missing:
-        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
-    labelled = [(p, leaf_shape(x), str(label))
-                for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
+    labelled = given_labels(hp.labels, tree)
     return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
 
 
@@ -649,11 +638,6 @@ def _covers(key: tuple, view: tuple) -> bool:
         a[0] == b[0] and (b[1:] == _MASKED or a[1] == b[1]) for a, b in zip(key, view, strict=True))
 
 
-class _GivenLabels(tuple):
-    """A labels tree as ``(("/"-joined path, label), ...)``: nested and flat trees that mean the
-    same share a plan, and a later change to the caller's dict changes none."""
-
-
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
                  router: Any = "muon", labels: Any = None, tied: str | None = None
                  ) -> PlanOptions:
@@ -674,8 +658,7 @@ def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
         tied = labels.tied if tied is None else tied
         labels = dataclasses.replace(labels, tied=tied)
     elif not callable(labels):  # a tree of labels
-        labels = _GivenLabels(sorted((path_str(p), label)
-                                     for p, label in prefix_entries(labels).items()))
+        labels = GivenLabels(labels)
     return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
                        as_options(muon, MuonOptions, (), "muon"),
                        as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router"),
