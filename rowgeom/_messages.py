@@ -199,6 +199,27 @@ def no_head_group(leaves, head: str, tied: str | None) -> str:
             "optimizer: label it 'head')")
 
 
+def no_dimension_numbers(missing: list[str]) -> str:
+    """`MuonOptions.dimension_numbers`, given outright, leaves hidden parameters out."""
+    return f"MuonOptions.dimension_numbers has no entry for the hidden parameter(s) {missing}"
+
+
+def undecided_router_axes(optimizer: str, err: Exception) -> str:
+    """A router whose expert axis the shapes do not tell (`err`: the StructureError)."""
+    return (f"lm_optimizer(router={optimizer!r}): {err}. Train routers with router='muon', or "
+            "label this one 'hidden'")
+
+
+def muon_head_not_a_matrix(path, shape) -> str:
+    """``head='muon'`` and a head leaf of rank other than 2."""
+    return f"head='muon': the head {path_str(path)} {shape} must be a single matrix (rank 2)"
+
+
+def not_an_axis_of_the_head(axis: int, path, shape) -> str:
+    """``HeadOptions.vocab_axis`` out of range for a (rank-2) Muon head."""
+    return f"HeadOptions.vocab_axis={axis} is not an axis of the head {path_str(path)} {shape}"
+
+
 def _axes(axes: tuple[int, ...]):
     """Axes as `MuonDimensionNumbers` is written: one axis an int."""
     return axes[0] if len(axes) == 1 else tuple(axes)

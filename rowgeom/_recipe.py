@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rowgeom import _messages  # the text of a plan's errors
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
 from rowgeom._labels import GivenLabels, Labeler, given_labels, partition_by_label
-from rowgeom._messages import no_head_group, undecided_muon_axes
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
@@ -516,8 +516,7 @@ def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any
             argname="MuonOptions.dimension_numbers"), strict=True))
         missing = [path_str(p) for p, _ in hidden if not given[p][0]]
         if missing:
-            raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
-                             f"parameter(s) {missing}")
+            raise ValueError(_messages.no_dimension_numbers(missing))
         return {p: as_dimension_numbers(given[p][1]) for p, _ in hidden}, []
     overrides = [(False, None)] * len(hidden)
     if option is not None:
@@ -543,8 +542,7 @@ def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
     try:
         feature, expert = router_axes(path, shape, structure, any_order=optimizer != "rownorm")
     except StructureError as err:
-        raise ValueError(f"lm_optimizer(router={optimizer!r}): {err}. Train routers with "
-                         "router='muon', or label this one 'hidden'") from None
+        raise ValueError(_messages.undecided_router_axes(optimizer, err)) from None
     batch = tuple(a for a in range(len(shape)) if a not in (feature, expert))
     if optimizer == "muon":
         return MuonDimensionNumbers(feature, expert), None, batch
@@ -554,8 +552,7 @@ def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
 def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
     """``(muon dims or None, vocabulary axis)`` of a head leaf."""
     if hp.head.optimizer == "muon" and len(shape) != 2:
-        raise ValueError(f"head='muon': the head {path_str(path)} {shape} must be a single "
-                         "matrix (rank 2)")
+        raise ValueError(_messages.muon_head_not_a_matrix(path, shape))
     axis = hp.head.vocab_axis
     if axis is None:
         try:
@@ -565,8 +562,7 @@ def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
     if hp.head.optimizer != "muon":
         return None, axis
     if not -2 <= axis < 2:
-        raise ValueError(f"HeadOptions.vocab_axis={axis} is not an axis of the head "
-                         f"{path_str(path)} {shape}")
+        raise ValueError(_messages.not_an_axis_of_the_head(axis, path, shape))
     vocab = axis % 2  # fan-out; the other axis, d, is fan-in
     return MuonDimensionNumbers(1 - vocab, vocab), axis
 
@@ -607,11 +603,11 @@ def _plan(tree: Any, hp: PlanOptions) -> Plan:
     labelled, reasons, router_names = _labelled(tree, hp)
     # A model has a head unless its head is tied and trained as the embedding.
     if hp.tied != "embedding" and not any(label == "head" for _, _, label in labelled):
-        raise ValueError(no_head_group(labelled, hp.head.optimizer, hp.tied))
+        raise ValueError(_messages.no_head_group(labelled, hp.head.optimizer, hp.tied))
     structure = model_structure(labelled, router_names=router_names)
     hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
     if undecided:
-        raise ValueError(undecided_muon_axes(undecided))
+        raise ValueError(_messages.undecided_muon_axes(undecided))
     return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
                  for p, s, label in labelled], structure)
 
