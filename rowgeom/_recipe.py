@@ -505,24 +505,22 @@ def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any
     or gives them outright (anything else: every hidden leaf covered, None passes one through)."""
     option = hp.muon.dimension_numbers
     hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
-    infer = option is None or (isinstance(option, Mapping) and bool(option)
-                               and all(isinstance(k, str) for k in option)
-                               and all(is_dimension_numbers(v) for v in option.values()))
-    if not infer:
+    overrides = [(False, None)] * len(hidden)
+    flat = isinstance(option, Mapping) and bool(option) and all(isinstance(k, str) for k in option)
+    if flat and all(is_dimension_numbers(v) for v in option.values()):  # the rest inferred
+        overrides = resolve_per_leaf(
+            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
+            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
+    elif option is not None:  # given outright: nothing is inferred
         option = option(tree) if callable(option) else option
         paths = [p for p, _ in tree_paths(tree)]
         given = dict(zip(paths, resolve_per_leaf(
             option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
             argname="MuonOptions.dimension_numbers"), strict=True))
+        overrides = [given[p] for p, _ in hidden]
         missing = [path_str(p) for p, _ in hidden if not given[p][0]]
         if missing:
             raise ValueError(_messages.no_dimension_numbers(missing))
-        return {p: as_dimension_numbers(given[p][1]) for p, _ in hidden}, []
-    overrides = [(False, None)] * len(hidden)
-    if option is not None:
-        overrides = resolve_per_leaf(
-            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
-            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
     dims, undecided = {}, []
     for (path, shape), (found, value) in zip(hidden, overrides, strict=True):
         if found:
