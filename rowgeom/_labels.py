@@ -24,7 +24,13 @@ from typing import Any, NamedTuple
 
 import optax
 
-from rowgeom._messages import Shapes, problems_message, show, tied_without_head
+from rowgeom._messages import (
+    label_problems,
+    no_label_or_transform,
+    several_tied_tables,
+    tied_without_head,
+    untied_head,
+)
 from rowgeom._names import (
     DEFAULT_EMBEDDING_NAMES,
     DEFAULT_HEAD_NAMES,
@@ -45,12 +51,14 @@ from rowgeom._structure import (
     naming_path,
 )
 from rowgeom._tree import (
+    Path,
     leaf_shape,
     lookup_prefix,
     map_with_paths,
     one_of,
     path_str,
     prefix_entries,
+    resolve_per_leaf,
     tree_paths,
 )
 
@@ -167,12 +175,9 @@ def _resolve(leaves: list[_Leaf], cfg: Labeler) -> tuple[list[_Leaf], ModelStruc
     problems: dict[str, list] = {kind: [] for kind in (
         "nameless", "not_hidden", "not_head", "unchecked", "unmatched", "ambiguous")}
     out = [_resolve_leaf(leaf, layout, vocabs, cfg.default, problems) for leaf in leaves]
-    if any(problems.values()):
-        where_v = f"V={layout.vocab_size}" + (
-            f", from {path_str(layout.source)}" if layout.source else "")
-        message = problems_message(problems, Shapes(vocabs, layout.width, where_v), cfg.default)
-        if message:
-            raise ValueError(message)
+    message = any(problems.values()) and label_problems(problems, vocabs, layout, cfg.default)
+    if message:
+        raise ValueError(message)
     return out, layout
 
 
@@ -188,10 +193,7 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
     tables = {tuple(lf.shape) for lf in embeds if len(lf.shape) == 2}
     wrong = [lf for lf in unused if lf.shape not in tables | {s[::-1] for s in tables}]
     if wrong:
-        raise ValueError(
-            f"label_params: tied={tied!r} but the params have a separate, untied head "
-            f"{show(wrong)} of no token table's shape; pass tied=None (the default) for an "
-            "untied head")
+        raise ValueError(untied_head(tied, wrong))
     heads = [lf for lf in heads if lf not in unused]
     if not embeds and not heads:
         raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
@@ -202,9 +204,7 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
         if len(tokens) != 1:  # the table V and d were read from (position tables excluded)
             tokens = [lf for lf in embeds if lf.path == layout.source]
         if len(tokens) != 1:
-            raise ValueError(
-                f"label_params: tied='head' but several embedding tables {show(embeds)}; "
-                "label the tied one with rules=[(regex, 'head')]")
+            raise ValueError(several_tied_tables(embeds))
         embeds = tokens
     return embeds[0].path, unused
 
@@ -336,6 +336,32 @@ def label_params(params: Any, **options: Any) -> Any:
     return Labeler(**options)(params)
 
 
+class GivenLabels(tuple):
+    """A labels tree as ``(("/"-joined path, label), ...)``: nested and flat trees that mean the
+    same share a plan, and a later change to the caller's dict changes none."""
+
+    def __new__(cls, labels: Any):
+        return super().__new__(cls, sorted((path_str(p), label)
+                                           for p, label in prefix_entries(labels).items()))
+
+
+def given_labels(labels: Any, tree: Any) -> list[tuple[Path, tuple[int, ...], str]]:
+    """``[(path, shape, label)]`` of every leaf of `tree`, from labels given as a tree (matched
+    by path: `rowgeom._tree.resolve_per_leaf`), a `GivenLabels` or a callable ``tree ->
+    labels``; a leaf no label covers is an error naming it."""
+    entries = tree_paths(tree)
+    given = labels(tree) if callable(labels) else labels
+    given = dict(given) if isinstance(given, GivenLabels) else given
+    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
+                                is_value=lambda v: isinstance(v, str), argname="labels")
+    missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
+               if not found]
+    if missing:
+        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
+    return [(p, leaf_shape(x), str(label))
+            for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
+
+
 # --- `optax.partition` with labels matched by path.
 
 
@@ -388,16 +414,7 @@ def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:
     listing the parameters without a label and the labels without a transform."""
     table = prefix_entries(labels(params) if callable(labels) else labels)
     found = [(path, lookup_prefix(table, path)) for path, _ in tree_paths(params)]
-    missing = [path_str(path) for path, (ok, _) in found if not ok]
-    if missing:
-        raise ValueError("partition_by_label: no label for parameter(s) " + ", ".join(missing))
-    no_tx: dict[str, list[str]] = {}
-    for path, (_, label) in found:
-        if label not in transforms:
-            no_tx.setdefault(label, []).append(path_str(path))
-    if no_tx:
-        detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in no_tx.items())
-        raise ValueError(f"partition_by_label: no transform for label(s) {detail}. "
-                         f"transforms has {sorted(map(str, transforms))}")
+    if not all(ok and label in transforms for _, (ok, label) in found):
+        raise ValueError(no_label_or_transform(found, transforms))
     by_path = {path: label for path, (_, label) in found}
     return map_with_paths(lambda path, _: by_path[path], params)

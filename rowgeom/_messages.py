@@ -1,11 +1,13 @@
 """The messages of the errors a tree that cannot be labelled or planned raises.
 
 Every problem of a tree is reported in one error, each leaf named with its shape, the labels that
-fit it and a fix to paste. The labeller (`rowgeom._labels`) and the plan (`rowgeom._recipe`)
-collect the problems; this module writes them, and runs only when a tree is wrong.
+fit it and a fix to paste. The labeller (`rowgeom._labels`), the model structure
+(`rowgeom._structure`: the axes the shapes do not decide, with the likely reading) and the plan
+(`rowgeom._recipe`) collect the problems; this module writes them, and runs only when a tree is
+wrong (`rowgeom._structure`, which it imports, imports it only where it raises).
 
 A label problem kind is a list of ``(path, shape)`` (``not_hidden`` entries carry the reason
-too); `problems_message` writes the kinds in a fixed order.
+too); `label_problems` writes the kinds in a fixed order.
 """
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from rowgeom._structure import is_position_embedding
-from rowgeom._tree import path_str
+from rowgeom._structure import (
+    StructureError,
+    in_blocks,
+    is_position_embedding,
+    out_in,
+    stack_of,
+    vector_layers,
+    width_split,
+)
+from rowgeom._tree import path_name, path_str
 
 # --- `label_params`' problems -----------------------------------------------------------------
 
@@ -112,16 +122,48 @@ _MESSAGES = {"nameless": _nameless, "not_hidden": _not_hidden, "not_head": _not_
              "unchecked": _unchecked}
 
 
-def problems_message(problems: dict[str, list], sizes: Shapes, default) -> str | None:
+def label_problems(problems: dict[str, list], vocabs: set[int], layout, default) -> str | None:
     """One message for every problem kind found (None when there is none), in a fixed order:
     nameless trees, hidden matrices of vocabulary size, heads without one, unchecked defaults,
-    unlabelled matrices (``ambiguous``: the (V, d)-shaped ones among them)."""
+    unlabelled matrices (``ambiguous``: the (V, d)-shaped ones among them); `vocabs`: the token
+    tables' sizes, `layout`: the `ModelStructure` the names alone give."""
+    where_v = f"V={layout.vocab_size}" + (
+        f", from {path_str(layout.source)}" if layout.source else "")
+    sizes = Shapes(vocabs, layout.width, where_v)
     parts = [write(problems[kind], sizes, default) for kind, write in _MESSAGES.items()
              if problems.get(kind)]
     if problems.get("unmatched"):
         parts.append(_unmatched(problems["unmatched"], sizes, default,
                                 problems.get("ambiguous", ())))
     return "label_params: " + " Also: ".join(parts) if parts else None
+
+
+def untied_head(tied, heads) -> str:
+    """``tied`` given, and a head matrix of no token table's shape."""
+    return (f"label_params: tied={tied!r} but the params have a separate, untied head "
+            f"{show(heads)} of no token table's shape; pass tied=None (the default) for an "
+            "untied head")
+
+
+def several_tied_tables(embeds) -> str:
+    """``tied='head'`` and no one token table to train as the head."""
+    return (f"label_params: tied='head' but several embedding tables {show(embeds)}; "
+            "label the tied one with rules=[(regex, 'head')]")
+
+
+def no_label_or_transform(found, transforms) -> str:
+    """`partition_by_label`: parameters without a label (``found``: ``(path, (found, label))``),
+    else the labels without a transform, each with the parameters that use it."""
+    missing = [path_str(path) for path, (ok, _) in found if not ok]
+    if missing:
+        return "partition_by_label: no label for parameter(s) " + ", ".join(missing)
+    no_tx: dict[str, list[str]] = {}
+    for path, (_, label) in found:
+        if label not in transforms:
+            no_tx.setdefault(label, []).append(path_str(path))
+    detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in no_tx.items())
+    return (f"partition_by_label: no transform for label(s) {detail}. "
+            f"transforms has {sorted(map(str, transforms))}")
 
 
 def tied_without_head(embeds) -> str:
@@ -157,6 +199,27 @@ def no_head_group(leaves, head: str, tied: str | None) -> str:
             "optimizer: label it 'head')")
 
 
+def no_dimension_numbers(missing: list[str]) -> str:
+    """`MuonOptions.dimension_numbers`, given outright, leaves hidden parameters out."""
+    return f"MuonOptions.dimension_numbers has no entry for the hidden parameter(s) {missing}"
+
+
+def undecided_router_axes(optimizer: str, err: Exception) -> str:
+    """A router whose expert axis the shapes do not tell (`err`: the StructureError)."""
+    return (f"lm_optimizer(router={optimizer!r}): {err}. Train routers with router='muon', or "
+            "label this one 'hidden'")
+
+
+def muon_head_not_a_matrix(path, shape) -> str:
+    """``head='muon'`` and a head leaf of rank other than 2."""
+    return f"head='muon': the head {path_str(path)} {shape} must be a single matrix (rank 2)"
+
+
+def not_an_axis_of_the_head(axis: int, path, shape) -> str:
+    """``HeadOptions.vocab_axis`` out of range for a (rank-2) Muon head."""
+    return f"HeadOptions.vocab_axis={axis} is not an axis of the head {path_str(path)} {shape}"
+
+
 def _axes(axes: tuple[int, ...]):
     """Axes as `MuonDimensionNumbers` is written: one axis an int."""
     return axes[0] if len(axes) == 1 else tuple(axes)
@@ -183,3 +246,75 @@ def undecided_muon_axes(errors) -> str:
             "named in a side are batch axes: experts, layers), correct it where needed and pass "
             "it; leaves not named there are still inferred:\n"
             "muon=rowgeom.MuonOptions(dimension_numbers={\n" + "\n".join(entries) + "\n})")
+
+
+# --- The axes the shapes do not decide (`rowgeom._structure`'s StructureErrors) -----------------
+
+
+def no_layer_axis(where: str, prefix, info) -> StructureError:
+    """A leaf of a layer stack without the stack's layer axis (``info``: its (axis, L) or None)."""
+    if info is None:
+        return StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
+                              "axis cannot be told from the shapes")
+    return StructureError(f"{where} has no layer axis of size {info[1]} at position {info[0]} "
+                          f"like the rest of the stack {'/'.join(prefix)}")
+
+
+def unknown_vocab_axis(path, shape, vocab_size) -> StructureError:
+    """A head leaf with not exactly one axis of size V and no name that says its layout."""
+    return StructureError(
+        f"cannot infer the vocabulary axis of head parameter {path_name(tuple(path))!r} "
+        f"(shape {tuple(shape)}): it has not exactly one axis of the vocabulary size "
+        f"(V={vocab_size}), and only rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' "
+        "or 'weight' ((V, d) -> 0) are recognised by name. Say it with "
+        "lm_optimizer(head=rowgeom.HeadOptions(vocab_axis=...))")
+
+
+def _pair_or_split(shape, left, width, features, stored_out_in=False):
+    """The reading to suggest for the axes left: the two of them (fan-in first, see `out_in`),
+    else the rank >= 3 rule."""
+    if len(left) == 2:
+        fan_in, fan_out = left[::-1] if stored_out_in else left
+        return (fan_in,), (fan_out,)
+    return None if width is None else width_split(shape, left, width, features)
+
+
+def undecided_expert_axis(path, shape, rest, structure, features, where) -> StructureError:
+    """An expert stack with not exactly one axis of the expert count, with the likely reading
+    (the first axis not of size d indexes the experts)."""
+    count, width = structure.experts[path], structure.width
+    hits = [a for a in rest if shape[a] == count]
+    guess = [a for a in rest if width is None or shape[a] != width][:1]
+    left = [a for a in rest if a not in guess]
+    why = ("no router (d, E) beside it tells the expert count" if count is None else
+           f"it has {len(hits)} axes of the expert count E={count}")
+    return StructureError(f"{where} is an expert stack and which axis indexes the experts is not "
+                          f"told by the shapes: {why}",
+                          _pair_or_split(shape, left, width, features, out_in(path, structure))
+                          if guess else None,
+                          dict.fromkeys(guess, "experts"))
+
+
+def undecided_matrix_axes(path, shape, rest, structure, features, where) -> StructureError:
+    """A leaf of rank >= 3 (`rest`: its axes but a layer axis) whose matrix axes the shapes do
+    not decide: outside the repeated blocks, with the model width unknown, or with not exactly
+    one axis of size d."""
+    width = structure.width
+    if not in_blocks(path, structure.stacks):
+        # The likely reading: a leading axis of the length of a stacked vector outside any stack
+        # is a layer axis.
+        loose = {layers[1] for p, s in structure.vectors if stack_of(p, structure.stacks) is None
+                 and (layers := vector_layers(s, width)) is not None}
+        lead = [a for a in rest[:2] if shape[a] in loose and shape[a] != width][:1]
+        return StructureError(
+            f"{where} has rank {len(rest)} outside the repeated blocks, so a layer axis (a "
+            "batch axis) cannot be told from a matrix axis",
+            _pair_or_split(shape, [a for a in rest if a not in lead], width, features,
+                           out_in(path, structure)),
+            dict.fromkeys(lead, "layers"))
+    if width is None:
+        return StructureError(f"{where} has rank {len(rest)} and the model width is unknown (no "
+                              "token embedding or head)")
+    wide = [a for a in rest if shape[a] == width]
+    return StructureError(f"{where} has {len(wide)} axes of the model width d={width} "
+                          "(need exactly one to tell the matrix's two sides apart)")

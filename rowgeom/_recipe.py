@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rowgeom import _messages  # the text of a plan's errors
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import Labeler, partition_by_label
-from rowgeom._messages import no_head_group, undecided_muon_axes
+from rowgeom._labels import GivenLabels, Labeler, given_labels, partition_by_label
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
@@ -73,7 +73,6 @@ from rowgeom._tree import (
     leaf_shape,
     one_of,
     path_str,
-    prefix_entries,
     prefixed,
     resolve_per_leaf,
     tree_paths,
@@ -492,21 +491,11 @@ def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
 
 def _labelled(tree: Any, hp: PlanOptions):
     """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
-    entries = tree_paths(tree)
     if isinstance(hp.labels, Labeler):
         leaves = hp.labels.label_leaves(tree)
         return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
                 {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
-    given = hp.labels(tree) if callable(hp.labels) else hp.labels
-    given = dict(given) if isinstance(given, _GivenLabels) else given
-    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
-                                is_value=lambda v: isinstance(v, str), argname="labels")
-    missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
-               if not found]
-    if missing:
-        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
-    labelled = [(p, leaf_shape(x), str(label))
-                for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
+    labelled = given_labels(hp.labels, tree)
     return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
 
 
@@ -516,25 +505,22 @@ def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any
     or gives them outright (anything else: every hidden leaf covered, None passes one through)."""
     option = hp.muon.dimension_numbers
     hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
-    infer = option is None or (isinstance(option, Mapping) and bool(option)
-                               and all(isinstance(k, str) for k in option)
-                               and all(is_dimension_numbers(v) for v in option.values()))
-    if not infer:
+    overrides = [(False, None)] * len(hidden)
+    flat = isinstance(option, Mapping) and bool(option) and all(isinstance(k, str) for k in option)
+    if flat and all(is_dimension_numbers(v) for v in option.values()):  # the rest inferred
+        overrides = resolve_per_leaf(
+            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
+            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
+    elif option is not None:  # given outright: nothing is inferred
         option = option(tree) if callable(option) else option
         paths = [p for p, _ in tree_paths(tree)]
         given = dict(zip(paths, resolve_per_leaf(
             option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
             argname="MuonOptions.dimension_numbers"), strict=True))
+        overrides = [given[p] for p, _ in hidden]
         missing = [path_str(p) for p, _ in hidden if not given[p][0]]
         if missing:
-            raise ValueError(f"MuonOptions.dimension_numbers has no entry for the hidden "
-                             f"parameter(s) {missing}")
-        return {p: as_dimension_numbers(given[p][1]) for p, _ in hidden}, []
-    overrides = [(False, None)] * len(hidden)
-    if option is not None:
-        overrides = resolve_per_leaf(
-            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
-            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
+            raise ValueError(_messages.no_dimension_numbers(missing))
     dims, undecided = {}, []
     for (path, shape), (found, value) in zip(hidden, overrides, strict=True):
         if found:
@@ -554,8 +540,7 @@ def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
     try:
         feature, expert = router_axes(path, shape, structure, any_order=optimizer != "rownorm")
     except StructureError as err:
-        raise ValueError(f"lm_optimizer(router={optimizer!r}): {err}. Train routers with "
-                         "router='muon', or label this one 'hidden'") from None
+        raise ValueError(_messages.undecided_router_axes(optimizer, err)) from None
     batch = tuple(a for a in range(len(shape)) if a not in (feature, expert))
     if optimizer == "muon":
         return MuonDimensionNumbers(feature, expert), None, batch
@@ -565,8 +550,7 @@ def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
 def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
     """``(muon dims or None, vocabulary axis)`` of a head leaf."""
     if hp.head.optimizer == "muon" and len(shape) != 2:
-        raise ValueError(f"head='muon': the head {path_str(path)} {shape} must be a single "
-                         "matrix (rank 2)")
+        raise ValueError(_messages.muon_head_not_a_matrix(path, shape))
     axis = hp.head.vocab_axis
     if axis is None:
         try:
@@ -576,8 +560,7 @@ def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
     if hp.head.optimizer != "muon":
         return None, axis
     if not -2 <= axis < 2:
-        raise ValueError(f"HeadOptions.vocab_axis={axis} is not an axis of the head "
-                         f"{path_str(path)} {shape}")
+        raise ValueError(_messages.not_an_axis_of_the_head(axis, path, shape))
     vocab = axis % 2  # fan-out; the other axis, d, is fan-in
     return MuonDimensionNumbers(1 - vocab, vocab), axis
 
@@ -618,11 +601,11 @@ def _plan(tree: Any, hp: PlanOptions) -> Plan:
     labelled, reasons, router_names = _labelled(tree, hp)
     # A model has a head unless its head is tied and trained as the embedding.
     if hp.tied != "embedding" and not any(label == "head" for _, _, label in labelled):
-        raise ValueError(no_head_group(labelled, hp.head.optimizer, hp.tied))
+        raise ValueError(_messages.no_head_group(labelled, hp.head.optimizer, hp.tied))
     structure = model_structure(labelled, router_names=router_names)
     hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
     if undecided:
-        raise ValueError(undecided_muon_axes(undecided))
+        raise ValueError(_messages.undecided_muon_axes(undecided))
     return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
                  for p, s, label in labelled], structure)
 
@@ -649,11 +632,6 @@ def _covers(key: tuple, view: tuple) -> bool:
         a[0] == b[0] and (b[1:] == _MASKED or a[1] == b[1]) for a, b in zip(key, view, strict=True))
 
 
-class _GivenLabels(tuple):
-    """A labels tree as ``(("/"-joined path, label), ...)``: nested and flat trees that mean the
-    same share a plan, and a later change to the caller's dict changes none."""
-
-
 def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
                  router: Any = "muon", labels: Any = None, tied: str | None = None
                  ) -> PlanOptions:
@@ -674,8 +652,7 @@ def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
         tied = labels.tied if tied is None else tied
         labels = dataclasses.replace(labels, tied=tied)
     elif not callable(labels):  # a tree of labels
-        labels = _GivenLabels(sorted((path_str(p), label)
-                                     for p, label in prefix_entries(labels).items()))
+        labels = GivenLabels(labels)
     return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
                        as_options(muon, MuonOptions, (), "muon"),
                        as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router"),

@@ -5,7 +5,7 @@ both, so a name that contradicts the shapes is an error, not a silently wrong ge
 axis is inferred here: ``V`` and ``d`` (`find_vocab`), the layer axes of stacks (`find_stacks`),
 routers, expert stacks and ``E`` (`find_experts`), Muon's matrix axes (`muon_axes`), the head's
 vocabulary axis and a router's axes. Where the shapes do not decide, `StructureError` carries
-the likely reading. The rules with examples: docs/guides/labels.md.
+the likely reading (`rowgeom._messages` writes it). The rules with examples: docs/guides/labels.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rowgeom._names import (
     VOCAB_AXIS_BY_LEAF_NAME,
     WRAPPER_SUFFIXES,
 )
-from rowgeom._tree import Path, path_name
+from rowgeom._tree import Path
 
 # --- What the names in a parameter path say: wrappers, blocks, position tables, experts, routers,
 # biases (the name sets of `rowgeom._names`). Whole components only, case-insensitive; shapes are
@@ -278,8 +278,8 @@ class ModelStructure(NamedTuple):
     ``experts``: expert-stack leaf path -> expert count ``E`` (None: not decided);
     ``routers``: router leaf path -> ``E`` (None: not decided); ``router_names``: the names
     that mean a router (the labeler's); ``vectors``: ``(path, shape)`` of the norm scales and
-    biases; ``loose_layer_sizes``: lengths ``L`` of stacked vectors ``(L, d)`` outside any stack;
-    ``out_in_modules``: module names whose ``kernel`` this tree stores ``(out, in)`` (`out_in`).
+    biases; ``out_in_modules``: module names whose ``kernel`` this tree stores ``(out, in)``
+    (`out_in`).
     """
 
     vocab_size: int | None
@@ -290,7 +290,6 @@ class ModelStructure(NamedTuple):
     routers: Mapping[tuple[str, ...], int | None] = _EMPTY
     router_names: frozenset[str] = DEFAULT_ROUTER_NAMES
     vectors: tuple[tuple[Path, tuple[int, ...]], ...] = ()
-    loose_layer_sizes: frozenset[int] = frozenset()
     out_in_modules: frozenset[str] = frozenset()
 
 
@@ -328,7 +327,7 @@ def _common_leading_axis(leaves, width):
     return {f for f in found if f[1] != width}
 
 
-def _vector_layers(shape, width) -> tuple[int, int] | None:
+def vector_layers(shape, width) -> tuple[int, int] | None:
     """``(axis, L)`` of a stacked vector ``(L, d)`` / ``(d, L)``; None for any other shape."""
     if width is None or len(shape) != 2 or list(shape).count(width) != 1:
         return None
@@ -338,7 +337,7 @@ def _vector_layers(shape, width) -> tuple[int, int] | None:
 
 def _stacked_norms(leaves, width, vectors) -> set:
     """``{(axis, L)}`` read off the stacked vectors of a container."""
-    return {_vector_layers(s, width) for p, s in leaves if p in vectors} - {None}
+    return {vector_layers(s, width) for p, s in leaves if p in vectors} - {None}
 
 
 def _no_layer_axis(leaves) -> bool:
@@ -421,11 +420,9 @@ def layer_axis(path, shape, stacks: Mapping, *, min_rank: int = 3,
         return info[0]
     if where is None:
         return None
-    if info is None:
-        raise StructureError(f"{where} is in the stacked layers {'/'.join(prefix)}, whose layer "
-                             "axis cannot be told from the shapes")
-    raise StructureError(f"{where} has no layer axis of size {info[1]} at position {info[0]} "
-                         f"like the rest of the stack {'/'.join(prefix)}")
+    from rowgeom._messages import no_layer_axis  # error text: not on the optimizer's path
+
+    raise no_layer_axis(where, prefix, info)
 
 
 def unstacked_axes(path, shape, stacks: Mapping, *, min_rank: int = 3,
@@ -433,12 +430,6 @@ def unstacked_axes(path, shape, stacks: Mapping, *, min_rank: int = 3,
     """The axes of a leaf other than its layer axis (when it has one; `layer_axis`)."""
     layer = layer_axis(path, shape, stacks, min_rank=min_rank, where=where)
     return [a for a in range(len(shape)) if a != layer]
-
-
-def _loose_layer_sizes(vectors, width, stacks) -> frozenset[int]:
-    """``L`` of stacked vectors outside any stack (a likely layer axis for an error)."""
-    return frozenset(layers[1] for p, s in vectors if stack_of(p, stacks) is None
-                     and (layers := _vector_layers(s, width)) is not None)
 
 
 def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NAMES,
@@ -455,8 +446,7 @@ def model_structure(leaves, *, router_names: Collection[str] = DEFAULT_ROUTER_NA
     experts, routers = find_experts(leaves, width, stacks, names, movable)
     return ModelStructure(vocab, width, source, types.MappingProxyType(stacks),
                           types.MappingProxyType(experts), types.MappingProxyType(routers),
-                          names, vectors, _loose_layer_sizes(vectors, width, stacks),
-                          _conv1d_out_in(leaves, width))
+                          names, vectors, _conv1d_out_in(leaves, width))
 
 
 def _conv1d_out_in(leaves, width: int | None) -> frozenset[str]:
@@ -512,7 +502,7 @@ def norm_widths(path: Sequence[str], structure: ModelStructure) -> set[int]:
     return {rest[0] for rest in sizes if len(rest) == 1 and rest[0] != structure.width}
 
 
-def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def width_split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The rank >= 3 rule: the one axis of size d (else of a feature size) against the rest,
     as fan-in unless it is the last axis (only the "spectral"/"keller" scales tell)."""
     for sizes in ([width], features):
@@ -525,32 +515,16 @@ def _split(shape, rest, width, features) -> tuple[tuple[int, ...], tuple[int, ..
     return None
 
 
-def _pair_or_split(shape, left, width, features, stored_out_in=False):
-    """The reading to suggest for the axes left: the two of them (fan-in first, see `out_in`),
-    else the rank >= 3 rule."""
-    if len(left) == 2:
-        fan_in, fan_out = left[::-1] if stored_out_in else left
-        return (fan_in,), (fan_out,)
-    return None if width is None else _split(shape, left, width, features)
-
-
 def _without_expert_axis(path, shape, rest, structure, features, where) -> list[int]:
     """`rest` without an expert stack's expert axis (its one axis of size ``E``)."""
     if path not in structure.experts or len(rest) < 3:
         return rest
-    count, width = structure.experts[path], structure.width
-    hits = [a for a in rest if shape[a] == count]
+    hits = [a for a in rest if shape[a] == structure.experts[path]]
     if len(hits) == 1:
         return [a for a in rest if a != hits[0]]
-    guess = [a for a in rest if width is None or shape[a] != width][:1]
-    left = [a for a in rest if a not in guess]
-    why = ("no router (d, E) beside it tells the expert count" if count is None else
-           f"it has {len(hits)} axes of the expert count E={count}")
-    raise StructureError(f"{where} is an expert stack and which axis indexes the experts is not "
-                         f"told by the shapes: {why}",
-                         _pair_or_split(shape, left, width, features, out_in(path, structure))
-                         if guess else None,
-                         dict.fromkeys(guess, "experts"))
+    from rowgeom._messages import undecided_expert_axis  # error text: not on the optimizer's path
+
+    raise undecided_expert_axis(path, shape, rest, structure, features, where)
 
 
 def out_in(path: Sequence[str], structure: ModelStructure) -> bool:
@@ -573,24 +547,14 @@ def muon_axes(path: Sequence[str], shape: Sequence[int], structure: ModelStructu
     if len(rest) == 2:  # fan-in first, unless the leaf is stored (out, in)
         fan_in, fan_out = rest[::-1] if out_in(path, structure) else rest
         return (fan_in,), (fan_out,)
-    if not in_blocks(path, structure.stacks):
-        # The likely reading: a leading axis of a stacked vector's length is a layer axis.
-        lead = [a for a in rest[:2] if shape[a] in structure.loose_layer_sizes
-                and shape[a] != width][:1]
-        raise StructureError(
-            f"{where} has rank {len(rest)} outside the repeated blocks, so a layer axis (a "
-            "batch axis) cannot be told from a matrix axis",
-            _pair_or_split(shape, [a for a in rest if a not in lead], width, features,
-                           out_in(path, structure)),
-            dict.fromkeys(lead, "layers"))
-    if width is None:
-        raise StructureError(f"{where} has rank {len(rest)} and the model width is unknown (no "
-                             "token embedding or head)")
-    split = _split(shape, rest, width, features)
+    # Rank >= 3 (a layer axis aside): inside the repeated blocks, the one axis of size d.
+    split = None
+    if in_blocks(path, structure.stacks) and width is not None:
+        split = width_split(shape, rest, width, features)
     if split is None:
-        wide = [a for a in rest if shape[a] == width]
-        raise StructureError(f"{where} has {len(wide)} axes of the model width d={width} "
-                             "(need exactly one to tell the matrix's two sides apart)")
+        from rowgeom._messages import undecided_matrix_axes  # error text: not on the path
+
+        raise undecided_matrix_axes(path, shape, rest, structure, features, where)
     return split
 
 
@@ -608,12 +572,9 @@ def head_vocab_axis(path: Sequence[str], shape: Sequence[int], vocab_size: int |
     name = path[-1].lower() if path else ""
     if name in VOCAB_AXIS_BY_LEAF_NAME and len(shape) == 2:
         return VOCAB_AXIS_BY_LEAF_NAME[name]
-    raise StructureError(
-        f"cannot infer the vocabulary axis of head parameter {path_name(tuple(path))!r} "
-        f"(shape {shape}): it has not exactly one axis of the vocabulary size "
-        f"(V={vocab_size}), and only rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' "
-        "or 'weight' ((V, d) -> 0) are recognised by name. Say it with "
-        "lm_optimizer(head=rowgeom.HeadOptions(vocab_axis=...))")
+    from rowgeom._messages import unknown_vocab_axis  # error text: not on the optimizer's path
+
+    raise unknown_vocab_axis(path, shape, vocab_size)
 
 
 def router_axes(path, shape, structure: ModelStructure, *, any_order: bool = False

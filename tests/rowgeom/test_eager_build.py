@@ -69,12 +69,11 @@ def test_describe_prints_the_plan_the_chains_read():
 def test_the_call_init_and_update_run_in_at_most_ten_modules():
     modules = measure()
     assert len(modules) <= 10, sorted(modules)
-    # Issue 34's line bounds, as reached (its targets: about 1,700 and 600), plus the 36 lines
-    # that read a stored (out, in) matrix's fan-in (a `weight`, GPT-2's Flax Conv1D kernel, a
-    # (V, d) Muon head).
+    # Issue 34's line bounds, as reached (its targets: about 1,700 and 600); the text of the
+    # errors a wrong tree raises is `_messages`', off this path.
     outside = sum(n for m, n in modules.items() if m not in TRANSFORMS)
     recipe = sum(n for m, n in modules.items() if m in RECIPE_TIER)
-    assert outside <= 2206 and recipe <= 864, (outside, recipe)
+    assert outside <= 2161 and recipe <= 841, (outside, recipe)
 
 
 def test_a_chain_reading_params_of_another_dtype_gets_the_updates_plan(monkeypatch):
