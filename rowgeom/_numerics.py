@@ -45,13 +45,14 @@ def _pow2(k):
 
 def _times_pow2(x, k):
     """``x * 2**k`` exactly (unless the result over/underflows) for integer ``|k| <= 500``:
-    four normal power-of-two factors (``jnp.ldexp`` mishandles subnormals on XLA:CPU)."""
+    normal power-of-two factors of one sign (``jnp.ldexp`` mishandles subnormals on XLA:CPU),
+    four of ``2**(k/4)`` rounded toward zero and one of the remainder, at most 3 in size.
+    Truncating division is one operation (floor division needs a sign fix-up), which keeps
+    the many scalar rescalings of the bracket cheap to compile."""
     k = jnp.clip(jnp.asarray(k, jnp.int32), -500, 500)
-    for parts in (4, 3, 2, 1):
-        piece = k // parts  # floor: the remaining pieces stay within [-126, 127]
-        x = x * _pow2(piece)
-        k = k - piece
-    return x
+    quarter = lax.div(k, jnp.int32(4))  # toward zero: every factor has k's sign
+    piece = _pow2(quarter)
+    return x * piece * piece * piece * piece * _pow2(k - 4 * quarter)
 
 
 def _pow2_exponent(x):
