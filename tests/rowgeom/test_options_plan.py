@@ -240,16 +240,24 @@ def test_nothing_in_rowgeom_holds_an_optimizer():
 
 def test_no_state_between_calls_each_tree_gets_its_own_plan():
     """One transform on two models of different vocabulary and width, interleaved: each
-    update equals the one a fresh transform computes for that model alone."""
+    update is the program a fresh transform traces for that model alone, with the same state
+    (traced, not compiled: the same jaxpr and constants run the same computation)."""
     tx = rowgeom.lm_optimizer(LR)
-    update = jax.jit(tx.update)  # retraced per shapes, as a training loop's jit would be
     small, large = tree(), tree(vocab=2 * V, width=D // 2)
-    # The same program as `update` (bit for bit), from a fresh transform per model.
-    alone = {id(p): (lambda fresh: jax.jit(fresh.update)(grads_of(p), fresh.init(p), p)[0])(
-        rowgeom.lm_optimizer(LR)) for p in (small, large)}
+
+    def program(transform, params):
+        state = transform.init(params)
+        traced = jax.make_jaxpr(transform.update)(grads_of(params), state, params)
+        return state, str(traced.jaxpr), traced.consts
+
+    alone = {id(p): program(rowgeom.lm_optimizer(LR), p) for p in (small, large)}
     for params in (small, large, small):
-        grads = grads_of(params)
-        assert_trees_equal(update(grads, tx.init(params), params)[0], alone[id(params)])
+        state, jaxpr, consts = program(tx, params)
+        fresh_state, fresh_jaxpr, fresh_consts = alone[id(params)]
+        assert jaxpr == fresh_jaxpr
+        assert_trees_equal(consts, fresh_consts)
+        assert_trees_equal(state, fresh_state)
+    assert alone[id(small)][1] != alone[id(large)][1]  # the two models' programs do differ
     assert rowgeom.describe(large, LR)[2].vocab_axis == 1
     assert rowgeom.describe(large, LR).structure.vocab_size == 2 * V
 

@@ -187,6 +187,31 @@ def test_cpu_formulation_any_block_size(block_rows, num_valid):
                                    atol=2e-6, err_msg=f"vocab_axis={axis}")
 
 
+def test_cpu_formulation_unrolls_its_token_walks_for_large_heads_only(monkeypatch):
+    """A (d, V) kernel's slab walk and the bracket's distance pass take 8 feature rows an
+    iteration from `_cpu._UNROLL_MIN_TOKENS` tokens on (traced: no compile), and one below it;
+    unrolled, a small head still gives the float64 reference's numbers (one compile)."""
+    def unrolls(vocab):
+        spec = jax.ShapeDtypeStruct((20, vocab), jnp.float32)
+        walks = (lambda x: _cpu.rownorm(x, 1, eps=1e-8, center_input=True, center_output=True,
+                                        num_valid=vocab),
+                 lambda x: _cpu.sq_dists(x, x[:, :1]))
+        return [re.findall(r"unroll=(\d+)", str(jax.make_jaxpr(f)(spec))) for f in walks]
+
+    assert unrolls(_cpu._UNROLL_MIN_TOKENS) == [["8"] * 3, ["8"]]  # stats, rescaled stats, write
+    assert unrolls(_cpu._UNROLL_MIN_TOKENS - 1) == [["1"] * 3, ["1"]]
+    monkeypatch.setattr(_cpu, "_UNROLL_MIN_TOKENS", 0)
+    u = np.random.default_rng(3).normal(size=(11, 37)).astype(np.float32)  # 11: a tail too
+    out, sq = jax.jit(lambda x: (
+        [_cpu.rownorm(x, 1, eps=1e-8, center_input=True, center_output=True, num_valid=29,
+                      block_rows=rows) for rows in (1, 3)],
+        _cpu.sq_dists(x, x[:, 2:3])))(jnp.asarray(u))
+    for got in out:
+        np.testing.assert_allclose(np.asarray(got), np_project(u, 1, num_valid=29), atol=2e-6)
+    want = ((u.astype(np.float64) - u[:, 2:3]) ** 2).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(sq), want, rtol=1e-5)
+
+
 def test_dense_layout_is_the_transpose_and_the_wrong_axis_is_caught(rng):
     """(d, V) with vocab_axis=1 is the transpose of (V, d) with vocab_axis=0."""
     g = rng.normal(size=(24, 24))  # square, so a wrong axis cannot hide behind a shape error
