@@ -197,7 +197,8 @@ def test_bracket_holds_for_rows_with_a_large_common_offset():
 
 
 # Shapes for the layouts' edges: one feature, one token, a middle vocabulary axis, more
-# feature rows than the CPU formulation's unrolled slab loop takes at once.
+# feature rows than the CPU formulation's loop takes an iteration for a large head (the unrolled
+# loop on a small head: test_rownorm.py::test_cpu_formulation_unrolls_...).
 BRACKET_SHAPES = [((300, 17), 0), ((17, 300), 1), ((3, 4, 130), -1), ((130, 3, 4), 0),
                   ((3, 40, 5), 1), ((2, 1), 0), ((1, 5), 0), ((1, 7), 1), ((20, 9), 1)]
 
