@@ -3,8 +3,8 @@ damaged file, or a step that does not fit prints one line, `train.py: error: ...
 with status 2; never a traceback, never a silent wrong run, and nothing the user wrote is
 deleted without --overwrite.
 
-One short run of the `test` config (4 steps, checkpoints at 2 and 4) is shared by the module;
-each test damages a copy of it.
+One short run of the `test` config (`SHORT_RUN`: 4 steps, checkpoints at 2 and 4) is shared by
+the module; each test damages a copy of it.
 """
 
 import fcntl
@@ -17,17 +17,18 @@ from pathlib import Path
 
 import jax
 import pytest
-from _lm_fixtures import config_on
+from _lm_fixtures import SHORT_RUN, config_on, short_run
 
 from examples.lm import configs, metrics, train
 
-STEPS = 4
+STEPS = SHORT_RUN["steps"]
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus, shared_trainers):
-    # A copy of `finished` resumed with its config reuses its compiled functions.
-    return small_corpus(tmp_path_factory.mktemp("bad_input"), tokenize=True)
+def root(lm_corpus, shared_trainers):
+    # A copy of `finished` resumed with its config reuses its compiled functions (and so do
+    # the other modules' runs of `SHORT_RUN` in this process).
+    return lm_corpus
 
 
 def _flags(root):
@@ -36,11 +37,10 @@ def _flags(root):
 
 
 @pytest.fixture(scope="module")
-def finished(root):
+def finished(root, tmp_path_factory):
     """A finished run: checkpoints 2 and 4, metrics, TensorBoard events and the plot."""
-    workdir = root / "finished"
-    train.train(config_on(root, steps=STEPS, checkpoint__every=2, eval__every=2), workdir,
-                progress=False, print_fn=lambda *a, **k: None)
+    workdir = tmp_path_factory.mktemp("bad_input") / "finished"
+    train.train(short_run(root), workdir, progress=False, print_fn=lambda *a, **k: None)
     return workdir
 
 
@@ -102,14 +102,13 @@ def _array_file(step_dir: Path) -> Path:
                key=lambda p: p.stat().st_size)
 
 
-def test_damaged_checkpoints_fall_back_and_are_kept(finished, tmp_path, capsys):
+def test_damaged_checkpoints_fall_back_and_are_kept(root, finished, tmp_path, capsys):
     workdir = _copy(finished, tmp_path)
     ck = workdir / "checkpoints"
     with _array_file(ck / "4").open("r+b") as f:  # the newest: an array file truncated
         f.truncate(10)
     out = []
-    train.train(config_on(finished.parent, steps=STEPS, checkpoint__every=2, eval__every=2),
-                workdir, progress=False, print_fn=out.append)
+    train.train(short_run(root), workdir, progress=False, print_fn=out.append)
     warnings = [line for line in out if line.startswith("warning: checkpoint 4")]
     assert len(warnings) == 1 and "moved it aside" in warnings[0], out
     assert "resumed from step 2" in "\n".join(out)
@@ -123,21 +122,21 @@ def test_damaged_checkpoints_fall_back_and_are_kept(finished, tmp_path, capsys):
     assert _session_start_step(events[-1]) == 3
 
 
-def test_no_intact_checkpoint_left(finished, tmp_path, capsys):
+def test_no_intact_checkpoint_left(root, finished, tmp_path, capsys):
     workdir = _copy(finished, tmp_path)
     ck = workdir / "checkpoints"
     with _array_file(ck / "4").open("r+b") as f:
         f.truncate(10)
     shutil.rmtree(ck / "2" / "state")  # the older one: its array folder deleted
-    err = _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+    err = _fails(["--workdir", str(workdir), *_flags(root)], capsys,
                  f"no intact checkpoint in {ck}")
     assert "--overwrite" in err and "2.damaged" in err and "4.damaged" in err
     assert sorted(p.name for p in ck.iterdir()) == ["2.damaged", "4.damaged"]
     # A rerun does not start fresh silently either.
-    _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys, "no intact checkpoint")
+    _fails(["--workdir", str(workdir), *_flags(root)], capsys, "no intact checkpoint")
 
 
-def test_a_resume_on_other_data_is_refused(finished, tmp_path, capsys):
+def test_a_resume_on_other_data_is_refused(root, finished, tmp_path, capsys):
     """Each checkpoint records the data it was trained on: a relaunch whose source now reads
     other data (a text source edited, and so tokenized anew) stops with one line and keeps
     everything, instead of training the model on ids that mean other text."""
@@ -150,13 +149,13 @@ def test_a_resume_on_other_data_is_refused(finished, tmp_path, capsys):
         meta["data"] = meta["data"].rsplit(" ", 1)[0] + " 0123456789abcdef"
         meta_file.write_text(json.dumps(meta))
     lines = metrics.read_metrics(workdir)
-    _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+    _fails(["--workdir", str(workdir), *_flags(root)], capsys,
            f"checkpoint 4 in {workdir / 'checkpoints'} was trained on other data (text, ")
     assert metrics.read_metrics(workdir) == lines
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
 
 
-def test_a_second_run_in_a_workdir_in_use_is_refused(finished, tmp_path, capsys):
+def test_a_second_run_in_a_workdir_in_use_is_refused(root, finished, tmp_path, capsys):
     """While a run holds its workdir's lock (another process, here another descriptor), a
     second launch there is one line and writes nothing: two runs would write every checkpoint
     and metric line twice. The lock goes with the descriptor (with its process, killed or not),
@@ -166,18 +165,19 @@ def test_a_second_run_in_a_workdir_in_use_is_refused(finished, tmp_path, capsys)
     fd = os.open(workdir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+        _fails(["--workdir", str(workdir), *_flags(root)], capsys,
                f"another process is training in --workdir {workdir}")
         assert metrics.read_metrics(workdir) == lines
     finally:
         os.close(fd)
     out = []
-    train.train(config_on(finished.parent, steps=STEPS), workdir, explicit=(),
+    train.train(config_on(root, steps=STEPS), workdir, explicit=(),
                 progress=False, print_fn=out.append)
     assert any("is finished" in line for line in out), out
 
 
-def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(finished, tmp_path, capsys):
+def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(root, finished, tmp_path,
+                                                                 capsys):
     """A run that saves its checkpoints outside its workdir (--checkpoint.dir) records where:
     the relaunch without the flag resumes from them, and one naming a directory without
     checkpoints is one line and deletes nothing (it started fresh, and so cut metrics.jsonl
@@ -187,34 +187,35 @@ def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(finished, tmp_p
     lines = metrics.read_metrics(workdir)
     for changes in ({"checkpoint__dir": str(elsewhere)}, {}):  # the flag, then without it
         out = []
-        train.train(config_on(finished.parent, steps=STEPS, **changes), workdir, explicit=(),
+        train.train(config_on(root, steps=STEPS, **changes), workdir, explicit=(),
                     progress=False, print_fn=out.append)
         assert any("is finished" in line for line in out), out
     assert out[0] == (f"checkpoints in {elsewhere} (the run's --checkpoint.dir, recorded in "
                       "checkpoint_dir.txt)")
     _fails(["--workdir", str(workdir), "--checkpoint.dir", str(tmp_path / "empty"),
-            *_flags(finished.parent)], capsys,
+            *_flags(root)], capsys,
            f"--checkpoint.dir {tmp_path / 'empty'} holds no checkpoint, but the run in "
            f"{workdir} saved its checkpoints in {elsewhere}")
     assert metrics.read_metrics(workdir) == lines
     assert sorted(p.name for p in elsewhere.iterdir()) == ["2", "4"]
 
 
-def test_rerunning_a_finished_run_says_so(finished, tmp_path):
+def test_rerunning_a_finished_run_says_so(root, finished, tmp_path):
     workdir = _copy(finished, tmp_path)
     out = []
-    train.train(config_on(finished.parent, steps=STEPS), workdir, explicit=(),
+    train.train(config_on(root, steps=STEPS), workdir, explicit=(),
                 progress=False, print_fn=out.append)
     text = "\n".join(out)
     assert f"is finished: {STEPS} of --steps {STEPS} done" in text, text
     assert "--steps N and --change_horizon" in text
 
 
-def test_overwrite_clears_everything_the_run_wrote(finished, tmp_path):
+def test_overwrite_clears_everything_the_run_wrote(root, finished, tmp_path):
     workdir = _copy(finished, tmp_path)
     old_events = set((workdir / "tensorboard").iterdir())
     out = []
-    train.train(config_on(finished.parent, steps=STEPS, seed=1), workdir, overwrite=True,
+    # Another seed: a setting a resume would refuse, which --overwrite takes (it starts anew).
+    train.train(short_run(root, seed=1), workdir, overwrite=True,
                 stop_after=1, progress=False, print_fn=out.append)
     assert not old_events & set((workdir / "tensorboard").iterdir())
     assert not (workdir / metrics.PLOT_FILE).exists()
@@ -231,8 +232,10 @@ def test_a_step_that_does_not_fit_is_one_line(root, tmp_path, capsys, monkeypatc
             "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 74.51GiB.\nmore")
 
     monkeypatch.setattr(train._Loop, "step", exhausted)
-    err = _fails(["--config", "test", "--workdir", str(tmp_path / "w"), *_flags(root)], capsys,
-                 "the training step does not fit the device memory")
+    # `SHORT_RUN`'s flags: its Trainer (and its initial state's compiled program) is `finished`'s.
+    short = [f"--{name.replace('__', '.')}={value}" for name, value in SHORT_RUN.items()]
+    err = _fails(["--config", "test", "--workdir", str(tmp_path / "w"), *_flags(root), *short],
+                 capsys, "the training step does not fit the device memory")
     for fix in ("--data.batch_size", "--model.remat", "--mesh.fsdp", "--model.max_seq_len"):
         assert fix in err
     assert not (tmp_path / "w" / "checkpoints").exists()
