@@ -4,10 +4,13 @@ with status 2; never a traceback, never a silent wrong run, and nothing the user
 deleted without --overwrite.
 
 One short run of the `test` config (`SHORT_RUN`: 4 steps, checkpoints at 2 and 4) is shared by
-the module; each test damages a copy of it.
+the module; each test damages a copy of it. The plan's tests share one compile of the step
+(`over_budget_plan`).
 """
 
+import contextlib
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -270,12 +273,30 @@ def test_plan_device_memory_is_parsed_by_the_plan(capsys):
     assert "a bare number is bytes" in err and err.count("\n") == 1, err
 
 
-def test_plan_says_what_to_change_when_the_step_does_not_fit(capsys):
+# The plan of the `test` config on one device with 2 micro-batches per update: its step, compiled
+# once for the module, serves both the command's report and `cheapest_fit`'s budget.
+PLAN_ARGS = ["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def over_budget_plan(tmp_path_factory):
+    """`plan.py` run on PLAN_ARGS against 64 KiB, with `tempfile`'s directory an empty one:
+    (exit status, what it printed, its figures (--json), what it left in that directory)."""
     from examples.lm.tools import plan
 
-    assert plan.main(["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2",
-                      "--device-memory", "64KiB"]) == 1
-    out = capsys.readouterr().out
+    base = tmp_path_factory.mktemp("plan")
+    temporary, figures = base / "tmp", base / "plan.json"
+    temporary.mkdir()
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(tempfile, "tempdir", str(temporary))
+        status = plan.main([*PLAN_ARGS, "--device-memory", "64KiB", "--json", str(figures)])
+    return status, out.getvalue(), json.loads(figures.read_text()), list(temporary.iterdir())
+
+
+def test_plan_says_what_to_change_when_the_step_does_not_fit(over_budget_plan):
+    status, out, _, _ = over_budget_plan
+    assert status == 1
     assert "does NOT fit in 0.06 MiB per device (peak " in out, out
     assert "per micro-batch step, 2 micro-batches per update" in out, out
     assert "JAX preallocates 75% of its memory" in out, out
@@ -305,16 +326,19 @@ def test_a_sequence_too_long_for_the_device_is_refused_up_front():
     train.check_fits(configs.get_config("cpu-tiny"), mesh, limit=80 * 2**30)
 
 
-def test_plan_fit_auto_names_a_change_that_fits(tmp_path, monkeypatch):
+def test_plan_fit_auto_names_a_change_that_fits(over_budget_plan, tmp_path, monkeypatch):
     from examples.lm.tools import plan
 
-    cfg = configs.override(configs.get_config("test"), {"mesh.data": 1})
+    cfg = configs.parse_config(PLAN_ARGS)
     devices = jax.devices()[:1]
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    budget = plan.plan(cfg, devices)["peak_bytes"] - 1
+    _, _, figures, left = over_budget_plan
+    assert figures["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    budget = figures["peak_bytes"] - 1
     # The compiler's dump (about 10 MB a step) goes with the plan that made it.
-    assert not list(tmp_path.iterdir())
+    assert not left
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     lines = []
     flags = plan.cheapest_fit(cfg, devices, budget, search=True, print_fn=lines.append)
     assert flags is not None and lines == [lines[-1]], lines
     assert lines[0].startswith(f"  the cheapest change that fits: {flags} (peak "), lines
+    assert not list(tmp_path.iterdir())
