@@ -37,14 +37,15 @@ def test_same_seed_same_trajectory(lm_corpus, shared_trainers, tmp_path):
 
 
 def _problem(seed=0):
+    # Built in numpy and placed on the device as they are (no operation compiled for them).
     rng = np.random.default_rng(seed)
-    params = {"embed": {"embedding": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)},
-              "layers": {"0": {"mlp": {"kernel": jnp.asarray(rng.standard_normal((8, 8)) / 3,
-                                                             jnp.float32)}}},
-              "final_norm": {"scale": jnp.ones(8)},
-              "lm_head": {"kernel": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32)}}
-    tokens = jnp.asarray(rng.integers(0, 32, (64,)), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, 32, (64,)), jnp.int32)
+    params = jax.device_put({
+        "embed": {"embedding": rng.standard_normal((32, 8)).astype(np.float32)},
+        "layers": {"0": {"mlp": {"kernel": (rng.standard_normal((8, 8)) / 3).astype(np.float32)}}},
+        "final_norm": {"scale": np.ones(8, np.float32)},
+        "lm_head": {"kernel": (rng.standard_normal((8, 32)) / 3).astype(np.float32)}})
+    tokens = rng.integers(0, 32, (64,)).astype(np.int32)
+    targets = rng.integers(0, 32, (64,)).astype(np.int32)
 
     def loss(p):
         h = jnp.tanh(p["embed"]["embedding"][tokens] @ p["layers"]["0"]["mlp"]["kernel"])
