@@ -200,3 +200,14 @@ def shared_trainers(_built_trainers):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train, "Trainer", trainer)
         yield trainer
+
+
+@pytest.fixture(scope="module")
+def no_plot():
+    """No metrics.png at the end of the example's runs for the module that asks (matplotlib's
+    half second a plot; test_lm_train.py and test_bad_input.py check the plot)."""
+    from examples.lm import metrics
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metrics.MetricsWriter, "plot", lambda self: None)
+        yield

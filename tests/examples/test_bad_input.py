@@ -47,6 +47,13 @@ def finished(root, tmp_path_factory):
     return workdir
 
 
+@pytest.fixture
+def no_final_plot(monkeypatch):
+    """No metrics.png at the end of a test's runs (matplotlib's half second a plot), in the
+    tests that rerun a copy of `finished` and never look at its plot."""
+    monkeypatch.setattr(metrics.MetricsWriter, "plot", lambda self: None)
+
+
 def _copy(finished, tmp_path) -> Path:
     workdir = tmp_path / "run"
     shutil.copytree(finished, workdir)
@@ -105,6 +112,7 @@ def _array_file(step_dir: Path) -> Path:
                key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.usefixtures("no_final_plot")
 def test_damaged_checkpoints_fall_back_and_are_kept(root, finished, tmp_path, capsys):
     workdir = _copy(finished, tmp_path)
     ck = workdir / "checkpoints"
@@ -158,6 +166,7 @@ def test_a_resume_on_other_data_is_refused(root, finished, tmp_path, capsys):
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
 
 
+@pytest.mark.usefixtures("no_final_plot")
 def test_a_second_run_in_a_workdir_in_use_is_refused(root, finished, tmp_path, capsys):
     """While a run holds its workdir's lock (another process, here another descriptor), a
     second launch there is one line and writes nothing: two runs would write every checkpoint
@@ -179,6 +188,7 @@ def test_a_second_run_in_a_workdir_in_use_is_refused(root, finished, tmp_path, c
     assert any("is finished" in line for line in out), out
 
 
+@pytest.mark.usefixtures("no_final_plot")
 def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(root, finished, tmp_path,
                                                                  capsys):
     """A run that saves its checkpoints outside its workdir (--checkpoint.dir) records where:
@@ -203,6 +213,7 @@ def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(root, finished,
     assert sorted(p.name for p in elsewhere.iterdir()) == ["2", "4"]
 
 
+@pytest.mark.usefixtures("no_final_plot")
 def test_rerunning_a_finished_run_says_so(root, finished, tmp_path):
     workdir = _copy(finished, tmp_path)
     out = []

@@ -37,14 +37,6 @@ pytestmark = pytest.mark.usefixtures("no_plot")
 
 
 @pytest.fixture(scope="module")
-def no_plot():
-    """No metrics.png at the end of a run (matplotlib's seconds; test_lm_train.py checks it)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(metrics.MetricsWriter, "plot", lambda self: None)
-        yield
-
-
-@pytest.fixture(scope="module")
 def root(lm_corpus, shared_trainers):
     return lm_corpus
 

@@ -27,6 +27,8 @@ from examples.lm import checkpointing, metrics, train
 STEPS, SAVE_EVERY, RESUME_FROM = SHORT_RUN["steps"], SHORT_RUN["checkpoint__every"], 2
 _cfg = short_run
 
+pytestmark = pytest.mark.usefixtures("no_plot")  # conftest.py: no metrics.png at a run's end
+
 
 @pytest.fixture(scope="module")
 def root(lm_corpus, shared_trainers):
