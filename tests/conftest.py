@@ -19,9 +19,10 @@
   compiled once is not compiled again when a test relaunches the same command (a killed and
   resumed run, two hosts, a rerun). It changes no compile option; a test that sets
   `JAX_COMPILATION_CACHE_DIR` itself keeps its own.
-- The example trainer's tests share, per process, one tokenized corpus (`lm_corpus`) and the
-  Trainer of each (config, mesh) their runs use (`shared_trainers`): a program compiled for one
-  module's run is not compiled again for another's run of an equal config.
+- Fixtures for the example trainer's tests: per process, one tokenized corpus (`lm_corpus`) and
+  one Trainer per (config, mesh) for the modules that ask for `shared_trainers` (a program
+  compiled for one module's run is not compiled again for another's run of an equal config);
+  `no_plot` leaves out a run's final metrics.png for a module that never looks at it.
 """
 
 import atexit
