@@ -3,7 +3,8 @@ test_determinism.py): corpora, token files in upstream layouts, the `test` confi
 and reading a run back.
 
 The session fixtures `small_corpus` (about 30 small standard-library modules, optionally with a
-prebuilt token cache) and `final_checkpoint` live in conftest.py.
+prebuilt token cache), `lm_corpus` (one such corpus, tokenized, for the session),
+`final_checkpoint` and `shared_trainers` live in conftest.py.
 
 Upstream layouts, written the way their projects write them (never with the example's writer):
 
@@ -81,6 +82,19 @@ def config_on(root: Path, **changes) -> configs.Config:
     return configs.override(configs.get_config("test"), {
         "data.source": str(root / "corpus"), "data.dir": str(root / "tokens"),
         **{k.replace("__", "."): v for k, v in changes.items()}})
+
+
+# The 4-step run of test_bad_input.py, test_resume_fast.py and test_determinism.py, and
+# test_lm_loop.py's reference without accumulation: checkpoints and evaluations at 2 and 4, the
+# head probe on the last two steps (so the first step after a resume from 2 records the head
+# step's diameter and the tracker's bracket). One config on `lm_corpus`, so that one pytest
+# process builds (and compiles) its Trainer once (`shared_trainers`).
+SHORT_RUN = {"steps": 4, "checkpoint__every": 2, "eval__every": 2, "eval__probe_last_steps": 2}
+
+
+def short_run(root: Path, **changes) -> configs.Config:
+    """`SHORT_RUN` on `root`'s corpus (`config_on`), with `changes`."""
+    return config_on(root, **{**SHORT_RUN, **changes})
 
 
 WALL_CLOCK_KEYS = ("tokens_per_sec", "sec_per_step", "mfu")  # train._Loop._throughput's

@@ -19,6 +19,10 @@
   compiled once is not compiled again when a test relaunches the same command (a killed and
   resumed run, two hosts, a rerun). It changes no compile option; a test that sets
   `JAX_COMPILATION_CACHE_DIR` itself keeps its own.
+- Fixtures for the example trainer's tests: per process, one tokenized corpus (`lm_corpus`) and
+  one Trainer per (config, mesh) for the modules that ask for `shared_trainers` (a program
+  compiled for one module's run is not compiled again for another's run of an equal config);
+  `no_plot` leaves out a run's final metrics.png for a module that never looks at it.
 """
 
 import atexit
@@ -161,22 +165,50 @@ def _final_checkpoint(workdir, steps: int):
     return jax.device_get(state), meta
 
 
+@pytest.fixture(scope="session")
+def lm_corpus(tmp_path_factory, small_corpus):
+    """`small_corpus(..., tokenize=True)` built once for the session, read-only: runs of the
+    `test` config on it (`_lm_fixtures.config_on`) in different modules have equal configs, and
+    so share their Trainer (`shared_trainers`). A test writes its workdirs elsewhere."""
+    return small_corpus(tmp_path_factory.mktemp("lm_corpus"), tokenize=True)
+
+
+@pytest.fixture(scope="session")
+def _built_trainers() -> dict:
+    """`shared_trainers`' Trainers, by (config, mesh), kept for the session."""
+    return {}
+
+
 @pytest.fixture(scope="module")
-def shared_trainers():
-    """The example's `train.Trainer` built once per (config, mesh) for the module: runs and
-    resumed runs of one config in one module share their compiled functions instead of compiling
-    them again. A Trainer holds no train state; a resume in a fresh process, with its own
-    compiles, is test_crash_resume.py's."""
+def shared_trainers(_built_trainers):
+    """The example's `train.Trainer` built once per (config, mesh) for the session, for the
+    modules that ask for this fixture (`train.Trainer` is replaced while such a module runs):
+    runs and resumed runs of one config, in one module or several, share their compiled
+    functions instead of compiling them again. The key is the whole config, so a Trainer is
+    shared only where it would be built from an equal config. A Trainer holds no train state
+    (its config, mesh, optimizer transformation, shardings and jitted functions; the state is
+    what `init()` returns and what the jitted step takes and returns); a resume in a fresh
+    process, with its own compiles, is test_crash_resume.py's."""
     from examples.lm import train
 
-    built: dict = {}
     real = train.Trainer
 
     def trainer(cfg, mesh):
-        if (cfg, mesh) not in built:
-            built[cfg, mesh] = real(cfg, mesh)
-        return built[cfg, mesh]
+        if (cfg, mesh) not in _built_trainers:
+            _built_trainers[cfg, mesh] = real(cfg, mesh)
+        return _built_trainers[cfg, mesh]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train, "Trainer", trainer)
         yield trainer
+
+
+@pytest.fixture(scope="module")
+def no_plot():
+    """No metrics.png at the end of the example's runs for the module that asks (matplotlib's
+    half second a plot; test_lm_train.py and test_bad_input.py check the plot)."""
+    from examples.lm import metrics
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metrics.MetricsWriter, "plot", lambda self: None)
+        yield

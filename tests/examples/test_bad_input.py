@@ -3,11 +3,14 @@ damaged file, or a step that does not fit prints one line, `train.py: error: ...
 with status 2; never a traceback, never a silent wrong run, and nothing the user wrote is
 deleted without --overwrite.
 
-One short run of the `test` config (4 steps, checkpoints at 2 and 4) is shared by the module;
-each test damages a copy of it.
+One short run of the `test` config (`SHORT_RUN`: 4 steps, checkpoints at 2 and 4) is shared by
+the module; each test damages a copy of it. The plan's tests share one compile of the step
+(`over_budget_plan`).
 """
 
+import contextlib
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -17,17 +20,18 @@ from pathlib import Path
 
 import jax
 import pytest
-from _lm_fixtures import config_on
+from _lm_fixtures import SHORT_RUN, config_on, short_run
 
 from examples.lm import configs, metrics, train
 
-STEPS = 4
+STEPS = SHORT_RUN["steps"]
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus, shared_trainers):
-    # A copy of `finished` resumed with its config reuses its compiled functions.
-    return small_corpus(tmp_path_factory.mktemp("bad_input"), tokenize=True)
+def root(lm_corpus, shared_trainers):
+    # A copy of `finished` resumed with its config reuses its compiled functions (and so do
+    # the other modules' runs of `SHORT_RUN` in this process).
+    return lm_corpus
 
 
 def _flags(root):
@@ -36,12 +40,18 @@ def _flags(root):
 
 
 @pytest.fixture(scope="module")
-def finished(root):
+def finished(root, tmp_path_factory):
     """A finished run: checkpoints 2 and 4, metrics, TensorBoard events and the plot."""
-    workdir = root / "finished"
-    train.train(config_on(root, steps=STEPS, checkpoint__every=2, eval__every=2), workdir,
-                progress=False, print_fn=lambda *a, **k: None)
+    workdir = tmp_path_factory.mktemp("bad_input") / "finished"
+    train.train(short_run(root), workdir, progress=False, print_fn=lambda *a, **k: None)
     return workdir
+
+
+@pytest.fixture
+def no_final_plot(monkeypatch):
+    """No metrics.png at the end of a test's runs (matplotlib's half second a plot), in the
+    tests that rerun a copy of `finished` and never look at its plot."""
+    monkeypatch.setattr(metrics.MetricsWriter, "plot", lambda self: None)
 
 
 def _copy(finished, tmp_path) -> Path:
@@ -102,14 +112,14 @@ def _array_file(step_dir: Path) -> Path:
                key=lambda p: p.stat().st_size)
 
 
-def test_damaged_checkpoints_fall_back_and_are_kept(finished, tmp_path, capsys):
+@pytest.mark.usefixtures("no_final_plot")
+def test_damaged_checkpoints_fall_back_and_are_kept(root, finished, tmp_path, capsys):
     workdir = _copy(finished, tmp_path)
     ck = workdir / "checkpoints"
     with _array_file(ck / "4").open("r+b") as f:  # the newest: an array file truncated
         f.truncate(10)
     out = []
-    train.train(config_on(finished.parent, steps=STEPS, checkpoint__every=2, eval__every=2),
-                workdir, progress=False, print_fn=out.append)
+    train.train(short_run(root), workdir, progress=False, print_fn=out.append)
     warnings = [line for line in out if line.startswith("warning: checkpoint 4")]
     assert len(warnings) == 1 and "moved it aside" in warnings[0], out
     assert "resumed from step 2" in "\n".join(out)
@@ -123,21 +133,21 @@ def test_damaged_checkpoints_fall_back_and_are_kept(finished, tmp_path, capsys):
     assert _session_start_step(events[-1]) == 3
 
 
-def test_no_intact_checkpoint_left(finished, tmp_path, capsys):
+def test_no_intact_checkpoint_left(root, finished, tmp_path, capsys):
     workdir = _copy(finished, tmp_path)
     ck = workdir / "checkpoints"
     with _array_file(ck / "4").open("r+b") as f:
         f.truncate(10)
     shutil.rmtree(ck / "2" / "state")  # the older one: its array folder deleted
-    err = _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+    err = _fails(["--workdir", str(workdir), *_flags(root)], capsys,
                  f"no intact checkpoint in {ck}")
     assert "--overwrite" in err and "2.damaged" in err and "4.damaged" in err
     assert sorted(p.name for p in ck.iterdir()) == ["2.damaged", "4.damaged"]
     # A rerun does not start fresh silently either.
-    _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys, "no intact checkpoint")
+    _fails(["--workdir", str(workdir), *_flags(root)], capsys, "no intact checkpoint")
 
 
-def test_a_resume_on_other_data_is_refused(finished, tmp_path, capsys):
+def test_a_resume_on_other_data_is_refused(root, finished, tmp_path, capsys):
     """Each checkpoint records the data it was trained on: a relaunch whose source now reads
     other data (a text source edited, and so tokenized anew) stops with one line and keeps
     everything, instead of training the model on ids that mean other text."""
@@ -150,13 +160,14 @@ def test_a_resume_on_other_data_is_refused(finished, tmp_path, capsys):
         meta["data"] = meta["data"].rsplit(" ", 1)[0] + " 0123456789abcdef"
         meta_file.write_text(json.dumps(meta))
     lines = metrics.read_metrics(workdir)
-    _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+    _fails(["--workdir", str(workdir), *_flags(root)], capsys,
            f"checkpoint 4 in {workdir / 'checkpoints'} was trained on other data (text, ")
     assert metrics.read_metrics(workdir) == lines
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]
 
 
-def test_a_second_run_in_a_workdir_in_use_is_refused(finished, tmp_path, capsys):
+@pytest.mark.usefixtures("no_final_plot")
+def test_a_second_run_in_a_workdir_in_use_is_refused(root, finished, tmp_path, capsys):
     """While a run holds its workdir's lock (another process, here another descriptor), a
     second launch there is one line and writes nothing: two runs would write every checkpoint
     and metric line twice. The lock goes with the descriptor (with its process, killed or not),
@@ -166,18 +177,20 @@ def test_a_second_run_in_a_workdir_in_use_is_refused(finished, tmp_path, capsys)
     fd = os.open(workdir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _fails(["--workdir", str(workdir), *_flags(finished.parent)], capsys,
+        _fails(["--workdir", str(workdir), *_flags(root)], capsys,
                f"another process is training in --workdir {workdir}")
         assert metrics.read_metrics(workdir) == lines
     finally:
         os.close(fd)
     out = []
-    train.train(config_on(finished.parent, steps=STEPS), workdir, explicit=(),
+    train.train(config_on(root, steps=STEPS), workdir, explicit=(),
                 progress=False, print_fn=out.append)
     assert any("is finished" in line for line in out), out
 
 
-def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(finished, tmp_path, capsys):
+@pytest.mark.usefixtures("no_final_plot")
+def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(root, finished, tmp_path,
+                                                                 capsys):
     """A run that saves its checkpoints outside its workdir (--checkpoint.dir) records where:
     the relaunch without the flag resumes from them, and one naming a directory without
     checkpoints is one line and deletes nothing (it started fresh, and so cut metrics.jsonl
@@ -187,34 +200,36 @@ def test_a_relaunch_finds_the_checkpoints_its_run_kept_elsewhere(finished, tmp_p
     lines = metrics.read_metrics(workdir)
     for changes in ({"checkpoint__dir": str(elsewhere)}, {}):  # the flag, then without it
         out = []
-        train.train(config_on(finished.parent, steps=STEPS, **changes), workdir, explicit=(),
+        train.train(config_on(root, steps=STEPS, **changes), workdir, explicit=(),
                     progress=False, print_fn=out.append)
         assert any("is finished" in line for line in out), out
     assert out[0] == (f"checkpoints in {elsewhere} (the run's --checkpoint.dir, recorded in "
                       "checkpoint_dir.txt)")
     _fails(["--workdir", str(workdir), "--checkpoint.dir", str(tmp_path / "empty"),
-            *_flags(finished.parent)], capsys,
+            *_flags(root)], capsys,
            f"--checkpoint.dir {tmp_path / 'empty'} holds no checkpoint, but the run in "
            f"{workdir} saved its checkpoints in {elsewhere}")
     assert metrics.read_metrics(workdir) == lines
     assert sorted(p.name for p in elsewhere.iterdir()) == ["2", "4"]
 
 
-def test_rerunning_a_finished_run_says_so(finished, tmp_path):
+@pytest.mark.usefixtures("no_final_plot")
+def test_rerunning_a_finished_run_says_so(root, finished, tmp_path):
     workdir = _copy(finished, tmp_path)
     out = []
-    train.train(config_on(finished.parent, steps=STEPS), workdir, explicit=(),
+    train.train(config_on(root, steps=STEPS), workdir, explicit=(),
                 progress=False, print_fn=out.append)
     text = "\n".join(out)
     assert f"is finished: {STEPS} of --steps {STEPS} done" in text, text
     assert "--steps N and --change_horizon" in text
 
 
-def test_overwrite_clears_everything_the_run_wrote(finished, tmp_path):
+def test_overwrite_clears_everything_the_run_wrote(root, finished, tmp_path):
     workdir = _copy(finished, tmp_path)
     old_events = set((workdir / "tensorboard").iterdir())
     out = []
-    train.train(config_on(finished.parent, steps=STEPS, seed=1), workdir, overwrite=True,
+    # Another seed: a setting a resume would refuse, which --overwrite takes (it starts anew).
+    train.train(short_run(root, seed=1), workdir, overwrite=True,
                 stop_after=1, progress=False, print_fn=out.append)
     assert not old_events & set((workdir / "tensorboard").iterdir())
     assert not (workdir / metrics.PLOT_FILE).exists()
@@ -231,8 +246,10 @@ def test_a_step_that_does_not_fit_is_one_line(root, tmp_path, capsys, monkeypatc
             "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 74.51GiB.\nmore")
 
     monkeypatch.setattr(train._Loop, "step", exhausted)
-    err = _fails(["--config", "test", "--workdir", str(tmp_path / "w"), *_flags(root)], capsys,
-                 "the training step does not fit the device memory")
+    # `SHORT_RUN`'s flags: its Trainer (and its initial state's compiled program) is `finished`'s.
+    short = [f"--{name.replace('__', '.')}={value}" for name, value in SHORT_RUN.items()]
+    err = _fails(["--config", "test", "--workdir", str(tmp_path / "w"), *_flags(root), *short],
+                 capsys, "the training step does not fit the device memory")
     for fix in ("--data.batch_size", "--model.remat", "--mesh.fsdp", "--model.max_seq_len"):
         assert fix in err
     assert not (tmp_path / "w" / "checkpoints").exists()
@@ -267,12 +284,30 @@ def test_plan_device_memory_is_parsed_by_the_plan(capsys):
     assert "a bare number is bytes" in err and err.count("\n") == 1, err
 
 
-def test_plan_says_what_to_change_when_the_step_does_not_fit(capsys):
+# The plan of the `test` config on one device with 2 micro-batches per update: its step, compiled
+# once for the module, serves both the command's report and `cheapest_fit`'s budget.
+PLAN_ARGS = ["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def over_budget_plan(tmp_path_factory):
+    """`plan.py` run on PLAN_ARGS against 64 KiB, with `tempfile`'s directory an empty one:
+    (exit status, what it printed, its figures (--json), what it left in that directory)."""
     from examples.lm.tools import plan
 
-    assert plan.main(["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2",
-                      "--device-memory", "64KiB"]) == 1
-    out = capsys.readouterr().out
+    base = tmp_path_factory.mktemp("plan")
+    temporary, figures = base / "tmp", base / "plan.json"
+    temporary.mkdir()
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setattr(tempfile, "tempdir", str(temporary))
+        status = plan.main([*PLAN_ARGS, "--device-memory", "64KiB", "--json", str(figures)])
+    return status, out.getvalue(), json.loads(figures.read_text()), list(temporary.iterdir())
+
+
+def test_plan_says_what_to_change_when_the_step_does_not_fit(over_budget_plan):
+    status, out, _, _ = over_budget_plan
+    assert status == 1
     assert "does NOT fit in 0.06 MiB per device (peak " in out, out
     assert "per micro-batch step, 2 micro-batches per update" in out, out
     assert "JAX preallocates 75% of its memory" in out, out
@@ -302,16 +337,19 @@ def test_a_sequence_too_long_for_the_device_is_refused_up_front():
     train.check_fits(configs.get_config("cpu-tiny"), mesh, limit=80 * 2**30)
 
 
-def test_plan_fit_auto_names_a_change_that_fits(tmp_path, monkeypatch):
+def test_plan_fit_auto_names_a_change_that_fits(over_budget_plan, tmp_path, monkeypatch):
     from examples.lm.tools import plan
 
-    cfg = configs.override(configs.get_config("test"), {"mesh.data": 1})
+    cfg = configs.parse_config(PLAN_ARGS)
     devices = jax.devices()[:1]
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    budget = plan.plan(cfg, devices)["peak_bytes"] - 1
+    _, _, figures, left = over_budget_plan
+    assert figures["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    budget = figures["peak_bytes"] - 1
     # The compiler's dump (about 10 MB a step) goes with the plan that made it.
-    assert not list(tmp_path.iterdir())
+    assert not left
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     lines = []
     flags = plan.cheapest_fit(cfg, devices, budget, search=True, print_fn=lines.append)
     assert flags is not None and lines == [lines[-1]], lines
     assert lines[0].startswith(f"  the cheapest change that fits: {flags} (peak "), lines
+    assert not list(tmp_path.iterdir())

@@ -1,8 +1,9 @@
 """Determinism on CPU: the same seed and config give bit-identical loss trajectories.
 
-Two fresh runs of the example trainer write `metrics.jsonl` files whose deterministic fields
-(every float in full precision; not the wall-clock throughput keys) are identical, and a
-different seed changes them, so the comparison can fail. The optimizers
+Two fresh runs of the example trainer (`SHORT_RUN`; one Trainer, `shared_trainers`: the same
+compiled functions, each run from its own fresh state) write `metrics.jsonl` files whose
+deterministic fields (every float in full precision; not the wall-clock throughput keys) are
+identical, and a different seed changes them, so the comparison can fail. The optimizers
 alone are checked the same way on a small softmax-regression problem for every head geometry.
 (Across processes and interruptions, see test_crash_resume.py.)
 """
@@ -14,42 +15,37 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _lm_fixtures import config_on, deterministic_records
+from _lm_fixtures import deterministic_records, short_run
 
 import rowgeom
 from examples.lm import train
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus):
-    return small_corpus(tmp_path_factory.mktemp("determinism"), tokenize=True)
-
-
-def _run(root, name, **changes):
-    cfg = config_on(root, steps=4, eval__every=2, **changes)
-    train.train(cfg, root / name, progress=False, print_fn=lambda *a: None)
+def _run(root, workdir, **changes):
+    train.train(short_run(root, **changes), workdir, progress=False, print_fn=lambda *a: None)
     # Everything but the wall-clock throughput, as the bytes json writes.
-    return "".join(json.dumps(r) + "\n" for r in deterministic_records(root / name)).encode()
+    return "".join(json.dumps(r) + "\n" for r in deterministic_records(workdir)).encode()
 
 
 @pytest.mark.slow
-def test_same_seed_same_trajectory(root):
-    first, second = _run(root, "a"), _run(root, "b")
+def test_same_seed_same_trajectory(lm_corpus, shared_trainers, tmp_path):
+    first, second = _run(lm_corpus, tmp_path / "a"), _run(lm_corpus, tmp_path / "b")
     assert first == second
-    other = _run(root, "seed1", seed=1)
+    other = _run(lm_corpus, tmp_path / "seed1", seed=1)
     losses = lambda raw: [json.loads(line)["train_loss"] for line in raw.splitlines()]
     assert len(losses(first)) == 4 and losses(other) != losses(first)
 
 
 def _problem(seed=0):
+    # Built in numpy and placed on the device as they are (no operation compiled for them).
     rng = np.random.default_rng(seed)
-    params = {"embed": {"embedding": jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)},
-              "layers": {"0": {"mlp": {"kernel": jnp.asarray(rng.standard_normal((8, 8)) / 3,
-                                                             jnp.float32)}}},
-              "final_norm": {"scale": jnp.ones(8)},
-              "lm_head": {"kernel": jnp.asarray(rng.standard_normal((8, 32)) / 3, jnp.float32)}}
-    tokens = jnp.asarray(rng.integers(0, 32, (64,)), jnp.int32)
-    targets = jnp.asarray(rng.integers(0, 32, (64,)), jnp.int32)
+    params = jax.device_put({
+        "embed": {"embedding": rng.standard_normal((32, 8)).astype(np.float32)},
+        "layers": {"0": {"mlp": {"kernel": (rng.standard_normal((8, 8)) / 3).astype(np.float32)}}},
+        "final_norm": {"scale": np.ones(8, np.float32)},
+        "lm_head": {"kernel": (rng.standard_normal((8, 32)) / 3).astype(np.float32)}})
+    tokens = rng.integers(0, 32, (64,)).astype(np.int32)
+    targets = rng.integers(0, 32, (64,)).astype(np.int32)
 
     def loss(p):
         h = jnp.tanh(p["embed"]["embedding"][tokens] @ p["layers"]["0"]["mlp"]["kernel"])

@@ -1,19 +1,19 @@
 """The example trainer's loop, fast: gradient accumulation, the last evaluation, the head probe.
 
 - `--optim.grad_accum_steps 2` on micro-batches of 4 sequences trains as one batch of 8 does,
-  to float32 rounding (the Trainer against a Trainer without accumulation), and leaves the
-  parameters alone between micro-batches;
+  to float32 rounding (the Trainer against a Trainer without accumulation: `SHORT_RUN`'s, the
+  same schedule), and leaves the parameters alone between micro-batches;
 - the loop feeds micro-batch `(step - 1) * accum + k` to the `k`-th micro-step of optimizer step
   `step`: each micro-batch once, in order (read off the loop's own calls);
 - a run resumed from the checkpoint of optimizer step 2 (micro step 4) trains step 3 next, on
-  micro-batches 4 and 5, and ends with the uninterrupted run's metrics and train state, bit for
-  bit (the step is `micro_step / accum`, not `micro_step`);
-- `steps` = 3 with `eval.every` = 2: steps 2 and 3 are evaluated (the last step always is);
+  micro-batches 4 and 5 (then step 4 on 6 and 7), and ends with the uninterrupted run's metrics
+  and train state, bit for bit (the step is `micro_step / accum`, not `micro_step`);
+- `steps` = 4 with `eval.every` = 3: steps 3 and 4 are evaluated (the last step always is);
 - the head probe's "step without decay" is `new - old + lr wd old` (its diameter against float64
   numpy), and within projected RowNorm's radius in the loop's evaluations.
 
-The runs use the `test` model on `small_corpus`'s token cache; every Trainer of one config is
-built (and compiled) once for the module.
+The runs use the `test` model on `lm_corpus`'s token cache; every Trainer of one config is
+built (and compiled) once for the session (`shared_trainers`).
 """
 
 from __future__ import annotations
@@ -26,34 +26,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _lm_fixtures import config_on, deterministic_records, restore_on_one_device
+from _lm_fixtures import SHORT_RUN, deterministic_records, restore_on_one_device, short_run
 
-from examples.lm import checkpointing, data, metrics, train
+from examples.lm import checkpointing, configs, data, metrics, optimizer, train
 from examples.lm import sharding as mesh_lib
 
-STEPS, EVERY, ACCUM, MICRO_BATCH = 3, 2, 2, 4
+STEPS, SAVE_EVERY, EVAL_EVERY, ACCUM, MICRO_BATCH = 4, 2, 3, 2, 4
 
 pytestmark = pytest.mark.usefixtures("no_plot")
 
 
 @pytest.fixture(scope="module")
-def no_plot():
-    """No metrics.png at the end of a run (matplotlib's seconds; test_lm_train.py checks it)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(metrics.MetricsWriter, "plot", lambda self: None)
-        yield
+def root(lm_corpus, shared_trainers):
+    return lm_corpus
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus):
-    return small_corpus(tmp_path_factory.mktemp("lm_loop"), tokenize=True)
-
-
-def _cfg(root, **changes):
-    # Evaluations and checkpoints at 2 and (the last step) 3; no probe-only steps.
-    return config_on(root, **{"steps": STEPS, "eval__every": EVERY, "checkpoint__every": EVERY,
-                              "eval__probe_last_steps": 0, "optim__grad_accum_steps": ACCUM,
-                              "data__batch_size": MICRO_BATCH, **changes})
+def _cfg(root):
+    """`SHORT_RUN` in micro-batches: checkpoints at 2 and 4, evaluations at 3 and (the last step)
+    4, the probe's last two steps both evaluated (no probe-only steps). With probe steps the
+    tracker measures every update whatever `eval.every`, so the optimizer is `SHORT_RUN`'s."""
+    assert (SHORT_RUN["steps"], SHORT_RUN["checkpoint__every"]) == (STEPS, SAVE_EVERY)
+    assert SHORT_RUN["eval__probe_last_steps"] == STEPS - EVAL_EVERY + 1
+    return short_run(root, eval__every=EVAL_EVERY, optim__grad_accum_steps=ACCUM,
+                     data__batch_size=MICRO_BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +75,14 @@ def _run(cfg, workdir, calls):
 
 
 @pytest.fixture(scope="module")
-def clean(root, shared_trainers, micro_batches):
+def workdirs(tmp_path_factory):
+    return tmp_path_factory.mktemp("lm_loop")
+
+
+@pytest.fixture(scope="module")
+def clean(root, workdirs, micro_batches):
     """An uninterrupted run: (workdir, training indices asked for, printed lines)."""
-    workdir = root / "clean"
+    workdir = workdirs / "clean"
     calls, out = _run(_cfg(root), workdir, micro_batches)
     return workdir, calls, out
 
@@ -96,7 +96,7 @@ def test_the_last_step_is_evaluated(clean):
     workdir, _, out = clean
     records = metrics.read_metrics(workdir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert [r["step"] for r in records if "val_loss" in r] == [EVERY, STEPS]
+    assert [r["step"] for r in records if "val_loss" in r] == [EVAL_EVERY, STEPS]
     assert out[-1] == train.summary_line(records[-1])
     assert out[-1].startswith(f"final step {STEPS}:")
 
@@ -110,24 +110,25 @@ def test_head_step_of_the_loop_is_within_the_rownorm_radius(clean):
             assert r["head_diameter"] != r["head_step_diameter"]
 
 
-def test_resumed_run_continues_at_the_optimizer_step(root, clean, micro_batches):
-    """Killed after step 3, before its checkpoint: resumed from step 2 (micro step 4), it trains
-    step 3 on micro-batches 4 and 5 and ends where the uninterrupted run did."""
+def test_resumed_run_continues_at_the_optimizer_step(root, workdirs, clean, micro_batches):
+    """Killed in step 3, after the checkpoint of step 2: resumed from it (micro step 4), it
+    trains step 3 on micro-batches 4 and 5 (and step 4 on 6 and 7) and ends where the
+    uninterrupted run did."""
     cfg, (clean_dir, _, _) = _cfg(root), clean
-    killed = root / "killed"
+    killed = workdirs / "killed"
     shutil.copytree(clean_dir, killed)
     shutil.rmtree(killed / "checkpoints" / str(STEPS))
     lines = (killed / metrics.METRICS_FILE).read_text().splitlines(keepends=True)
-    (killed / metrics.METRICS_FILE).write_text("".join(lines[:EVERY]))
+    (killed / metrics.METRICS_FILE).write_text("".join(lines[:SAVE_EVERY]))
     ckpt = checkpointing.Checkpointer(killed / "checkpoints")
     try:
-        assert ckpt.latest_step() == EVERY
+        assert ckpt.latest_step() == SAVE_EVERY
     finally:
         ckpt.close()
 
     calls, out = _run(cfg, killed, micro_batches)
-    assert any(line.startswith(f"resumed from step {EVERY} ") for line in out), out
-    assert calls == list(range(EVERY * ACCUM, STEPS * ACCUM))
+    assert any(line.startswith(f"resumed from step {SAVE_EVERY} ") for line in out), out
+    assert calls == list(range(SAVE_EVERY * ACCUM, STEPS * ACCUM))
     assert deterministic_records(killed) == deterministic_records(clean_dir)
     state, meta = restore_on_one_device(killed / "checkpoints", STEPS)
     want, want_meta = restore_on_one_device(clean_dir / "checkpoints", STEPS)
@@ -136,7 +137,7 @@ def test_resumed_run_continues_at_the_optimizer_step(root, clean, micro_batches)
     jax.tree.map(np.testing.assert_array_equal, state, want)
 
 
-def test_a_sigterm_while_the_last_checkpoint_is_written_does_not_kill_it(root, clean,
+def test_a_sigterm_while_the_last_checkpoint_is_written_does_not_kill_it(root, workdirs, clean,
                                                                          micro_batches,
                                                                          monkeypatch):
     """The preemption handler stays until the run's last save is written: a SIGTERM then is a
@@ -151,7 +152,7 @@ def test_a_sigterm_while_the_last_checkpoint_is_written_does_not_kill_it(root, c
         real(ckpt)
 
     monkeypatch.setattr(train, "_close", close)
-    workdir = root / "sigterm_at_close"
+    workdir = workdirs / "sigterm_at_close"
     try:
         _run(_cfg(root), workdir, micro_batches)
     finally:
@@ -178,12 +179,19 @@ def _tokens(rng, cfg, batch, sharding):
 
 def test_accumulation_trains_like_the_larger_batch(root, shared_trainers, clean):
     """Two optimizer steps: two micro-batches of 4 accumulated, against their 8 sequences as one
-    batch without accumulation (same model, seed and schedule); between the micro-batches of a
-    step the parameters do not move."""
+    batch without accumulation (`SHORT_RUN`: the same model, seed, schedule and tracker); between
+    the micro-batches of a step the parameters do not move."""
     cfg, mesh = _cfg(root), _one_device()
     one = shared_trainers(cfg, mesh)
-    big = shared_trainers(
-        _cfg(root, optim__grad_accum_steps=1, data__batch_size=ACCUM * MICRO_BATCH), mesh)
+    big_cfg = short_run(root)
+    assert big_cfg.data.batch_size == ACCUM * MICRO_BATCH and big_cfg.optim.grad_accum_steps == 1
+    # The configs differ in the accumulation and the evaluations' cadence alone, which (with
+    # probe steps) leaves the tracker measuring every update in both.
+    mine, theirs = configs.flatten(cfg), configs.flatten(big_cfg)
+    assert {k for k in mine if mine[k] != theirs[k]} == {
+        "optim.grad_accum_steps", "data.batch_size", "eval.every"}
+    assert optimizer.track_every_k_steps(cfg) == optimizer.track_every_k_steps(big_cfg) == 1
+    big = shared_trainers(big_cfg, mesh)
     rng, placed = np.random.default_rng(0), mesh_lib.batch_sharding(mesh)
     with jax.set_mesh(mesh):  # as the loop runs them: its compiled functions
         state, ref = one.init(), big.init()

@@ -245,11 +245,14 @@ def test_overwrite_starts_fresh(corpus, interrupted):
 def test_every_config_trains_for_any_number_of_steps():
     """--steps N for N >= 1: the warmup is clamped, the schedule is positive and finite and
     ends at min_lr_ratio x peak on the last update."""
+    longest = 24
     for name, base in configs.CONFIGS.items():
-        for steps in (1, 2, 3, 24):
+        for steps in (1, 2, 3, longest):
             cfg = configs.override(base, {"steps": steps})
             assert 0 <= cfg.effective_warmup() < steps
-            lr = np.asarray(optimizer.lr_schedule(1.0, cfg)(np.arange(steps)))
+            # Updates 0 .. steps - 1 of the rates of updates 0 .. 23, which the schedule computes
+            # element by element: one shape for every config, so its operations compile once.
+            lr = np.asarray(optimizer.lr_schedule(1.0, cfg)(np.arange(longest)))[:steps]
             assert np.all(np.isfinite(lr)) and np.all(lr > 0), (name, steps, lr)
             np.testing.assert_allclose(lr[-1], cfg.optim.min_lr_ratio, rtol=1e-5,
                                        err_msg=f"{name} steps={steps}")
@@ -323,7 +326,7 @@ def test_llmc_shards_pretrained_tokenizer_and_a_gcs_workdir(corpus, tmp_path):
     assert np.all(np.asarray(probs)[..., 300:] == 0)
 
 
-def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
+def test_user_errors_are_one_line_and_exit_2(lm_corpus, tmp_path, capsys):
     small = tmp_path / "small.txt"
     small.write_text("".join(f"line {i}\n" for i in range(40)))
     for argv, message in (
@@ -334,15 +337,17 @@ def test_user_errors_are_one_line_and_exit_2(corpus, tmp_path, capsys):
             (["--config", "test", "--data.source", str(small)],
              "no training file holds one update's batch_size x grad_accum_steps x seq_len + 1 "
              "= 257 tokens"),
-            (["--config", "test", "--eval.hilbert_sequences", "100000"],
+            (["--config", "test", "--eval.hilbert_sequences", "100000", "--data.source",
+              str(lm_corpus / "corpus"), f"--data.dir={lm_corpus / 'tokens'}"],
              "no validation file holds the head probe's --eval.hilbert_sequences x seq_len + 1 "
              "= 3200001 tokens"),
             (["--config", "test", "--data.tokenizer", str(small)], "is not a Hugging Face"),
             (["--config", "test", "--mesh.data", "3"],
              "--mesh.data/--mesh.fsdp/--mesh.tensor = (3, 1, 1) need 3 devices")):
+        if not any(a.startswith("--data.dir") for a in argv):
+            argv = [*argv, f"--data.dir={tmp_path / 'data'}"]
         with pytest.raises(SystemExit) as exit_info:
-            train.main([*argv, "--workdir", str(tmp_path / "w"), "--no-progress",
-                        f"--data.dir={tmp_path / 'data'}"])
+            train.main([*argv, "--workdir", str(tmp_path / "w"), "--no-progress"])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2, argv
         assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
@@ -374,36 +379,39 @@ def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
     test = configs.get_config("test")
     padded = configs.override(test, {"model.vocab_size": 384, "model.valid_vocab_size": 300})
     real = configs.override(test, {"model.vocab_size": 300})
-    # Built, and the gradients drawn, in one compiled program each (not one per operation).
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(
-        model_lib.Transformer(padded.model, rngs=nnx.Rngs(0)), nnx.Param)))()
     cut = lambda tree: {**tree, "lm_head": {"kernel": tree["lm_head"]["kernel"][:, :300]},
                         "embed": {"embedding": tree["embed"]["embedding"][:300]}}
     tx_padded, tx_real = optimizer.build_optimizer(padded), optimizer.build_optimizer(real)
-    state_padded, state_real = (jax.jit(tx_padded.init)(params),
-                                jax.jit(tx_real.init)(cut(params)))
-    update_padded, update_real = jax.jit(tx_padded.update), jax.jit(tx_real.update)
 
-    shapes, treedef = jax.tree.flatten(jax.tree.map(lambda p: p.shape, params),
-                                       is_leaf=lambda x: isinstance(x, tuple))
+    # Two compiled programs (not one per operation): the model and both optimizers' states, then
+    # one update of each optimizer on the same gradients, the padded model's applied.
+    @jax.jit
+    def init():
+        params = nnx.to_pure_dict(nnx.state(
+            model_lib.Transformer(padded.model, rngs=nnx.Rngs(0)), nnx.Param))
+        return params, tx_padded.init(params), tx_real.init(cut(params))
 
     @jax.jit
-    def draw_grads(key):
-        keys = jax.random.split(key, len(shapes))
-        grads = jax.tree.unflatten(treedef, [jax.random.normal(k, shape)
-                                             for k, shape in zip(keys, shapes, strict=True)])
+    def update(i, params, state_padded, state_real):
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(1), i), len(leaves))
+        grads = jax.tree.unflatten(treedef, [jax.random.normal(k, p.shape)
+                                             for k, p in zip(keys, leaves, strict=True)])
         # The masked loss gives the padding rows no gradient.
         grads["lm_head"]["kernel"] = grads["lm_head"]["kernel"].at[:, 300:].set(0)
         grads["embed"]["embedding"] = grads["embed"]["embedding"].at[300:].set(0)
-        return grads
+        up_padded, state_padded = tx_padded.update(grads, state_padded, params)
+        up_real, state_real = tx_real.update(cut(grads), state_real, cut(params))
+        return (optax.apply_updates(params, up_padded), state_padded, state_real, up_padded,
+                up_real)
 
-    for key in jax.random.split(jax.random.key(1), 3):
-        grads = draw_grads(key)
-        up_padded, state_padded = update_padded(grads, state_padded, params)
-        up_real, state_real = update_real(cut(grads), state_real, cut(params))
-        assert np.all(np.asarray(up_padded["lm_head"]["kernel"][:, 300:]) == 0)
-        assert np.all(np.asarray(up_padded["embed"]["embedding"][300:]) == 0)
+    params, state_padded, state_real = init()
+    for i in range(3):
+        params, state_padded, state_real, up_padded, up_real = update(
+            np.int32(i), params, state_padded, state_real)
+        up_padded, up_real = jax.device_get((up_padded, up_real))
+        assert np.all(up_padded["lm_head"]["kernel"][:, 300:] == 0)
+        assert np.all(up_padded["embed"]["embedding"][300:] == 0)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
                      cut(up_padded), up_real)
-        params = jax.jit(optax.apply_updates)(params, up_padded)
-    assert np.all(np.asarray(params["lm_head"]["kernel"][:, 300:]) == 0)
+    assert np.all(np.asarray(params["lm_head"]["kernel"])[:, 300:] == 0)

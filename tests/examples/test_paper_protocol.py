@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -74,8 +75,13 @@ def test_init_is_normal_002_everywhere_and_padding_rows_are_zero():
     cfg = model.ModelConfig(vocab_size=384, valid_vocab_size=300, d_model=64, num_layers=4,
                             num_heads=1, mlp_dim=256, max_seq_len=16, qk_norm=True,
                             norm_gain=False, init_std=0.02)
-    net = model.Transformer(cfg, rngs=nnx.Rngs(0))
-    for path, leaf in _flat(nnx.to_pure_dict(nnx.state(net, nnx.Param))):
+    @jax.jit  # one program, as the trainer initialises (not one per operation)
+    def init_and_forward():
+        net = model.Transformer(cfg, rngs=nnx.Rngs(0))
+        return nnx.to_pure_dict(nnx.state(net, nnx.Param)), net(jnp.zeros((1, 8), jnp.int32))
+
+    params, logits = init_and_forward()
+    for path, leaf in _flat(params):
         value = np.asarray(leaf)
         if path[0] == "embed":
             assert not value[300:].any()
@@ -84,8 +90,7 @@ def test_init_is_normal_002_everywhere_and_padding_rows_are_zero():
             assert not value[:, 300:].any()
             value = value[:, :300]
         assert abs(value.std() - 0.02) < 0.002, (path, value.std())
-    logits = net(jnp.zeros((1, 8), jnp.int32))
-    assert np.all(np.asarray(logits[..., 300:]) < -1e9)  # padding is never predicted
+    assert np.all(np.asarray(logits)[..., 300:] < -1e9)  # padding is never predicted
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -153,11 +158,18 @@ def test_muon_scale_is_sqrt_max_1_fan_out_over_fan_in():
     """The "keller" scale multiplies the polar factor of an (in, out) kernel by
     sqrt(max(1, out / in)): 2 for (8, 32), 1 for (32, 8)."""
     key = np.random.default_rng(0)
-    for shape, factor in (((8, 32), 2.0), ((32, 8), 1.0)):
-        g = {"w": jnp.asarray(key.standard_normal(shape), jnp.float32)}
-        scaled = rowgeom.muon_orthogonalize(scale="keller", eps=1e-5).update(g, None)[0]
-        bare = rowgeom.muon_orthogonalize(scale=None, eps=1e-5).update(g, None)[0]
-        np.testing.assert_allclose(scaled["w"], factor * bare["w"], rtol=1e-6)
+    cases = (((8, 32), 2.0), ((32, 8), 1.0))
+    grads = [{"w": key.standard_normal(shape).astype(np.float32)} for shape, _ in cases]
+    keller = rowgeom.muon_orthogonalize(scale="keller", eps=1e-5)
+    bare = rowgeom.muon_orthogonalize(scale=None, eps=1e-5)
+
+    @jax.jit  # both shapes, both scales: one program (not one per operation)
+    def updates(grads):
+        return [(keller.update(g, None)[0]["w"], bare.update(g, None)[0]["w"]) for g in grads]
+
+    for ((shape, factor), (scaled, unscaled)) in zip(cases, jax.device_get(updates(grads)),
+                                                     strict=True):
+        np.testing.assert_allclose(scaled, factor * unscaled, rtol=1e-6, err_msg=str(shape))
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -210,7 +222,7 @@ def test_other_heads_are_refused_on_the_paper_configs():
         configs.parse_config(["--config", "190m", "--head", "muon"])
 
 
-def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
+def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, lm_corpus):
     """The `test` config with the paper's block, recipe options and diagnostics switched on,
     trained 8 updates of 2 micro-batches: the head step's diameter (without decay) every 3
     updates and on the last, the evaluation's loss and Hilbert RMS every 4, and the centring
@@ -219,8 +231,7 @@ def test_the_papers_diagnostics_land_in_metrics_jsonl(tmp_path, small_corpus):
 
     from examples.lm import metrics, train
 
-    root = small_corpus(tmp_path, tokenize=True)
-    cfg = config_on(root, eval__diameter_every=3, eval__centring=True,
+    cfg = config_on(lm_corpus, eval__diameter_every=3, eval__centring=True,
                     optim__head_bias_correction=True,
                     optim__head_weight_decay=0.0, checkpoint__every=100,
                     model__qk_norm=True, model__norm_gain=False, model__init_std=0.02,

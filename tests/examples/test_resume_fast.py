@@ -17,27 +17,25 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from _lm_fixtures import deterministic_records
+from _lm_fixtures import SHORT_RUN, deterministic_records, short_run
 
-from examples.lm import checkpointing, configs, metrics, train
+from examples.lm import checkpointing, metrics, train
 
-STEPS, SAVE_EVERY, RESUME_FROM = 4, 2, 2
+# `SHORT_RUN`: 4 steps, checkpoints and evaluations at 2 and 4, the head probe on the last two
+# steps, so step 3 (the first step after the resume) records the head step's diameter and the
+# tracker's bracket.
+STEPS, SAVE_EVERY, RESUME_FROM = SHORT_RUN["steps"], SHORT_RUN["checkpoint__every"], 2
+_cfg = short_run
+
+pytestmark = pytest.mark.usefixtures("no_plot")  # conftest.py: no metrics.png at a run's end
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus, shared_trainers):
+def root(lm_corpus, shared_trainers):
     # The resumed run reuses the clean run's compiled functions (a fresh process's: see
-    # test_crash_resume.py).
-    return small_corpus(tmp_path_factory.mktemp("resume_fast"), tokenize=True)
-
-
-def _cfg(root):
-    # Evaluations at 2 and 4 and the head probe on the last two steps, so step 3 (the first
-    # step after the resume) records the head step's diameter and the tracker's bracket.
-    return configs.override(configs.get_config("test"), {
-        "data.source": str(root / "corpus"), "data.dir": str(root / "tokens"),
-        "steps": STEPS, "checkpoint.every": SAVE_EVERY, "eval.every": SAVE_EVERY,
-        "eval.probe_last_steps": 2})
+    # test_crash_resume.py), and those of the other modules' runs of `SHORT_RUN` in this
+    # process (test_bad_input.py's).
+    return lm_corpus
 
 
 def _saved_steps(workdir):
@@ -48,10 +46,10 @@ def _saved_steps(workdir):
         ckpt.close()
 
 
-def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root,
+def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root, tmp_path,
                                                                             final_checkpoint):
     cfg, quiet = _cfg(root), lambda *args, **kwargs: None
-    clean = root / "clean"
+    clean = tmp_path / "clean"
     train.train(cfg, clean, progress=False, print_fn=quiet)
     want = deterministic_records(clean)
     assert [r["step"] for r in want] == list(range(1, STEPS + 1))
@@ -62,7 +60,7 @@ def test_resumed_run_trains_the_next_step_and_matches_the_uninterrupted_run(root
 
     # A run killed after step 3: checkpoint 2 is the latest, step 3's metrics line was written,
     # and step 4's was cut short.
-    killed = root / "killed"
+    killed = tmp_path / "killed"
     shutil.copytree(clean, killed)
     shutil.rmtree(killed / "checkpoints" / str(STEPS))
     lines = (killed / metrics.METRICS_FILE).read_text().splitlines(keepends=True)
@@ -104,12 +102,12 @@ def test_a_metrics_file_cut_short_loses_its_last_line_and_a_damaged_one_is_named
 
 
 def test_a_preempted_run_raises_preempted_after_its_checkpoint_and_the_same_call_finishes(
-        root, monkeypatch):
+        root, tmp_path, monkeypatch):
     """Preemption (here the watcher saying so after step 3) saves that step and raises
     `Preempted`, exit status 0: a caller never takes the run for a finished one. The same
     call then resumes it and finishes."""
     cfg, out = _cfg(root), []
-    workdir = root / "preempted"
+    workdir = tmp_path / "preempted"
     with monkeypatch.context() as patch:
         patch.setattr(train.PreemptionWatcher, "reached", lambda self, step: step == 3)
         with pytest.raises(train.Preempted) as stopped:
