@@ -7,6 +7,7 @@ shown to fail on a counter-example, so a wrong sentence (or a wrong library) fai
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import re
 import subprocess
@@ -26,10 +27,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 MDN = rowgeom.MuonDimensionNumbers
 
 
-def _rownorm(g, **options) -> np.ndarray:
-    """The projected RowNorm direction (radius 1) of `g`, through the public transform."""
-    tx = rowgeom.projected_rownorm(**options)
-    return np.asarray(tx.update(jnp.asarray(g), tx.init(g))[0], np.float64)
+@functools.cache
+def _rownorm_program(option_sets: tuple):
+    txs = [rowgeom.projected_rownorm(**dict(options)) for options in option_sets]
+    return jax.jit(lambda g: [tx.update(g, tx.init(g))[0] for tx in txs])
+
+
+def _rownorms(g, *option_sets: dict) -> list[np.ndarray]:
+    """The projected RowNorm directions (radius 1) of `g` under each of `option_sets`, through
+    the public transform: one jitted program for them all (eagerly, each op compiles its own)."""
+    key = tuple(tuple(sorted(options.items())) for options in option_sets)
+    return [np.asarray(u, np.float64) for u in _rownorm_program(key)(g)]
 
 
 def _np_diameter(rows: np.ndarray) -> float:
@@ -43,17 +51,14 @@ def _np_diameter(rows: np.ndarray) -> float:
 def test_muon_iterates_in_the_input_dtype_unless_compute_dtype_is_set(rng):
     """index.md: Muon's Newton–Schulz iteration runs in the input dtype unless `compute_dtype`
     is set (RowNorm's float32 internals are the transform battery's)."""
-    x = jnp.asarray(rng.standard_normal((16, 24)), jnp.bfloat16)
-
-    def muon(**options):
-        tx = rowgeom.muon_orthogonalize(**options)
-        return np.asarray(jax.jit(tx.update)(x, tx.init(x))[0], np.float64)
-
-    default, in_bf16, in_f32 = muon(), muon(compute_dtype=jnp.bfloat16), muon(
-        compute_dtype=jnp.float32)
+    x = rng.standard_normal((16, 24)).astype(jnp.bfloat16)
+    txs = [rowgeom.muon_orthogonalize(**options) for options in (
+        {}, dict(compute_dtype=jnp.bfloat16), dict(compute_dtype=jnp.float32))]
+    # One program for the four steps; the float32 reference takes the float32 input.
+    outputs = jax.jit(lambda x: [tx.update(x, tx.init(x))[0] for tx in txs] + [
+        txs[0].update(x.astype(jnp.float32), optax.EmptyState())[0]])(x)
+    default, in_bf16, in_f32, reference = (np.asarray(u, np.float64) for u in outputs)
     np.testing.assert_array_equal(default, in_bf16)  # the input dtype, bit for bit
-    reference = np.asarray(jax.jit(rowgeom.muon_orthogonalize().update)(
-        x.astype(jnp.float32), optax.EmptyState())[0], np.float64)
     assert not np.array_equal(default, in_f32)
     assert np.abs(in_f32 - reference).max() < np.abs(default - reference).max()
 
@@ -71,7 +76,8 @@ STATIC_ARGS = {
 }
 
 
-G = jnp.ones((4, 10)).at[0].set(3.0).at[1, 2].set(-1.0)
+G = np.ones((4, 10), np.float32)  # built on the host: nothing compiles at collection
+G[0], G[1, 2] = 3.0, -1.0
 OPTIONS = {  # every documented static argument passed, the floats too
     "projected_rownorm": dict(vocab_axis=1, eps=1e-8, num_valid=8),
     "clip_row_diameter": dict(max_diameter=0.01, vocab_axis=1, exact=True, block_size=4),
@@ -85,13 +91,16 @@ OPTIONS = {  # every documented static argument passed, the floats too
 def test_inject_hyperparams_needs_the_documented_static_args():
     documented = STATIC_ARGS  # every public transform but lm_optimizer
     params = {"w": G}
+    pairs = {name: (getattr(rowgeom, name)(**OPTIONS[name]), optax.inject_hyperparams(
+        getattr(rowgeom, name), static_args=static)(**OPTIONS[name]))
+        for name, static in documented.items()}
+    # Each transform's plain and injected step, all in one jitted program (not one each).
+    steps = jax.jit(lambda p: {name: [tx.update(p, tx.init(p), p)[0] for tx in pair]
+                               for name, pair in pairs.items()})(params)
     for name, static in documented.items():
         make, options = getattr(rowgeom, name), OPTIONS[name]
-        plain = make(**options)
-        want = jax.jit(plain.update)(params, plain.init(params), params)[0]
-        tx = optax.inject_hyperparams(make, static_args=static)(**options)
-        got = jax.jit(tx.update)(params, tx.init(params), params)[0]
-        jax.tree.map(np.testing.assert_array_equal, got, want)
+        want, got = steps[name]
+        jax.tree.map(functools.partial(np.testing.assert_array_equal, err_msg=name), got, want)
         for missing in static:
             short = tuple(a for a in static if a != missing)
             broken = optax.inject_hyperparams(make, static_args=short)(**options)
@@ -129,7 +138,7 @@ def test_every_row_moves_by_exactly_r_up_to_a_common_shift(rng):
     for offset in (0.0, 5.0):
         x = _zero_mean_rows(rng, v, d)
         g = (x + offset * rng.standard_normal(d)).astype(np.float32)
-        s = -r * _rownorm(g, vocab_axis=0, eps=eps)
+        s = -r * _rownorms(g, dict(vocab_axis=0, eps=eps))[0]
         xc = g.astype(np.float64) - g.astype(np.float64).mean(axis=0)  # centred, float64
         norms = np.linalg.norm(xc, axis=1)
         u = xc / np.maximum(norms, eps)[:, None]
@@ -157,7 +166,8 @@ def test_outer_centring_changes_neither_decrease_nor_diameter_of_a_zero_sum_grad
     g = rng.standard_normal((20, 5))
     for zero_sum in (True, False):
         grad = (g - g.mean(axis=0) if zero_sum else g + 1.0).astype(np.float32)
-        centred, plain = (_rownorm(grad, vocab_axis=0, center_output=c) for c in (True, False))
+        centred, plain = _rownorms(grad, *(dict(vocab_axis=0, center_output=c)
+                                           for c in (True, False)))
         decrease = [float(np.sum(grad * s)) for s in (centred, plain)]
         np.testing.assert_allclose(_np_diameter(centred), _np_diameter(plain), rtol=1e-5)
         np.testing.assert_allclose(centred.sum(axis=0), 0.0, atol=1e-5)  # the gauge
@@ -171,20 +181,28 @@ def test_rescaled_padded_step_diameter_over_valid_and_all_rows():
     """geometry.md: rescale="exact" with num_valid measures D over the valid rows; with the
     output centring the padding rows' zero step is the valid mean (D over all rows the same),
     without it the diameter over all rows can far exceed the budget."""
-    g = jnp.array([[1.0, 0.0], [0.9, 0.1], [0.0, 0.0], [7.0, 7.0]])  # rows 2, 3: padding
+    g = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 0.0], [7.0, 7.0]], np.float32)  # 2, 3: padding
+    txs = {centre: rowgeom.projected_rownorm(vocab_axis=0, num_valid=2, rescale="exact",
+                                             center_input=centre, center_output=centre)
+           for centre in (True, False)}
+    stats = rowgeom.track_row_diameter(vocab_axis=0)
+
+    @jax.jit  # both steps and the tracker in one program (eagerly: 49 compiles of single ops)
+    def steps(g):
+        s = {centre: tx.update(g, tx.init(g))[0] for centre, tx in txs.items()}
+        _, state = stats.update(s[False], stats.init(g))
+        return s, state.lower
+
+    steps, tracked = steps(g)
     for centre in (True, False):
-        tx = rowgeom.projected_rownorm(vocab_axis=0, num_valid=2, rescale="exact",
-                                       center_input=centre, center_output=centre)
-        s = np.asarray(tx.update(g, tx.init(g))[0], np.float64)
+        s = np.asarray(steps[centre], np.float64)
         np.testing.assert_array_equal(s[2:], 0.0)
         np.testing.assert_allclose(_np_diameter(s[:2]), 2.0, rtol=1e-5)
         if centre:
             np.testing.assert_allclose(_np_diameter(s), 2.0, rtol=1e-5)
         else:
             assert _np_diameter(s) > 4.0
-            stats = rowgeom.track_row_diameter(vocab_axis=0)
-            _, state = stats.update(jnp.asarray(s, jnp.float32), stats.init(g))
-            assert float(state.lower) > 4.0  # the tracker sees all rows
+            assert float(tracked) > 4.0  # the tracker sees all rows
 
 
 # ----------------------------------------------------------------------------- geometry facts
@@ -192,15 +210,20 @@ def test_rescaled_padded_step_diameter_over_valid_and_all_rows():
 
 def test_rmsnorm_output_norm_is_at_most_sqrt_d_times_the_largest_gain(rng):
     d = 64
-    norm = nnx.RMSNorm(d, rngs=nnx.Rngs(0))
-    norm.scale[...] = jnp.asarray(rng.uniform(-2.0, 1.5, d), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((200, d)) * rng.uniform(1e-3, 1e3, (200, 1)),
-                    jnp.float32)
-    bound = np.sqrt(d) * np.abs(np.asarray(norm.scale[...])).max()
-    h = np.linalg.norm(np.asarray(norm(x), np.float64), axis=-1)
+
+    @jax.jit  # one program for both gains (eagerly, each op compiles its own)
+    def rmsnorm(scale, x):
+        norm = nnx.RMSNorm(d, rngs=nnx.Rngs(0))
+        norm.scale[...] = scale
+        return norm(x)
+
+    scale = rng.uniform(-2.0, 1.5, d).astype(np.float32)
+    x = (rng.standard_normal((200, d)) * rng.uniform(1e-3, 1e3, (200, 1))).astype(np.float32)
+    bound = np.sqrt(d) * np.abs(scale).max()
+    h = np.linalg.norm(np.asarray(rmsnorm(scale, x), np.float64), axis=-1)
     assert np.all(h <= bound * (1 + 1e-5))
-    norm.scale[...] = jnp.full((d,), 1.5)  # a constant gain attains it
-    h = np.linalg.norm(np.asarray(norm(x), np.float64), axis=-1)
+    h = np.linalg.norm(np.asarray(rmsnorm(np.full(d, 1.5, np.float32), x), np.float64),
+                       axis=-1)  # a constant gain attains it
     np.testing.assert_allclose(h, np.sqrt(d) * 1.5, rtol=1e-4)
 
 
@@ -208,7 +231,7 @@ def test_row_diameter_is_bounded_by_the_usual_norms(rng):
     """D(S) <= 2 max_i ||s_i - c|| (any c), <= sqrt(2) ||S||_2, <= 2 sqrt(d) max|S_ij|."""
     for v, d in [(2, 3), (9, 4), (30, 7)]:
         s = rng.standard_normal((v, d)) * rng.uniform(0.1, 3.0, (v, 1))
-        exact = float(rowgeom.row_diameter(jnp.asarray(s, jnp.float32), vocab_axis=0))
+        exact = float(rowgeom.row_diameter(s.astype(np.float32), vocab_axis=0))
         np.testing.assert_allclose(exact, _np_diameter(s), rtol=1e-5)
         for c in [s.mean(axis=0), rng.standard_normal(d) * 5, s[0]]:
             assert exact <= 2 * np.linalg.norm(s - c, axis=1).max() * (1 + 1e-5)
@@ -224,9 +247,9 @@ def test_cross_entropy_head_gradient_is_zero_sum(rng):
     """An untied head's cross-entropy gradient has zero-sum token rows (1ᵀG = 0), with or
     without label smoothing; a z-loss breaks it (the counter-example)."""
     v, d, n = 50, 8, 32
-    w = jnp.asarray(rng.standard_normal((v, d)), jnp.float32)
-    h = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, v, n))
+    w = rng.standard_normal((v, d)).astype(np.float32)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    y = rng.integers(0, v, n).astype(np.int32)
 
     def losses(w):
         logits = h @ w.T
@@ -236,8 +259,10 @@ def test_cross_entropy_head_gradient_is_zero_sum(rng):
         z_loss = plain + 1e-2 * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
         return plain, smooth, z_loss
 
-    for i, name in enumerate(("plain", "smooth", "z_loss")):
-        grad = np.asarray(jax.jit(jax.grad(lambda w, i=i: losses(w)[i]))(w), np.float64)
+    # The three gradients in one program (not one each).
+    grads = jax.jit(lambda w: [jax.grad(lambda w, i=i: losses(w)[i])(w) for i in range(3)])(w)
+    for grad, name in zip(grads, ("plain", "smooth", "z_loss"), strict=True):
+        grad = np.asarray(grad, np.float64)
         residual = np.linalg.norm(grad.sum(axis=0)) / np.abs(grad).sum()
         if name == "z_loss":
             assert residual > 1e-3, residual
@@ -267,16 +292,16 @@ def test_ratio_is_one_for_one_feature_two_tokens_and_rank_one(rng):
 
 
 def _head_leaves(tx, params):
-    inner = tx.init(params).inner_states["head"].inner_state
+    inner = jax.eval_shape(tx.init, params).inner_states["head"].inner_state
     return sorted((jax.tree_util.keystr(p).split(".")[-1].split("[")[0], tuple(x.shape),
                    str(x.dtype)) for p, x in jax.tree_util.tree_leaves_with_path(inner))
 
 
 def test_head_state_holds_what_the_checkpointing_guide_lists():
     d, v = 16, 100
-    params = {"embed": {"embedding": jnp.zeros((v, d))},
-              "layers": {"0": {"mlp": {"up": {"kernel": jnp.zeros((d, 64))}}}},
-              "norm": {"scale": jnp.ones(d)}, "lm_head": {"kernel": jnp.zeros((d, v))}}
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731  (shapes only)
+    params = {"embed": {"embedding": f32(v, d)}, "layers": {"0": {"mlp": {"up": {"kernel": f32(
+        d, 64)}}}}, "norm": {"scale": f32(d)}, "lm_head": {"kernel": f32(d, v)}}
     tracker = [("count", (), "int32"), ("lower", (), "float32"), ("measured_at", (), "int32"),
                ("row_sum_residual", (), "float32"), ("upper", (), "float32")]
     rownorm = _head_leaves(rowgeom.lm_optimizer(1e-3), params)
@@ -290,7 +315,7 @@ def test_head_state_holds_what_the_checkpointing_guide_lists():
     size = lambda leaves: sum(int(np.prod(s)) for _, s, _ in leaves if s)  # noqa: E731
     assert 2 * size(rownorm) == size(adamw) == 2 * d * v
     # The structure follows the options and the kind of rate, not the float values.
-    structure = lambda tx: jax.tree.structure(tx.init(params))  # noqa: E731
+    structure = lambda tx: jax.tree.structure(jax.eval_shape(tx.init, params))  # noqa: E731
     base = structure(rowgeom.lm_optimizer(1e-3))
     assert base == structure(rowgeom.lm_optimizer(
         2e-3, groups={"head": rowgeom.GroupOptions(learning_rate=1e-2)}, weight_decay=0.0,
@@ -325,7 +350,7 @@ def test_a_killed_saves_temporary_directory_goes_when_its_step_is_saved_again(tm
 
     ckdir = tmp_path / "ck"
     ckpt = checkpointing.Checkpointer(ckdir)
-    ckpt.save(1, {"a": jnp.zeros((4,))}, {"step": 1})
+    ckpt.save(1, {"a": jnp.asarray(np.zeros(4, np.float32))}, {"step": 1})  # nothing compiled
     ckpt.close()
     for step in (2, 3):
         subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(ckdir), str(step)], cwd=ROOT,
@@ -334,7 +359,7 @@ def test_a_killed_saves_temporary_directory_goes_when_its_step_is_saved_again(tm
     assert [name.split(".")[0] for name in temporary()] == ["2", "3"], temporary()
     ckpt = checkpointing.Checkpointer(ckdir)
     assert ckpt.latest_step() == 1  # the half-written ones are never listed
-    ckpt.save(2, {"a": jnp.ones((4,))}, {"step": 2})
+    ckpt.save(2, {"a": jnp.asarray(np.ones(4, np.float32))}, {"step": 2})
     ckpt.wait()
     assert ckpt.all_steps() == [1, 2]
     assert [name.split(".")[0] for name in temporary()] == ["3"], temporary()
@@ -346,10 +371,9 @@ def test_a_killed_saves_temporary_directory_goes_when_its_step_is_saved_again(tm
 
 def _small_lm(rng):
     """An embedding and a head (no hidden matrix: Muon's compile would dominate the test)."""
-    params = {"embed": {"embedding": jnp.asarray(rng.standard_normal((40, 8)), jnp.float32)},
-              "lm_head": {"kernel": jnp.asarray(rng.standard_normal((8, 40)), jnp.float32)}}
-    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
-                         params)
+    params = {"embed": {"embedding": rng.standard_normal((40, 8)).astype(np.float32)},
+              "lm_head": {"kernel": rng.standard_normal((8, 40)).astype(np.float32)}}
+    grads = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params)
     return params, grads
 
 
@@ -360,7 +384,7 @@ def test_lm_optimizer_update_needs_params_and_clipping_goes_first(rng):
     params, grads = _small_lm(rng)
     tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0)
     with pytest.raises(ValueError, match="requires the current value of parameters"):
-        tx.update(grads, tx.init(params))
+        jax.eval_shape(lambda g, p: tx.update(g, tx.init(p)), grads, params)  # traced only
 
     def head_diameter(tx, grads, params):
         updates, _ = tx.update(grads, tx.init(params), params)
@@ -387,8 +411,12 @@ def test_an_injected_rate_changed_in_nnx_optimizer_scales_the_next_step(rng):
             self.embed = nnx.Embed(40, 8, rngs=rngs)
             self.lm_head = nnx.Linear(8, 40, use_bias=False, rngs=rngs)
 
-    model = TinyLM(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    @nnx.jit  # built by one program (eagerly, each initialiser and zero state compiles its own)
+    def build():
+        model = TinyLM(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    model, optimizer = build()
     rates = optimizer.opt_state.hyperparams
     assert set(rates) == {"learning_rate", "weight_decay"}
     traces = []
@@ -399,13 +427,14 @@ def test_an_injected_rate_changed_in_nnx_optimizer_scales_the_next_step(rng):
         optimizer.update(model, g)
 
     g = nnx.state(model, nnx.Param)
-    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), g)
+    g = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), g)
     moved = []
     for rate in (1e-3, 3e-3):
         rates["learning_rate"][...] = rate
         old = np.asarray(model.lm_head.kernel[...])
         step(model, optimizer, g)
-        moved.append(float(rowgeom.row_diameter(model.lm_head.kernel[...] - old, vocab_axis=1)))
+        # D of the head's step over its token rows (the kernel's columns), float64 on the host
+        moved.append(_np_diameter((np.asarray(model.lm_head.kernel[...]) - old).T))
     assert 2.5 * moved[0] < moved[1] <= 2 * 5 * 3e-3 * (1 + 1e-5), moved  # the head: 5 * lr
     assert len(traces) == 1
 
@@ -418,24 +447,29 @@ def test_trace_and_ema_momenta_give_the_same_rownorm_step(rng):
     optax's default) and `optax.ema(m, debias=False)` (what lm_optimizer uses unless
     HeadOptions(bias_correction=True)) differ by a positive factor per step, which the row
     normalisation removes: the steps agree, except for rows shorter than eps."""
-    grads = [jnp.asarray(rng.standard_normal((8, 30)), jnp.float32) for _ in range(3)]
+    grads = [rng.standard_normal((8, 30)).astype(np.float32) for _ in range(3)]
+    m = 0.95
+    spellings = (optax.trace(decay=m), optax.ema(decay=m), optax.ema(decay=m, debias=False))
 
-    def steps(momentum):
-        tx = optax.chain(momentum, rowgeom.projected_rownorm(vocab_axis=1))
-        state, out = tx.init(grads[0]), []
-        for g in grads:
-            update, state = tx.update(g, state)
-            out.append(np.asarray(update, np.float64))
-        return out
+    @jax.jit  # every step below in one program (eagerly, each op compiles its own)
+    def run(grads):
+        steps = []
+        for momentum in spellings:
+            tx = optax.chain(momentum, rowgeom.projected_rownorm(vocab_axis=1))
+            state, out = tx.init(grads[0]), []
+            for g in grads:
+                update, state = tx.update(g, state)
+                out.append(update)
+            steps.append(out)
+        # The momenta themselves, one step from zero (trace, undebiased ema).
+        momenta = [momentum.update(grads[0], momentum.init(grads[0]))[0]
+                   for momentum in (spellings[0], spellings[2])]
+        return steps, momenta
 
-    trace = steps(optax.trace(decay=0.95))
-    for other in (optax.ema(decay=0.95), optax.ema(decay=0.95, debias=False)):
-        for a, b in zip(trace, steps(other), strict=True):
+    (trace, *others), (t_mom, e_mom) = jax.tree.map(lambda x: np.asarray(x, np.float64),
+                                                    run(grads))
+    for other in others:
+        for a, b in zip(trace, other, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # The momenta themselves differ: trace = ema / (1 - m) = debiased ema * (1 - m^t) / (1 - m).
-    m = 0.95
-    t_state = optax.trace(decay=m).init(grads[0])
-    e_state = optax.ema(decay=m, debias=False).init(grads[0])
-    t_mom, _ = optax.trace(decay=m).update(grads[0], t_state)
-    e_mom, _ = optax.ema(decay=m, debias=False).update(grads[0], e_state)
-    np.testing.assert_allclose(np.asarray(e_mom), (1 - m) * np.asarray(t_mom), rtol=1e-6)
+    np.testing.assert_allclose(e_mom, (1 - m) * t_mom, rtol=1e-6)

@@ -30,22 +30,39 @@ def _inputs(vocab_axis, dtype, num_valid, seed=0):
     head = rng.standard_normal((D, V) if vocab_axis else (V, D)) / np.sqrt(D) * 3
     targets = rng.integers(0, num_valid or V, (B, T))
     # The values the computation sees (bf16-rounded for bf16), so the float64 reference gets them.
-    return (jnp.asarray(hidden, dtype), jnp.asarray(head, dtype), jnp.asarray(targets, jnp.int32))
+    # Rounded on the host: no device op to compile.
+    dtype = np.dtype(dtype)
+    return hidden.astype(dtype), head.astype(dtype), targets.astype(np.int32)
+
+
+def _loss(vocab_axis, num_valid, chunk_size, batch_groups=1):
+    return functools.partial(loss_lib.cross_entropy, vocab_axis=vocab_axis, num_valid=num_valid,
+                             chunk_size=chunk_size, batch_groups=batch_groups)
 
 
 @functools.cache
-def _value_and_grad(vocab_axis, num_valid, chunk_size, batch_groups=1):
+def _value_and_grads(vocab_axis, num_valid, chunk_sizes, batch_groups=1):
+    """One jitted program: the loss's value and gradients (d hidden, d head) for each of
+    `chunk_sizes` (a tuple), on the same inputs. The unchunked loss and a chunked one are the
+    pairs the tests compare; one program per pair compiles as fast as two, once instead of
+    twice."""
     def f(hidden, head, targets):
-        return loss_lib.cross_entropy(hidden, head, targets, vocab_axis=vocab_axis,
-                                      num_valid=num_valid, chunk_size=chunk_size,
-                                      batch_groups=batch_groups)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+        return tuple(jax.value_and_grad(_loss(vocab_axis, num_valid, c, batch_groups),
+                                        argnums=(0, 1))(hidden, head, targets)
+                     for c in chunk_sizes)
+    return jax.jit(f)
 
 
-def _run(vocab_axis, dtype, num_valid, chunk_size, **kwargs):
-    value, (d_hidden, d_head) = _value_and_grad(vocab_axis, num_valid, chunk_size, **kwargs)(
+# The chunk size each dtype's tests set beside the unchunked loss (None), in one program.
+CHUNKS = {"float32": (None, CHUNK), "bfloat16": (None, 1)}
+
+
+def _runs(vocab_axis, dtype, num_valid, chunk_sizes, **kwargs):
+    """[(value, d hidden, d head)] per chunk size, float64 on the host."""
+    out = _value_and_grads(vocab_axis, num_valid, chunk_sizes, **kwargs)(
         *_inputs(vocab_axis, dtype, num_valid))
-    return float(value), np.asarray(d_hidden, np.float64), np.asarray(d_head, np.float64)
+    return [(float(value), np.asarray(d_hidden, np.float64), np.asarray(d_head, np.float64))
+            for value, (d_hidden, d_head) in out]
 
 
 def _reference(vocab_axis, dtype, num_valid):
@@ -75,8 +92,7 @@ def _close(actual, expected, rel):
 @pytest.mark.parametrize("vocab_axis", LAYOUTS)
 def test_float32_chunked_equals_plain_and_float64_reference(vocab_axis, num_valid):
     ref = _reference(vocab_axis, jnp.float32, num_valid)
-    plain = _run(vocab_axis, jnp.float32, num_valid, None)
-    chunked = _run(vocab_axis, jnp.float32, num_valid, CHUNK)
+    plain, chunked = _runs(vocab_axis, jnp.float32, num_valid, CHUNKS["float32"])
     for got in (plain, chunked):
         np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
         _close(got[1], ref[1], 1e-6)
@@ -96,8 +112,7 @@ def test_bfloat16_equals_plain_and_head_gradient_accumulates_in_float32(vocab_ax
     a head gradient summed in bf16 across them would be several units off the float64 value."""
     dtype = jnp.bfloat16
     ref = _reference(vocab_axis, dtype, NUM_VALID)
-    plain = _run(vocab_axis, dtype, NUM_VALID, None)
-    chunked = _run(vocab_axis, dtype, NUM_VALID, 1)
+    plain, chunked = _runs(vocab_axis, dtype, NUM_VALID, CHUNKS["bfloat16"])
     np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
     for got, want in zip(chunked[1:], plain[1:], strict=True):
         np.testing.assert_allclose(got, want, rtol=BF16_ULP, atol=1e-3 * np.abs(want).max())
@@ -125,12 +140,17 @@ def test_unchunked_is_exactly_todays_computation(vocab_axis, dtype):
     today = jax.jit(jax.value_and_grad(
         functools.partial(_todays_loss, vocab_axis=vocab_axis, num_valid=NUM_VALID),
         argnums=(0, 1)))
-    want = today(*_inputs(vocab_axis, dtype, NUM_VALID))
-    for chunk_size in (None, T):
-        got = _value_and_grad(vocab_axis, NUM_VALID, chunk_size)(
-            *_inputs(vocab_axis, dtype, NUM_VALID))
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    inputs = _inputs(vocab_axis, dtype, NUM_VALID)
+    want = today(*inputs)
+    # chunk_size None: compiled and run (the program the dtype's other tests compile).
+    got = _value_and_grads(vocab_axis, NUM_VALID, CHUNKS[np.dtype(dtype).name])(*inputs)[0]
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    # chunk_size T: the very program of chunk_size None (lowered, the same StableHLO text), so
+    # the same bits.
+    lowered = {c: _value_and_grads(vocab_axis, NUM_VALID, (c,)).lower(*inputs).as_text()
+               for c in (None, T)}
+    assert lowered[T] == lowered[None]
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["kernel", "tied"])
@@ -140,8 +160,15 @@ def test_logits_are_the_models_logits(tied):
     cfg = model_lib.ModelConfig(vocab_size=V, valid_vocab_size=NUM_VALID, d_model=D,
                                 num_layers=1, num_heads=2, mlp_dim=24, max_seq_len=T,
                                 compute_dtype="bfloat16", tied_embeddings=tied)
-    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, NUM_VALID, (B, T)), jnp.int32)
+    # The model's structure with host-drawn parameters: the property holds for any values (the
+    # padding rows are not zero here, so the mask alone hides them), and the initialisers, run
+    # eagerly, would compile about twenty programs of their own.
+    graphdef, abstract = nnx.split(
+        nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    model = nnx.merge(graphdef, jax.tree.map(
+        lambda x: (rng.standard_normal(x.shape) / np.sqrt(x.shape[0])).astype(x.dtype), abstract))
+    tokens = np.random.default_rng(1).integers(0, NUM_VALID, (B, T)).astype(np.int32)
 
     @nnx.jit
     def both(model, tokens):
@@ -159,7 +186,8 @@ def test_logits_are_the_models_logits(tied):
 @pytest.mark.parametrize("chunk_size", [None, CHUNK])
 @pytest.mark.parametrize("vocab_axis", LAYOUTS)
 def test_padding_ids_get_exactly_zero_gradient(vocab_axis, chunk_size):
-    _, _, d_head = _run(vocab_axis, jnp.float32, NUM_VALID, chunk_size)
+    chunks = CHUNKS["float32"]  # the float32 test's program
+    _, _, d_head = _runs(vocab_axis, jnp.float32, NUM_VALID, chunks)[chunks.index(chunk_size)]
     padding = np.take(d_head, np.arange(NUM_VALID, V), axis=vocab_axis)
     real = np.take(d_head, np.arange(NUM_VALID), axis=vocab_axis)
     assert np.all(padding == 0.0) and np.all(np.abs(real).max(axis=1 - vocab_axis) > 0)
@@ -170,39 +198,39 @@ def test_under_remat_and_inside_a_scan_body():
     gradient accumulation runs it), give the same value and gradients as the plain call."""
     vocab_axis = 1
     hidden, head, targets = _inputs(vocab_axis, jnp.float32, NUM_VALID)
-    f = functools.partial(loss_lib.cross_entropy, vocab_axis=vocab_axis, num_valid=NUM_VALID,
-                          chunk_size=CHUNK)
-    want_value, (want_h, want_w) = _value_and_grad(vocab_axis, NUM_VALID, CHUNK)(
-        hidden, head, targets)
-    remat = jax.jit(jax.value_and_grad(jax.checkpoint(f), argnums=(0, 1)))(hidden, head, targets)
-    np.testing.assert_allclose(remat[0], want_value, rtol=1e-6)
-    _close(np.asarray(remat[1][0]), np.asarray(want_h), 1e-6)
-    _close(np.asarray(remat[1][1]), np.asarray(want_w), 1e-6)
+    f = _loss(vocab_axis, NUM_VALID, CHUNK)
+    # The plain calls: the chunked loss of the float32 test's program, on each micro-batch.
+    plain = _value_and_grads(vocab_axis, NUM_VALID, CHUNKS["float32"])
+    want_value, (want_h, want_w) = plain(hidden, head, targets)[1]
 
     # Two micro-batches: this batch and the same one with another seed's hidden states.
     other, _, other_targets = _inputs(vocab_axis, jnp.float32, NUM_VALID, seed=1)
-    hidden_2 = jnp.stack([hidden, other])
-    targets_2 = jnp.stack([targets, other_targets])
+    other_value, (_, other_w) = plain(other, head, other_targets)[1]
 
-    @jax.jit
-    def accumulated(hidden_2, head, targets_2):
+    @jax.jit  # both checks in one program: the remat and the scan are separate computations
+    def remat_and_accumulated(hidden_2, head, targets_2):
+        remat = jax.value_and_grad(jax.checkpoint(f), argnums=(0, 1))(
+            hidden_2[0], head, targets_2[0])
+
         def micro(acc, xs):
             value, (_, d_head) = jax.value_and_grad(f, argnums=(0, 1))(xs[0], head, xs[1])
             return jax.tree.map(jnp.add, acc, (value, d_head)), None
-        return jax.lax.scan(micro, (jnp.zeros(()), jnp.zeros_like(head)),
-                            (hidden_2, targets_2))[0]
+        return remat, jax.lax.scan(micro, (jnp.zeros(()), jnp.zeros_like(head)),
+                                   (hidden_2, targets_2))[0]
 
-    value, d_head = accumulated(hidden_2, head, targets_2)
-    other_value, (_, other_w) = _value_and_grad(vocab_axis, NUM_VALID, CHUNK)(
-        other, head, other_targets)
-    np.testing.assert_allclose(value, want_value + other_value, rtol=1e-6)
-    _close(np.asarray(d_head), np.asarray(want_w + other_w), 1e-6)
+    remat, (value, d_head) = remat_and_accumulated(
+        np.stack([hidden, other]), head, np.stack([targets, other_targets]))
+    np.testing.assert_allclose(remat[0], want_value, rtol=1e-6)
+    _close(np.asarray(remat[1][0]), np.asarray(want_h), 1e-6)
+    _close(np.asarray(remat[1][1]), np.asarray(want_w), 1e-6)
+    np.testing.assert_allclose(value, float(want_value) + float(other_value), rtol=1e-6)
+    _close(np.asarray(d_head), np.asarray(want_w, np.float64) + np.asarray(other_w), 1e-6)
 
 
 def test_batch_groups_change_only_the_summation_order():
     """batch_groups = 3 (one group per row here): the same value, gradients to float32 order."""
-    plain = _run(0, jnp.float32, NUM_VALID, CHUNK)
-    grouped = _run(0, jnp.float32, NUM_VALID, CHUNK, batch_groups=B)
+    plain = _runs(0, jnp.float32, NUM_VALID, CHUNKS["float32"])[1]  # the float32 test's
+    grouped, = _runs(0, jnp.float32, NUM_VALID, (CHUNK,), batch_groups=B)
     assert grouped[0] == plain[0]
     _close(grouped[1], plain[1], 0.0)  # the hidden gradient does not depend on the groups
     _close(grouped[2], plain[2], 5e-7)
@@ -262,11 +290,12 @@ def _bad(**kwargs):
 BAD = {
     "vocab_axis": dict(vocab_axis=2),
     "vocab_axis_swapped": dict(vocab_axis=0),  # a (D, V) kernel read as a (V, D) table
-    "hidden_BTD": dict(hidden_BTD=jnp.zeros((B * T, D))),
-    "head": dict(head=jnp.zeros((D, V, 1))),
-    "head_dtype": dict(head=jnp.zeros((D, V), jnp.bfloat16)),
-    "targets_BT": dict(targets_BT=jnp.zeros((B, T + 1), jnp.int32)),
-    "targets_BT_dtype": dict(targets_BT=jnp.zeros((B, T), jnp.float32)),
+    # Host arrays: the checks read shapes and dtypes, and nothing compiles at collection.
+    "hidden_BTD": dict(hidden_BTD=np.zeros((B * T, D), np.float32)),
+    "head": dict(head=np.zeros((D, V, 1), np.float32)),
+    "head_dtype": dict(head=np.zeros((D, V), jnp.bfloat16)),
+    "targets_BT": dict(targets_BT=np.zeros((B, T + 1), np.int32)),
+    "targets_BT_dtype": dict(targets_BT=np.zeros((B, T), np.float32)),
     "num_valid": dict(num_valid=V + 1),
     "num_valid_zero": dict(num_valid=0),
     "chunk_size": dict(chunk_size=0),

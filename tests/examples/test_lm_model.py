@@ -21,7 +21,21 @@ TIED = dataclasses.replace(CFG, tied_embeddings=True)
 
 
 def _tokens(rng, b=2, t=12, v=CFG.vocab_size):
-    return jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
+    return rng.integers(0, v, size=(b, t)).astype(np.int32)  # host ids: no device op to compile
+
+
+@functools.cache
+def _model(cfg, seed=0) -> model_lib.Transformer:
+    """`Transformer(cfg, rngs=nnx.Rngs(seed))`, built once per module (no test changes a model).
+    Eagerly: its initialisers compile once per parameter shape, shared by every config of these
+    shapes, where a jitted constructor per config compiles all of its random draws again (the
+    five configs here: 15 s CPU jitted against 5 s eagerly)."""
+    return model_lib.Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def _abstract(cfg) -> model_lib.Transformer:
+    """The model of `cfg` as shapes, dtypes and metadata only (nothing computed or compiled)."""
+    return nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
 def _paths(model) -> dict[str, nnx.Param]:
@@ -34,24 +48,37 @@ def _forward(model, tokens):
     return model(tokens, return_hidden=True)
 
 
+@functools.partial(nnx.jit, static_argnames="with_grads")
+def _forward_and_loss(model, tokens, targets, *, with_grads):
+    """Logits, hidden state and `model.loss`, with the loss's parameter gradients if
+    `with_grads` (they triple the compile time): one program per config for the tests that need
+    more than the forward pass."""
+    logits, hidden = model(tokens, return_hidden=True)
+    if not with_grads:
+        return logits, hidden, model.loss(tokens, targets), None
+    loss, grads = nnx.value_and_grad(lambda m: m.loss(tokens, targets))(model)
+    return logits, hidden, loss, grads
+
+
 def test_forward_shapes_and_dtypes(rng):
-    model = model_lib.Transformer(CFG, rngs=nnx.Rngs(0))
+    model = _model(CFG, 0)
     tokens = _tokens(rng)
     logits, hidden = _forward(model, tokens)
     assert logits.shape == (2, 12, CFG.vocab_size) and logits.dtype == jnp.float32
     assert hidden.shape == (2, 12, CFG.d_model)
     assert np.isfinite(np.asarray(logits)).all()
     # The final norm makes every hidden row unit-RMS before the (all-ones at init) scale.
-    np.testing.assert_allclose(jnp.sqrt(jnp.mean(hidden**2, axis=-1)), 1.0, rtol=1e-3)
+    hidden = np.asarray(hidden, np.float64)
+    np.testing.assert_allclose(np.sqrt(np.mean(hidden**2, axis=-1)), 1.0, rtol=1e-3)
 
 
 def test_causal_future_tokens_do_not_change_earlier_logits(rng):
-    model = model_lib.Transformer(CFG, rngs=nnx.Rngs(1))
+    model = _model(CFG, 1)
     tokens = _tokens(rng)
     k = 7
-    changed = tokens.at[:, k].set((tokens[:, k] + 1) % CFG.vocab_size)
-    before, _ = _forward(model, tokens)
-    after, _ = _forward(model, changed)
+    changed = tokens.copy()
+    changed[:, k] = (tokens[:, k] + 1) % CFG.vocab_size
+    before, after = (np.asarray(_forward(model, t)[0]) for t in (tokens, changed))
     np.testing.assert_allclose(after[:, :k], before[:, :k], rtol=0, atol=1e-6)
     assert np.abs(after[:, k:] - before[:, k:]).max(axis=-1).min() > 1e-4  # k and later see it
 
@@ -65,21 +92,25 @@ def _rope_reference(x, positions, theta):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
+# One compiled program for every call below (same shapes): eagerly, each op compiles its own.
+_rope = jax.jit(model_lib.apply_rope, static_argnames="theta")
+
+
 def test_rope_matches_complex_rotation_and_is_relative(rng):
     x = rng.standard_normal((1, 9, 2, 8))
-    positions = np.arange(9) * 37  # large positions: the fp32 angle path is exercised
-    out = model_lib.apply_rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions), theta=1e4)
+    positions = np.arange(9, dtype=np.int32) * 37  # large positions: the fp32 angle path
+    out = np.asarray(_rope(x.astype(np.float32), positions, theta=1e4), np.float64)
     np.testing.assert_allclose(out, _rope_reference(x, positions, 1e4), rtol=0, atol=2e-4)
     np.testing.assert_allclose(np.linalg.norm(out, axis=-1), np.linalg.norm(x, axis=-1),
                                rtol=1e-5)
     # Attention scores of one query vector and one key vector placed at every position depend on
-    # the offset m - n only.
-    q = np.broadcast_to(rng.standard_normal(8), (1, 9, 1, 8))
-    k = np.broadcast_to(rng.standard_normal(8), (1, 9, 1, 8))
-    pos = jnp.arange(9)
-    rq = model_lib.apply_rope(jnp.asarray(q, jnp.float32), pos, theta=1e4)[0, :, 0]
-    rk = model_lib.apply_rope(jnp.asarray(k, jnp.float32), pos, theta=1e4)[0, :, 0]
-    scores = np.asarray(rq @ rk.T)
+    # the offset m - n only. The query and the key go in as the two heads of one call.
+    q = np.broadcast_to(rng.standard_normal(8), (1, 9, 8))
+    k = np.broadcast_to(rng.standard_normal(8), (1, 9, 8))
+    rotated = np.asarray(_rope(np.stack([q, k], axis=2).astype(np.float32),
+                               np.arange(9, dtype=np.int32), theta=1e4), np.float64)
+    rq, rk = rotated[0, :, 0], rotated[0, :, 1]
+    scores = rq @ rk.T
     for offset in range(-8, 9):
         diagonal = np.diagonal(scores, offset=offset)
         np.testing.assert_allclose(diagonal, diagonal[0], rtol=0, atol=1e-4)
@@ -94,11 +125,9 @@ UNTIED_PATHS = {"embed/embedding", "final_norm/scale", "lm_head/kernel"} | {
 
 
 def test_param_paths_are_the_contract():
-    assert set(_paths(model_lib.Transformer(CFG, rngs=nnx.Rngs(0)))) == UNTIED_PATHS
-    assert set(_paths(model_lib.Transformer(TIED, rngs=nnx.Rngs(0)))) == UNTIED_PATHS - {
-        "lm_head/kernel"}
-    scanned = _paths(model_lib.Transformer(dataclasses.replace(CFG, scan_layers=True),
-                                           rngs=nnx.Rngs(0)))
+    assert set(_paths(_abstract(CFG))) == UNTIED_PATHS
+    assert set(_paths(_abstract(TIED))) == UNTIED_PATHS - {"lm_head/kernel"}
+    scanned = _paths(_abstract(dataclasses.replace(CFG, scan_layers=True)))
     assert set(scanned) == {p.replace("layers/0/", "layers/") for p in UNTIED_PATHS
                             if not p.startswith("layers/1/")}
     assert scanned["layers/mlp/up_proj/kernel"].shape == (CFG.num_layers, CFG.d_model,
@@ -108,18 +137,21 @@ def test_param_paths_are_the_contract():
 @pytest.mark.parametrize("cfg", [dataclasses.replace(CFG, valid_vocab_size=50), TIED],
                          ids=["padded", "tied"])
 def test_loss_is_the_cross_entropy_of_the_logits(rng, cfg):
-    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(2))
+    model = _model(cfg, 2)
     x, y = _tokens(rng, v=50), _tokens(rng, v=50)
-    logits = np.asarray(model(x), np.float64)
+    # (the tied config's program is also test_head_matrix_untied_and_tied's, which reads the
+    # gradients)
+    logits, _, loss, _ = _forward_and_loss(model, x, y, with_grads=cfg.tied_embeddings)
+    logits = np.asarray(logits, np.float64)
     top = logits.max(-1, keepdims=True)
     logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
-    expected = np.mean(logz - np.take_along_axis(logits, np.asarray(y)[..., None], -1)[..., 0])
-    np.testing.assert_allclose(nnx.jit(lambda m: m.loss(x, y))(model), expected, rtol=1e-6)
+    expected = np.mean(logz - np.take_along_axis(logits, y[..., None], -1)[..., 0])
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
 
 
 def test_head_matrix_untied_and_tied(rng):
     tokens = _tokens(rng)
-    untied = model_lib.Transformer(CFG, rngs=nnx.Rngs(0))
+    untied = _model(CFG, 0)
     head, axis = model_lib.head_matrix(untied)
     assert axis == 1 and head.shape == (CFG.d_model, CFG.vocab_size)
     np.testing.assert_array_equal(head, untied.lm_head.kernel[...])
@@ -127,19 +159,18 @@ def test_head_matrix_untied_and_tied(rng):
     np.testing.assert_allclose(logits, np.asarray(hidden, np.float64) @ np.asarray(head),
                                rtol=1e-4, atol=1e-4)
 
-    tied = model_lib.Transformer(TIED, rngs=nnx.Rngs(0))
+    tied = _model(TIED, 0)
     assert tied.lm_head is None
     table, axis = model_lib.head_matrix(tied)
     assert axis == 0 and table.shape == (CFG.vocab_size, CFG.d_model)
     np.testing.assert_array_equal(table, tied.embed.embedding[...])
-    logits, hidden = _forward(tied, tokens)
+    # (test_loss_is_the_cross_entropy_of_the_logits[tied]'s program: the same config and shapes)
+    logits, hidden, _, grads = _forward_and_loss(tied, tokens, _tokens(rng), with_grads=True)
     np.testing.assert_allclose(logits, np.asarray(hidden, np.float64) @ np.asarray(table).T,
                                rtol=1e-4, atol=1e-4)
     # One table, two uses: rows of tokens absent from the input still get a gradient (the head's).
-    graphdef, params, rest = nnx.split(tied, nnx.Param, ...)
-    loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(tokens) ** 2)
-    grad = np.asarray(jax.jit(jax.grad(loss))(params)["embed"]["embedding"][...])
-    absent = np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(tokens))
+    grad = np.asarray(grads["embed"]["embedding"][...])
+    absent = np.setdiff1d(np.arange(CFG.vocab_size), tokens)
     assert absent.size and (np.abs(grad[absent]).max(axis=1) > 0).all()
 
 
@@ -159,7 +190,7 @@ EXPECTED_SPECS = {
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_every_param_is_annotated_with_logical_axes(scan):
-    model = model_lib.Transformer(dataclasses.replace(CFG, scan_layers=scan), rngs=nnx.Rngs(0))
+    model = _abstract(dataclasses.replace(CFG, scan_layers=scan))
     mesh = jax.sharding.AbstractMesh((1, 4, 2), ("data", "fsdp", "tensor"))
     stacked = ("layers",) if scan else ()
     for path, var in _paths(model).items():
@@ -185,24 +216,24 @@ def test_sharding_rules_name_mesh_axes_and_unknown_names_fail():
     assert sharding.RULES["activation_embed"] is None  # the residual stream stays whole
     with pytest.raises(KeyError, match="'activation_typo'.*not in examples.lm.sharding.RULES"):
         sharding.mesh_axes(("activation_typo",))
-    x = jnp.zeros((2, 3))
+    x = np.zeros((2, 3))  # host arrays: nothing to compile, and constrain reads only the shape
     assert sharding.constrain(x, "activation_batch", None) is x  # no mesh: nothing to do
     with pytest.raises(ValueError, match="2 axis names"):
-        sharding.constrain(jnp.zeros((2, 3, 4)), "activation_batch", None)
+        sharding.constrain(np.zeros((2, 3, 4)), "activation_batch", None)
 
 
 def _stack(unrolled_params):
     """The unrolled model's parameters in the scanned layout: layers/i/x -> layers/x (L, ...)."""
     blocks = unrolled_params["layers"]
     out = dict(unrolled_params)
-    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[i] for i in sorted(blocks)])
+    out["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *[blocks[i] for i in sorted(blocks)])
     return out
 
 
 @pytest.fixture(scope="module")
 def layouts():
     """One set of weights in both layouts, and a jitted loss-and-gradient per (scan, remat)."""
-    unrolled = model_lib.Transformer(CFG, rngs=nnx.Rngs(5))
+    unrolled = _model(CFG, 5)
     params = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))
 
     @functools.cache  # one compile per layout: the unrolled reference is shared
@@ -229,7 +260,7 @@ def test_scan_and_remat_give_the_unrolled_loss_and_gradients(layouts, rng, scan,
 
 
 def test_scanned_blocks_are_initialised_layer_by_layer():
-    model = model_lib.Transformer(dataclasses.replace(CFG, scan_layers=True), rngs=nnx.Rngs(0))
+    model = _model(dataclasses.replace(CFG, scan_layers=True), 0)
     q = np.asarray(model.layers.attn.q_proj.kernel[...])
     assert q.shape == (CFG.num_layers, CFG.d_model, CFG.d_model)
     assert not np.allclose(q[0], q[1])  # each layer has its own key
@@ -237,7 +268,7 @@ def test_scanned_blocks_are_initialised_layer_by_layer():
 
 
 def test_explicit_mesh_axes_are_rejected_clearly(rng):
-    model = model_lib.Transformer(CFG, rngs=nnx.Rngs(0))
+    model = _model(CFG, 0)
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Explicit,) * 3)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="AxisType.Auto"):
@@ -246,9 +277,8 @@ def test_explicit_mesh_axes_are_rejected_clearly(rng):
 
 def test_bf16_compute_keeps_f32_params_and_tracks_f32_logits(rng):
     tokens = _tokens(rng)
-    f32 = model_lib.Transformer(CFG, rngs=nnx.Rngs(3))
-    bf16 = model_lib.Transformer(
-        dataclasses.replace(CFG, compute_dtype="bfloat16"), rngs=nnx.Rngs(3))
+    f32 = _model(CFG, 3)
+    bf16 = _model(dataclasses.replace(CFG, compute_dtype="bfloat16"), 3)
     for var in _paths(bf16).values():
         assert var.dtype == jnp.float32
     ref, _ = _forward(f32, tokens)
@@ -271,7 +301,7 @@ def test_config_and_input_validation(rng):
         dataclasses.replace(CFG, compute_dtype="int32")
     with pytest.raises(ValueError, match="^--model.num_layers must be a positive int"):
         dataclasses.replace(CFG, num_layers=0)
-    model = model_lib.Transformer(CFG, rngs=nnx.Rngs(0))
+    model = _model(CFG, 0)
     with pytest.raises(ValueError, match="exceeds --model.max_seq_len"):
         model(_tokens(rng, t=CFG.max_seq_len + 1))
 
@@ -279,7 +309,7 @@ def test_config_and_input_validation(rng):
 @pytest.mark.parametrize("cfg", [CFG, TIED], ids=["untied", "tied"])
 def test_param_count_and_flops(cfg):
     d, L, f, V = cfg.d_model, cfg.num_layers, cfg.mlp_dim, cfg.vocab_size
-    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+    model = _abstract(cfg)
     n = plan.param_count(cfg)
     assert n == sum(v.size for v in _paths(model).values())
     norms = (2 * L + 1) * d

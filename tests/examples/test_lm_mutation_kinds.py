@@ -83,23 +83,27 @@ def test_chunked_backward_scales_with_the_incoming_cotangent(vocab_axis):
     loss scale or gradient accumulation - is 3.5 times the plain computation's."""
     rng = np.random.default_rng(0)
     B, T, D, V = 2, 7, 8, 11
-    hidden = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
-    head = jnp.asarray(rng.standard_normal((D, V) if vocab_axis else (V, D)), jnp.float32)
-    targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+    hidden = rng.standard_normal((B, T, D)).astype(np.float32)
+    head = rng.standard_normal((D, V) if vocab_axis else (V, D)).astype(np.float32)
+    targets = rng.integers(0, V, (B, T)).astype(np.int32)
 
-    def scaled(chunk_size):
-        def f(h, w):
-            return 3.5 * loss_lib.cross_entropy(h, w, targets, vocab_axis=vocab_axis,
-                                                chunk_size=chunk_size) + 1.0
-        return jax.jit(jax.grad(f, argnums=(0, 1)))(hidden, head)
+    @jax.jit  # every gradient below in one program (eagerly, each op would compile its own)
+    def gradients(hidden, head, targets):
+        def scaled(chunk_size):
+            def f(h, w):
+                return 3.5 * loss_lib.cross_entropy(h, w, targets, vocab_axis=vocab_axis,
+                                                    chunk_size=chunk_size) + 1.0
+            return jax.grad(f, argnums=(0, 1))(hidden, head)
 
-    want, got = scaled(None), scaled(3)
+        unscaled = jax.grad(lambda h: loss_lib.cross_entropy(h, head, targets,
+                                                             vocab_axis=vocab_axis))(hidden)
+        return scaled(None), scaled(3), unscaled
+
+    want, got, unscaled = gradients(hidden, head, targets)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-7)
     # and the plain gradient itself is 3.5 times the unscaled one (an independent anchor)
-    unscaled = jax.grad(lambda h: loss_lib.cross_entropy(h, head, targets, vocab_axis=vocab_axis)
-                        )(hidden)
-    np.testing.assert_allclose(want[0], 3.5 * unscaled, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(want[0], 3.5 * np.asarray(unscaled), rtol=1e-5, atol=1e-8)
 
 
 class _Trainer:
