@@ -85,14 +85,16 @@ BY_NAME = {c.name: c for c in CASES}
 
 def lm_params(dtype=jnp.float32, vocab: int = V) -> dict:
     """A language model's parameter tree in Flax's naming (Dense kernels (d, V)). Drawn with
-    numpy and converted once: eager jax.random ops would each compile per shape and dtype."""
+    numpy, converted on the host and put on the device: eager jax.random ops, and jnp.asarray,
+    would each compile per shape and dtype."""
     rng = np.random.default_rng(0)
     dtype = np.dtype(dtype)  # (bfloat16 through ml_dtypes) converted on the host
-    draw = lambda shape, scale=1.0: jnp.asarray((rng.standard_normal(shape) * scale).astype(dtype))
+    draw = lambda shape, scale=1.0: jax.device_put(
+        (rng.standard_normal(shape) * scale).astype(dtype))
     return {
         "embed": {"embedding": draw((vocab, D))},
         "layers": {0: {"mlp": {"up": {"kernel": draw((D, HIDDEN), 0.25)}}}},
-        "norm": {"scale": jnp.asarray(np.ones((D,), dtype))},
+        "norm": {"scale": jax.device_put(np.ones((D,), dtype))},
         "lm_head": {"kernel": draw((D, vocab), 0.25)},
     }
 
@@ -117,8 +119,8 @@ def _noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
 def grads_for(params, seed: int = 0):
     """A deterministic gradient tree with the params' structure, shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(params)
-    return jax.tree.unflatten(treedef, [
-        jnp.asarray(_noise(p.shape, seed + i).astype(p.dtype)) for i, p in enumerate(leaves)])
+    return jax.tree.unflatten(treedef, [  # put, not jnp.asarray: no compile per shape
+        jax.device_put(_noise(p.shape, seed + i).astype(p.dtype)) for i, p in enumerate(leaves)])
 
 
 def step(tx: optax.GradientTransformation, traces: list | None = None):

@@ -17,13 +17,21 @@ import rowgeom
 
 
 def _brute_force(rows: np.ndarray) -> float:
-    """max_{i<j} ||s_i - s_j|| in float64, by direct differences (no Gram products)."""
+    """max_{i<j} ||s_i - s_j|| in float64, by direct differences (no Gram products): a block of
+    rows against every later row, the squared differences summed one feature at a time (a
+    (block, V, d) array of differences is ten times the memory traffic, and three times the
+    time, for the same numbers)."""
     x = rows.astype(np.float64)
+    xt = np.ascontiguousarray(x.T)
     best = 0.0
-    for start in range(0, len(x), 256):
-        diff = x[start:start + 256, None, :] - x[None, :, :]
-        best = max(best, float(np.sqrt(np.max(np.sum(diff * diff, axis=-1)))))
-    return best
+    for start in range(0, len(x), 512):
+        block = x[start:start + 512]
+        d2 = np.zeros((len(block), len(x) - start))
+        for k in range(x.shape[1]):
+            diff = block[:, k, None] - xt[k, None, start:]
+            d2 += diff * diff
+        best = max(best, float(d2.max()))
+    return float(np.sqrt(best))
 
 
 @pytest.mark.parametrize("offset,spread", [(1e3, 1e-3), (1e3, 1.0), (1.0, 1e-6)])

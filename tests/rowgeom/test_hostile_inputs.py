@@ -24,6 +24,16 @@ V, DIM = 6, 4
 GOOD = np.random.default_rng(0).standard_normal((V, DIM)).astype(np.float32)
 
 
+def _put(x):
+    """A jax array of the numpy `x`, put on the device: jnp.asarray, jnp.ones and eager casts
+    compile a program per shape and dtype."""
+    return jax.device_put(np.asarray(x))
+
+
+def _ones(shape, dtype=np.float32):
+    return _put(np.ones(shape, dtype))
+
+
 def _apply(tx, x):
     """One update of `tx` on a single-leaf tree; returns (update, state)."""
     tree = {"w": x}
@@ -33,7 +43,7 @@ def _apply(tx, x):
 
 def _hidden_for(x, axis):
     valid = jnp.ndim(x) == 2 and isinstance(axis, int) and -2 <= axis < 2
-    return jnp.ones((3, x.shape[1 - axis % 2] if valid else DIM), jnp.float32)
+    return np.ones((3, x.shape[1 - axis % 2] if valid else DIM), np.float32)
 
 
 # name -> (call(x, vocab_axis), name of the array argument in error messages)
@@ -79,9 +89,41 @@ def _jitted_matrix(name):
     return jax.jit(MATRIX_FUNCTIONS[name][0])
 
 
+HALF = (jnp.bfloat16, jnp.float16)
+DEGENERATE_SHAPES = [(V, DIM), (1, DIM), (V, 1), (1, 1)]
+# The inputs of `_calls`' program: float32 in every DEGENERATE_SHAPES shape, then, for a head
+# function (the half-precision test's), (V, DIM) in each half-precision dtype.
+SLOTS = [*((shape, np.float32) for shape in DEGENERATE_SHAPES),
+         *(((V, DIM), dtype) for dtype in HALF)]
+
+
+def _slots(name):
+    return SLOTS[:len(DEGENERATE_SHAPES)] if name in MATRIX_FUNCTIONS else SLOTS
+
+
+@functools.cache
+def _program(name):
+    """The head (vocabulary axis 0) or matrix function `name` of one input per SLOTS entry, as
+    one jitted program: what the degenerate-data, non-finite and half-precision tests call (one
+    compile per function, not one per shape and dtype)."""
+    fn = _jitted_matrix(name) if name in MATRIX_FUNCTIONS else _jitted(name, 0)
+    return jax.jit(lambda xs: [fn(x) for x in xs])
+
+
+def _calls(name, inputs):
+    """`_program(name)` with `inputs` ({SLOTS index: array}) in its slots and zeros in the
+    others: the list of results, one per slot."""
+    slots = _slots(name)
+    assert set(inputs) <= set(range(len(slots))), inputs
+    xs = [np.asarray(inputs[i], dtype) if i in inputs else np.zeros(shape, dtype)
+          for i, (shape, dtype) in enumerate(slots)]
+    assert all(x.shape == shape for x, (shape, _) in zip(xs, slots, strict=True))
+    return _program(name)(xs)
+
+
 def _call(name, x):
-    """The head (vocabulary axis 0) or matrix function `name` of `x`, jitted."""
-    return _jitted_matrix(name)(x) if name in MATRIX_FUNCTIONS else _jitted(name, 0)(x)
+    """The head (vocabulary axis 0) or matrix function `name` of a float32 (V, DIM) `x`."""
+    return _calls(name, {0: x})[0]
 
 
 def _leaves(out):
@@ -96,7 +138,7 @@ def _leaves(out):
 def test_wrong_rank_names_the_argument(name, shape):
     fn, arg = HEAD_FUNCTIONS[name]
     with pytest.raises(ValueError, match=rf"\b{arg}\b.*rank"):
-        fn(jnp.ones(shape, jnp.float32), 0)
+        fn(_ones(shape), 0)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -104,7 +146,7 @@ def test_wrong_rank_names_the_argument(name, shape):
 def test_out_of_range_vocab_axis_names_it(name, axis):
     fn, _ = HEAD_FUNCTIONS[name]
     with pytest.raises(ValueError, match=rf"vocab_axis={axis} is out of range"):
-        fn(jnp.asarray(GOOD), axis)
+        fn(_put(GOOD), axis)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -113,18 +155,18 @@ def test_non_integer_vocab_axis_is_rejected(name, axis):
     fn, _ = HEAD_FUNCTIONS[name]
     if axis is None and name.startswith(("projected", "clip", "track")):
         # In a transform, None means "not a head leaf": the update passes through untouched.
-        out = fn(jnp.asarray(GOOD), axis)
+        out = fn(_put(GOOD), axis)
         leaf = out[0] if name.startswith("track") else out
         np.testing.assert_array_equal(leaf, GOOD)
         return
     with pytest.raises(TypeError, match="vocab_axis must be"):
-        fn(jnp.asarray(GOOD), axis)
+        fn(_put(GOOD), axis)
 
 
 @pytest.mark.parametrize("name", ALL + sorted(MATRIX_FUNCTIONS))
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_, jnp.complex64])
 def test_non_real_floating_dtypes_name_the_argument(name, dtype):
-    x = jnp.asarray(GOOD).astype(dtype) if dtype != jnp.bool_ else jnp.asarray(GOOD) > 0
+    x = _put(GOOD.astype(dtype) if dtype != jnp.bool_ else GOOD > 0)
     if name in MATRIX_FUNCTIONS:
         fn, arg = MATRIX_FUNCTIONS[name]
         call = lambda: fn(x)
@@ -136,41 +178,41 @@ def test_non_real_floating_dtypes_name_the_argument(name, dtype):
 
 
 def test_hilbert_distance_bad_arguments():
-    p = jnp.full((4,), 0.25)
+    p = _put(np.full((4,), 0.25, np.float32))
     with pytest.raises(ValueError, match=r"\bp\b.*rank"):
-        rowgeom.hilbert_distance(jnp.float32(1), jnp.float32(1))
+        rowgeom.hilbert_distance(_put(np.float32(1)), _put(np.float32(1)))
     with pytest.raises(ValueError, match="same rank"):
-        rowgeom.hilbert_distance(p, p[None])
+        rowgeom.hilbert_distance(p, _put(np.asarray(p)[None]))
     with pytest.raises(ValueError, match="axis=1 is out of range"):
         rowgeom.hilbert_distance(p, p, axis=1)
     for dtype, arg in ((jnp.int32, "p"), (jnp.complex64, "p")):
         with pytest.raises(TypeError, match=rf"\b{arg}\b must have a real floating dtype"):
-            rowgeom.hilbert_distance(p.astype(dtype), p)
+            rowgeom.hilbert_distance(_put(np.asarray(p).astype(dtype)), p)
     with pytest.raises(TypeError, match=r"\bq\b must have a real floating dtype"):
-        rowgeom.hilbert_distance(p, jnp.ones(4, jnp.int32))
+        rowgeom.hilbert_distance(p, _ones(4, np.int32))
 
 
 def test_hilbert_perturbation_bad_hidden():
-    u = jnp.asarray(GOOD)
+    u = _put(GOOD)
     with pytest.raises(ValueError, match=r"hidden must have last dimension d=4"):
-        rowgeom.hilbert_perturbation(u, jnp.ones((3, 5)), vocab_axis=0)
+        rowgeom.hilbert_perturbation(u, _ones((3, 5)), vocab_axis=0)
     with pytest.raises(TypeError, match=r"\bhidden\b must have a real floating dtype"):
-        rowgeom.hilbert_perturbation(u, jnp.ones((3, 4), jnp.int32), vocab_axis=0)
+        rowgeom.hilbert_perturbation(u, _ones((3, 4), np.int32), vocab_axis=0)
     with pytest.raises(ValueError, match=r"\bupdate\b must have rank 2"):
-        rowgeom.hilbert_perturbation(jnp.ones((2, 3, 4)), jnp.ones((3, 4)), vocab_axis=0)
+        rowgeom.hilbert_perturbation(_ones((2, 3, 4)), _ones((3, 4)), vocab_axis=0)
 
 
 def test_newton_schulz_and_muon_bad_arguments():
     with pytest.raises(ValueError, match=r"\bx\b must have rank >= 2"):
-        rowgeom.newton_schulz(jnp.ones(4))
+        rowgeom.newton_schulz(_ones(4))
     with pytest.raises(ValueError, match="ns_steps must be >= 1"):
-        rowgeom.newton_schulz(jnp.asarray(GOOD), steps=0)
+        rowgeom.newton_schulz(_put(GOOD), steps=0)
     with pytest.raises(ValueError, match="ns_coeffs must be one of"):
         rowgeom.ns_coefficients("fast", 5)
     with pytest.raises(TypeError, match="compute_dtype"):
-        rowgeom.newton_schulz(jnp.asarray(GOOD), compute_dtype=jnp.int32)
+        rowgeom.newton_schulz(_put(GOOD), compute_dtype=jnp.int32)
     with pytest.raises(ValueError, match="rank"):  # no dimension_numbers: matrices only
-        _apply(rowgeom.muon_orthogonalize(), jnp.ones((2, 3, 4)))
+        _apply(rowgeom.muon_orthogonalize(), _ones((2, 3, 4)))
     for kwargs, match in (({"eps": -1.0}, "eps"), ({"rms_scale": 0.0}, "rms_scale"),
                           ({"scale": "huge"}, "scale must be one of")):
         with pytest.raises(ValueError, match=match):
@@ -193,7 +235,7 @@ def test_transform_option_errors_name_the_option():
         with pytest.raises((ValueError, TypeError), match=match):
             make()
     with pytest.raises(ValueError, match=f"num_valid must be <= {V}"):
-        _apply(rowgeom.projected_rownorm(vocab_axis=0, num_valid=V + 1), jnp.asarray(GOOD))
+        _apply(rowgeom.projected_rownorm(vocab_axis=0, num_valid=V + 1), _put(GOOD))
 
 
 def test_oracles_bad_arguments():
@@ -211,11 +253,11 @@ def test_oracles_bad_arguments():
 
 
 def _lm_params(head=True):
-    params = {"embed": {"embedding": jnp.ones((16, 4))},
-              "layers": {"0": {"mlp": {"kernel": jnp.ones((4, 4))}}},
-              "final_norm": {"scale": jnp.ones(4)}}
+    params = {"embed": {"embedding": _ones((16, 4))},
+              "layers": {"0": {"mlp": {"kernel": _ones((4, 4))}}},
+              "final_norm": {"scale": _ones(4)}}
     if head:
-        params["lm_head"] = {"kernel": jnp.ones((4, 16))}
+        params["lm_head"] = {"kernel": _ones((4, 16))}
     return params
 
 
@@ -245,13 +287,13 @@ def test_a_label_without_transform_or_a_leaf_without_label_is_named():
         rowgeom.partition_by_label({**hidden_only, "head": optax.sgd(1e-2)}, labels).init(params)
     with pytest.raises(ValueError, match="lm_head/kernel"):
         rowgeom.lm_optimizer(1e-3, labels=labels).init(params)
-    unnamed = {**params, "router": {"kernel": jnp.ones((4, 3))}}
+    unnamed = {**params, "router": {"kernel": _ones((4, 3))}}
     with pytest.raises(ValueError, match=r"no label for these matrices: router/kernel"):
         rowgeom.label_params(unnamed)
 
 
 def test_mismatched_trees_raise():
-    x = jnp.asarray(GOOD)
+    x = _put(GOOD)
     for make in (lambda: rowgeom.projected_rownorm(vocab_axis={"a": 0}),
                  lambda: rowgeom.clip_row_diameter(1.0, vocab_axis={"a": 0}),
                  lambda: rowgeom.track_row_diameter(vocab_axis={"a": 0})):
@@ -260,42 +302,35 @@ def test_mismatched_trees_raise():
             tx.update({"b": x}, tx.init({"b": x}))
     params = _lm_params()
     tx = rowgeom.lm_optimizer(1e-3)
-    state = tx.init(params)
-    grads = jax.tree.map(jnp.ones_like, params)
+    # Traced (jax.eval_shape): the same update code, raising at trace time, with no compile of
+    # its own (eagerly, init and every operation up to the error compile one by one).
+    state = jax.eval_shape(tx.init, params)
+    grads = jax.tree.map(lambda p: _ones(p.shape, p.dtype), params)
     del grads["layers"]
     with pytest.raises((ValueError, TypeError, KeyError)):
-        tx.update(grads, state, params)
-    bigger = {**params, "lm_head": {"kernel": jnp.ones((4, 17))}}
+        jax.eval_shape(tx.update, grads, state, params)
+    bigger = {**params, "lm_head": {"kernel": _ones((4, 17))}}
     with pytest.raises((ValueError, TypeError)):
-        tx.update(jax.tree.map(jnp.ones_like, bigger), state, bigger)
+        jax.eval_shape(tx.update, jax.tree.map(lambda p: _ones(p.shape, p.dtype), bigger),
+                       state, bigger)
 
 
 def test_read_row_diameter_without_tracker_says_so():
     with pytest.raises(ValueError, match="add rowgeom.track_row_diameter"):
-        rowgeom.read_row_diameter(optax.adam(1e-3).init({"w": jnp.ones((3, 3))}))
+        rowgeom.read_row_diameter(jax.eval_shape(optax.adam(1e-3).init, {"w": _ones((3, 3))}))
 
 
 # --------------------------------------------------------------------------- degenerate data
 
 
-HALF = (jnp.bfloat16, jnp.float16)
-
-
-@functools.cache
-def _half_precision(name):
-    """`name` of GOOD in each half-precision dtype, from one jitted program (not one per
-    dtype): {dtype: result}."""
-    fn = _jitted(name, 0)
-    outs = jax.jit(lambda xs: [fn(x) for x in xs])([GOOD.astype(dtype) for dtype in HALF])
-    return dict(zip(HALF, outs, strict=True))
-
-
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_precision_is_computed_in_float32(name, dtype):
-    x = jnp.asarray(GOOD.astype(dtype))
-    got = _half_precision(name)[dtype]
-    want = _call(name, jnp.asarray(GOOD.astype(dtype).astype(np.float32)))
+    x = GOOD.astype(dtype)
+    # One run: GOOD in both half-precision dtypes, and `x` upcast exactly to float32.
+    outs = _calls(name, {0: x.astype(np.float32), **{len(DEGENERATE_SHAPES) + i: GOOD.astype(d)
+                                                     for i, d in enumerate(HALF)}})
+    got, want = outs[len(DEGENERATE_SHAPES) + HALF.index(dtype)], outs[0]
     for g, w, leaf in zip(_leaves(got), _leaves(want), jax.tree.leaves(got), strict=True):
         assert np.all(np.isfinite(g))
         if leaf.shape == x.shape:  # updates keep the input's dtype
@@ -310,7 +345,7 @@ def test_non_finite_input_gives_non_finite_output(name, bad):
     """Never a silently finite result from a NaN/inf leaf (docs/reliability.md)."""
     x = GOOD.copy()
     x[2, 1] = bad
-    out = _call(name, jnp.asarray(x))
+    out = _call(name, x)
     if name.startswith("track"):  # updates pass through; the statistics show it
         update, state = out
         np.testing.assert_array_equal(update, x)
@@ -323,27 +358,28 @@ def test_padding_rows_may_hold_anything(bad):
     """num_valid: padded rows are never read into a sum; they come out zero."""
     x = GOOD.copy()
     x[-2:] = bad
-    got = jax.jit(lambda u: rowgeom.rownorm_direction(u, vocab_axis=0, num_valid=V - 2))(
-        jnp.asarray(x))
-    want = _jitted("rownorm_direction", 0)(jnp.asarray(GOOD[:-2]))
+    got, want = (np.asarray(y) for y in _padded_and_valid(x, GOOD[:-2]))
     np.testing.assert_allclose(got[:-2], want, atol=1e-6)
     np.testing.assert_array_equal(got[-2:], 0.0)
 
 
-DEGENERATE_SHAPES = [(V, DIM), (1, DIM), (V, 1), (1, 1)]
+@jax.jit
+def _padded_and_valid(x, valid):
+    """rownorm_direction of `x` with its last two rows padding, and of the valid rows alone:
+    one jitted program (numpy in and out: no eager slices)."""
+    return (rowgeom.rownorm_direction(x, vocab_axis=0, num_valid=V - 2),
+            rowgeom.rownorm_direction(valid, vocab_axis=0))
 
 
 @functools.cache
 def _degenerate(name):
-    """`name` of zeros and of a random draw in every shape of DEGENERATE_SHAPES: one jitted
-    program over the four shapes (not one per shape), run on the zeros then on the draws.
-    {shape: (input, result) per kind}."""
-    fn = _jitted_matrix(name) if name in MATRIX_FUNCTIONS else _jitted(name, 0)
-    run = jax.jit(lambda xs: [fn(x) for x in xs])
+    """`name` of zeros and of a random draw in every shape of DEGENERATE_SHAPES (the program of
+    `_calls`, run on the zeros then on the draws). {shape: (input, result) per kind}."""
     kinds = ([np.zeros(shape, np.float32) for shape in DEGENERATE_SHAPES],
              [np.random.default_rng(1).standard_normal(shape).astype(np.float32)
               for shape in DEGENERATE_SHAPES])
-    results = [list(zip(xs, run(xs), strict=True)) for xs in kinds]
+    results = [list(zip(xs, _calls(name, dict(enumerate(xs)))[:len(xs)], strict=True))
+               for xs in kinds]
     per_shape = zip(*results, strict=True)
     return dict(zip(DEGENERATE_SHAPES, per_shape, strict=True))
 
@@ -358,7 +394,7 @@ def test_zeros_single_token_and_single_feature_are_finite(name, shape):
         if not x.any() or (shape[0] == 1 and name not in MATRIX_FUNCTIONS and
                            not name.startswith(("clip", "hilbert", "track"))):
             assert all(not leaf.any() for leaf in leaves), (name, x, out)
-    one = rowgeom.hilbert_distance(jnp.ones(1), jnp.full(1, 3.0))
+    one = rowgeom.hilbert_distance(_ones(1), _put(np.full(1, 3.0, np.float32)))
     assert float(one) == 0.0  # a single outcome: every distribution is the same point
 
 
@@ -375,9 +411,8 @@ def test_lm_optimizer_all_zero_and_tiny_gradients_are_finite():
         tx, init, update = _lm_step(head)  # compiled once, shared with the property below
         state = init(params)
         for scale in (0.0, 1e-30, 1e15):
-            grads = jax.tree.map(lambda p, s=scale: jnp.asarray(
-                (s * np.arange(p.size, dtype=np.float32)).reshape(p.shape).astype(p.dtype)),
-                params)
+            grads = jax.tree.map(lambda p, s=scale: (  # numpy: no eager conversion compiles
+                s * np.arange(p.size, dtype=np.float32)).reshape(p.shape).astype(p.dtype), params)
             updates, state = update(grads, state, params)
             assert all(np.all(np.isfinite(u)) for u in _leaves(updates)), (head, scale)
             assert all(np.all(np.isfinite(s)) for s in _leaves(state)), (head, scale)
@@ -391,13 +426,13 @@ def test_composes_with_apply_if_finite():
     exactly as if the bad step had never happened."""
     params = _lm_params()
     rng = np.random.default_rng(2)
-    grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+    # numpy gradients, edited in place (eager jnp conversions and .at[] would each compile)
+    grads = [jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(p.dtype), params)
              for _ in range(3)]
-    bad = jax.tree.map(lambda g: g, grads[0])
-    bad["lm_head"]["kernel"] = bad["lm_head"]["kernel"].at[0, 0].set(jnp.nan)
-    worse = jax.tree.map(lambda g: g, grads[0])
-    worse["layers"]["0"]["mlp"]["kernel"] = worse["layers"]["0"]["mlp"]["kernel"].at[1].set(
-        jnp.inf)
+    bad = jax.tree.map(np.copy, grads[0])
+    bad["lm_head"]["kernel"][0, 0] = np.nan
+    worse = jax.tree.map(np.copy, grads[0])
+    worse["layers"]["0"]["mlp"]["kernel"][1] = np.inf
 
     tx = optax.apply_if_finite(rowgeom.lm_optimizer(1e-2), max_consecutive_errors=5)
     # Both runs share one compiled init and one compiled step (applying the update).
@@ -576,7 +611,7 @@ def test_property_lm_optimizer_steps_are_finite(head, seed, log2, pattern):
                 g[1:] = 0.0
             grads[jax.tree_util.keystr(path)] = g.astype(np.float32)
         tree = jax.tree_util.tree_unflatten(
-            jax.tree.structure(params), [jnp.asarray(g) for g in grads.values()])
+            jax.tree.structure(params), list(grads.values()))  # numpy: no eager conversions
         updates, state = update(tree, state, params)
         assert all(np.isfinite(u).all() for u in _leaves(updates)), (head, log2, pattern)
         assert all(np.isfinite(s).all() for s in _leaves(state)), (head, log2, pattern)

@@ -31,6 +31,7 @@ by coincidence. Sources:
   ``ParameterValue``, whose key paths are ``(i, 'value', 'data_array')``: no names at all.
 """
 
+import functools
 import re
 
 import jax
@@ -48,6 +49,19 @@ FS, QL, KVL, NOPE, ROPE, VH, LD = 40, 16, 10, 8, 4, 6, 2  # DeepSeek: shared, ML
 
 def S(*shape):
     return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _filled(tree, value):
+    """Numpy arrays of `tree`'s shapes and dtypes, all `value` (jnp.zeros and jnp.ones, and
+    jnp.asarray, compile a program per shape)."""
+    return jax.tree.map(lambda s: np.full(s.shape, value, s.dtype), tree)
+
+
+@functools.cache
+def _first_step(tx):
+    """`tx`'s first update from a fresh state: init and update in one jitted program (eagerly,
+    init compiles each of its zeros)."""
+    return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])
 
 
 def _stacked(scanned, depth=L):
@@ -332,20 +346,21 @@ def test_moe_layout_routes_exactly_with_no_options(family):
 @pytest.mark.slow
 def test_expert_stacks_are_orthogonalised_per_expert_and_per_layer():
     """Muon on a scanned MaxText expert stack (E, L, d, f) equals Muon on each (d, f) slice."""
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only())
+    params = _filled(moe_only(), 0.0)
     rng = np.random.default_rng(0)
-    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
     tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0,
                               muon=rowgeom.MuonOptions(momentum=0.0, nesterov=False))
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    updates = _first_step(tx)(grads, params)
     ref = rowgeom.muon_orthogonalize()
     ref_step = jax.jit(lambda u: ref.update(u, ref.init(u)))  # one compile for the four
     g = grads["params"]["decoder"]["layers"]["MoeBlock_0"]["wo"]
-    got = updates["params"]["decoder"]["layers"]["MoeBlock_0"]["wo"]
+    got = np.asarray(updates["params"]["decoder"]["layers"]["MoeBlock_0"]["wo"])
     for e in (0, E - 1):
         for layer in (0, L - 1):
             want, _ = ref_step(g[e, layer])
-            np.testing.assert_allclose(got[e, layer], -1e-2 * want, rtol=2e-3, atol=1e-7)
+            np.testing.assert_allclose(got[e, layer], -1e-2 * np.asarray(want), rtol=2e-3,
+                                       atol=1e-7)
 
 
 # --------------------------------------------------------------------- the router group
@@ -354,27 +369,27 @@ def test_expert_stacks_are_orthogonalised_per_expert_and_per_layer():
 def _router_grads(params, shift_only, seed=0):
     """Random grads; the router's a gradient whose expert rows are equal when `shift_only`."""
     rng = np.random.default_rng(seed)
-    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)  # numpy
     gate = grads["params"]["decoder"]["layers"]["MoeBlock_0"]["gate"]["kernel"]  # (d, L, E)
     if shift_only:
         # dL/dz = c(token)·1_E: every logit shifted by the same amount, so G = g 1ᵀ per layer.
         g = rng.normal(size=gate.shape[:2] + (1,))
-        gate = jnp.asarray(np.broadcast_to(g, gate.shape), jnp.float32)
+        gate = np.broadcast_to(g, gate.shape).astype(np.float32)
     grads["params"]["decoder"]["layers"]["MoeBlock_0"]["gate"]["kernel"] = gate
     return grads
 
 
 @pytest.mark.slow
 def test_rownorm_router_gives_a_zero_step_for_an_equal_shift_of_all_logits():
-    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), moe_only())
+    params = _filled(moe_only(), 1.0)
     path = ("params", "decoder", "layers", "MoeBlock_0", "gate", "kernel")
     pick = lambda tree: tree[path[0]][path[1]][path[2]][path[3]][path[4]][path[5]]
     rownorm = rowgeom.lm_optimizer(1e-2, router="rownorm", weight_decay=0.0)
     muon = rowgeom.lm_optimizer(1e-2, weight_decay=0.0)
     for tx in (rownorm, muon):
         grads = _router_grads(params, shift_only=True)
-        step, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-        size = float(jnp.abs(pick(step)).max())
+        step = _first_step(tx)(grads, params)
+        size = float(np.abs(pick(step)).max())
         if tx is rownorm:
             assert size == 0.0  # the shift is no direction a softmax router can see
         else:
@@ -382,28 +397,31 @@ def test_rownorm_router_gives_a_zero_step_for_an_equal_shift_of_all_logits():
     # A general gradient: each layer's step is -lr (u_i - ū) over the experts with ||u_i|| <= 1,
     # so its expert rows sum to zero and their diameter is at most 2 lr, layer by layer.
     grads = _router_grads(params, shift_only=False)
-    step, _ = jax.jit(rownorm.update)(grads, rownorm.init(params), params)
+    step = _first_step(rownorm)(grads, params)
     s = np.asarray(pick(step))
     for layer in range(L):
         rows = s[:, layer, :].T  # (E, d): one row per expert
         np.testing.assert_allclose(rows.sum(axis=0), 0.0, atol=1e-7)
-        assert float(rowgeom.row_diameter(jnp.asarray(rows), vocab_axis=0)) <= 2e-2 * (1 + 1e-5)
+        assert float(rowgeom.row_diameter(rows, vocab_axis=0)) <= 2e-2 * (1 + 1e-5)
     plan = {r.path: r for r in rowgeom.describe(params, 1e-2, router="rownorm")}
     row = plan["/".join(path)]
     assert row.geometry == "RowNorm over experts, expert axis 2 batch 1" and row.vocab_axis == 2
 
 
 def test_rownorm_router_matches_rownorm_direction_per_layer():
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only())
+    params = _filled(moe_only(), 0.0)
     grads = _router_grads(params, shift_only=False, seed=1)
     tx = rowgeom.lm_optimizer(3e-3, router=rowgeom.RouterOptions(optimizer="rownorm",
                                                                    momentum=0.0))
-    step, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     g = grads["params"]["decoder"]["layers"]["MoeBlock_0"]["gate"]["kernel"]
-    got = step["params"]["decoder"]["layers"]["MoeBlock_0"]["gate"]["kernel"]
-    direction = jax.jit(lambda u: rowgeom.rownorm_direction(u, vocab_axis=1))
+    # The step and each layer's rownorm_direction in one jitted program (numpy in and out).
+    step, directions = jax.jit(lambda grads, params, g: (
+        tx.update(grads, tx.init(params), params)[0],
+        [rowgeom.rownorm_direction(g[:, layer, :], vocab_axis=1) for layer in range(L)]))(
+        grads, params, g)
+    got = np.asarray(step["params"]["decoder"]["layers"]["MoeBlock_0"]["gate"]["kernel"])
     for layer in range(L):
-        want = -3e-3 * direction(g[:, layer, :])
+        want = -3e-3 * np.asarray(directions[layer], np.float64)
         np.testing.assert_allclose(got[:, layer, :], want, rtol=1e-5, atol=1e-8)
 
 
@@ -414,14 +432,13 @@ def test_router_group_options_resolve_and_adamw_mode_runs():
     assert rowgeom.group_options(1e-3)["router"].momentum == 0.95  # the hidden group's Muon
     with pytest.raises(ValueError, match="RouterOptions.optimizer must be one of"):
         rowgeom.RouterOptions(optimizer="sgd")
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only(scanned=False))
+    params = _filled(moe_only(scanned=False), 0.0)
     options = dict(router="adamw", groups={"router": rowgeom.GroupOptions(learning_rate=1e-3)})
     rows = {r.path: r for r in rowgeom.describe(params, 2e-3, **options)}
     gate = "params/decoder/layers_0/MoeBlock_0/gate/kernel"
     assert rows[gate].geometry == "AdamW"
     tx = rowgeom.lm_optimizer(2e-3, **options)
-    grads = jax.tree.map(jnp.ones_like, params)
-    step, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    step = _first_step(tx)(jax.tree.map(np.ones_like, params), params)
     np.testing.assert_allclose(step["params"]["decoder"]["layers_0"]["MoeBlock_0"]["gate"]["kernel"],
                                -1e-3, rtol=1e-4)  # AdamW's first step: -lr·sign(g)
 
@@ -578,25 +595,25 @@ def test_labels_has_five_entries_and_every_group_is_built():
     for group in rowgeom.LABELS:
         rowgeom.group_options(1e-3, groups={group: rowgeom.GroupOptions(
             learning_rate=1e-4)})
-    dense = {"embed": {"embedding": jnp.zeros((V, D))}, "lm_head": {"kernel": jnp.zeros((D, V))},
-             "layers": {"0": {"mlp": {"kernel": jnp.zeros((D, F))}}}}
+    dense = {"embed": {"embedding": S(V, D)}, "lm_head": {"kernel": S(D, V)},
+             "layers": {"0": {"mlp": {"kernel": S(D, F)}}}}
     tx = rowgeom.lm_optimizer(1e-3)  # no router in the tree: the empty group is harmless
     # Traced, not run: building and updating the groups is what this checks (no compile).
     jax.eval_shape(lambda p: tx.update(jax.tree.map(jnp.ones_like, p), tx.init(p), p), dense)
     opt = optax.inject_hyperparams(rowgeom.lm_optimizer, static_args=rowgeom.STATIC_ARGS)(
         learning_rate=1e-3, router="rownorm")
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only(scanned=False))
-    step, _ = jax.jit(opt.update)(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
+    params = _filled(moe_only(scanned=False), 0.0)
+    step = _first_step(opt)(jax.tree.map(np.ones_like, params), params)
     gate = step["params"]["decoder"]["layers_0"]["MoeBlock_0"]["gate"]["kernel"]
-    assert float(jnp.abs(gate).max()) == 0.0  # an all-ones gradient is a pure shift
+    assert float(np.abs(gate).max()) == 0.0  # an all-ones gradient is a pure shift
 
 
 def test_a_dense_model_keeps_its_optimizer_state_structure():
     """The router group exists only where the tree has a router: the state of a dense model
     (and so its checkpoints) is what it was before the group existed."""
-    dense = {"embed": {"embedding": jnp.zeros((V, D))}, "lm_head": {"kernel": jnp.zeros((D, V))},
-             "layers": {"0": {"mlp": {"kernel": jnp.zeros((D, F))}}}}
-    state = rowgeom.lm_optimizer(1e-3).init(dense)
+    dense = {"embed": {"embedding": S(V, D)}, "lm_head": {"kernel": S(D, V)},
+             "layers": {"0": {"mlp": {"kernel": S(D, F)}}}}
+    # The state's structure, traced (jax.eval_shape): eagerly, init compiles each zero.
+    state = jax.eval_shape(rowgeom.lm_optimizer(1e-3).init, dense)
     assert sorted(state.inner_states) == ["embedding", "head", "hidden", "vector"]
-    moe = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), moe_only())
-    assert "router" in rowgeom.lm_optimizer(1e-3).init(moe).inner_states
+    assert "router" in jax.eval_shape(rowgeom.lm_optimizer(1e-3).init, moe_only()).inner_states

@@ -28,19 +28,37 @@ def ns_reference(g, table=KELLER_TABLE, eps=1e-7):
 
 
 def randn(rng, *shape):
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    """Standard normal float32, as a numpy array: jnp's conversion (and every eager jnp
+    operation on the result) would compile a program per shape."""
+    return rng.standard_normal(shape).astype(np.float32)
 
 
-@functools.cache
-def _first_update(tx):
-    return jax.jit(lambda u: tx.update(u, tx.init(u))[0])
+def first_updates(*calls):
+    """The first update from a fresh state of each (transform, updates) pair, from one jitted
+    program: one compile per call, not one per pair (eagerly, every operation of the
+    Newton–Schulz iteration would compile on its own). Each transform's update is traced on
+    its own, as `tx.update` runs it; results come back as numpy float32."""
+    txs = [tx for tx, _ in calls]
+    outs = jax.jit(lambda trees: [tx.update(u, tx.init(u))[0]
+                                  for tx, u in zip(txs, trees, strict=True)])(
+        [u for _, u in calls])
+    return jax.tree.map(np.asarray, outs)
 
 
 def apply(tx, updates):
-    """The first update from a fresh state, jitted once per transform: one compile per
-    transform and input structure (eagerly, every operation of the Newton–Schulz iteration
-    would compile on its own; a fresh jitted function per call would recompile)."""
-    return _first_update(tx)(updates)
+    """The first update of one transform from a fresh state (one compile)."""
+    return first_updates((tx, updates))[0]
+
+
+SCALES = [None, "none", "rms", "spectral", "keller"]
+
+
+@functools.cache
+def _scaled():
+    """`muon_orthogonalize(scale=s, rms_scale=0.3)` for every s of SCALES, in one jitted
+    program shared by the scale tests (XLA computes their common iteration once)."""
+    txs = [muon_orthogonalize(scale=scale, rms_scale=0.3) for scale in SCALES]
+    return jax.jit(lambda g: [tx.update(g, tx.init(g))[0] for tx in txs])
 
 
 @pytest.mark.parametrize("scale, factor", [
@@ -52,7 +70,7 @@ def apply(tx, updates):
 ])
 def test_rank2_default_and_scales(rng, scale, factor):
     g = {"wide": randn(rng, 8, 24), "tall": randn(rng, 24, 8)}
-    out = apply(muon_orthogonalize(scale=scale, rms_scale=0.3), g)
+    out = _scaled()(g)[SCALES.index(scale)]
     for k, x in g.items():
         m, n = x.shape  # reduction axis 0 (fan-in), output axis 1 (fan-out)
         np.testing.assert_allclose(out[k], factor(m, n) * ns_reference(x), rtol=1e-5, atol=1e-5)
@@ -62,25 +80,26 @@ def test_rms_scale_gives_target_rms(rng):
     g = {"w": randn(rng, 16, 64)}
     out = apply(muon_orthogonalize(ns_coeffs="polar_express", ns_steps=8, rms_scale=0.2), g)
     # With 8 Polar Express steps the polar factor is near exact, so the RMS is ~rms_scale.
-    np.testing.assert_allclose(jnp.sqrt(jnp.mean(out["w"] ** 2)), 0.2, rtol=1e-3)
+    np.testing.assert_allclose(np.sqrt(np.mean(np.float64(out["w"]) ** 2)), 0.2, rtol=1e-3)
 
 
 def test_sign_is_kept(rng):
     g = {"w": randn(rng, 8, 24)}
     tx = muon_orthogonalize()
-    chex.assert_trees_all_close(apply(tx, jax.tree.map(jnp.negative, g)),
-                                jax.tree.map(jnp.negative, apply(tx, g)), atol=1e-6)
+    negated, plain = first_updates((tx, {"w": -g["w"]}), (tx, g))
+    chex.assert_trees_all_close(negated, {"w": -plain["w"]}, atol=1e-6)
     # Positive alignment with the incoming update, as for optax scale_by_* transforms.
-    assert float(jnp.sum(apply(tx, g)["w"] * g["w"])) > 0
+    assert float(np.sum(plain["w"] * g["w"])) > 0
 
 
 def test_stacked_layers_scale_per_matrix(rng):
     g = randn(rng, 3, 8, 20)  # (L, in, out)
     tx = muon_orthogonalize(dimension_numbers=MuonDimensionNumbers(1, 2))
-    out = apply(tx, {"w": g})["w"]
     single = muon_orthogonalize()
+    stacked, *alone = first_updates((tx, {"w": g}), *((single, {"w": x}) for x in g))
+    out = stacked["w"]
     for layer in range(3):
-        np.testing.assert_allclose(out[layer], apply(single, {"w": g[layer]})["w"], atol=1e-6)
+        np.testing.assert_allclose(out[layer], alone[layer]["w"], atol=1e-6)
         np.testing.assert_allclose(out[layer], 0.2 * math.sqrt(20) * ns_reference(g[layer]),
                                    atol=1e-5)
 
@@ -91,11 +110,13 @@ def test_grouping_equals_per_leaf(rng):
     dims = {"a": MuonDimensionNumbers(), "b": MuonDimensionNumbers(), "c": MuonDimensionNumbers(),
             "d": MuonDimensionNumbers(), "stack": MuonDimensionNumbers(1, 2)}
     tx = muon_orthogonalize(scale="spectral", dimension_numbers=dims)
-    grouped = jax.jit(tx.update)(g, tx.init(g))[0]
-    for k, x in g.items():
-        alone = muon_orthogonalize(scale="spectral", dimension_numbers=dims[k])
-        # Two programs, fused differently: float32 rounding, amplified by the iteration.
-        np.testing.assert_allclose(grouped[k], apply(alone, {k: x})[k], atol=5e-6)
+    # The grouped update and each leaf's own transform, in one program (one compile, not six).
+    grouped, *alone = first_updates(
+        (tx, g), *((muon_orthogonalize(scale="spectral", dimension_numbers=dims[k]), {k: x})
+                   for k, x in g.items()))
+    for k, single in zip(g, alone, strict=True):
+        # Fused differently: float32 rounding, amplified by the iteration.
+        np.testing.assert_allclose(grouped[k], single[k], atol=5e-6)
     np.testing.assert_allclose(grouped["c"], math.sqrt(8 / 24) * ns_reference(g["c"]),
                                atol=1e-5)
 
@@ -103,19 +124,18 @@ def test_grouping_equals_per_leaf(rng):
 def test_per_head_dimension_numbers(rng):
     d, heads, head_dim = 16, 3, 8
     g = randn(rng, d, heads, head_dim)
-    per_head = apply(muon_orthogonalize(
-            dimension_numbers=MuonDimensionNumbers((0,), (2,))), {"q": g})["q"]
+    # Negative axes and output-before-reduction layouts (an output projection (H, Dh, d)).
+    o = randn(rng, heads, head_dim, d)
+    per_head, fused, out = (tree[k] for k, tree in zip("qqo", first_updates(  # one compile
+        (muon_orthogonalize(dimension_numbers=MuonDimensionNumbers((0,), (2,))), {"q": g}),
+        (muon_orthogonalize(dimension_numbers=MuonDimensionNumbers(0, (1, 2))), {"q": g}),
+        (muon_orthogonalize(dimension_numbers=MuonDimensionNumbers((-3, -2), -1)), {"o": o})),
+        strict=True))
     for h in range(heads):
         np.testing.assert_allclose(per_head[:, h, :],
                                    0.2 * math.sqrt(16) * ns_reference(g[:, h, :]), atol=1e-5)
-    fused = apply(muon_orthogonalize(
-            dimension_numbers=MuonDimensionNumbers(0, (1, 2))), {"q": g})["q"]
     manual = 0.2 * math.sqrt(24) * ns_reference(g.reshape(d, heads * head_dim))
     np.testing.assert_allclose(fused, manual.reshape(d, heads, head_dim), atol=1e-5)
-    # Negative axes and output-before-reduction layouts (an output projection (H, Dh, d)).
-    o = randn(rng, heads, head_dim, d)
-    out = apply(muon_orthogonalize(
-            dimension_numbers=MuonDimensionNumbers((-3, -2), -1)), {"o": o})["o"]
     manual = 0.2 * math.sqrt(24) * ns_reference(o.reshape(heads * head_dim, d))
     np.testing.assert_allclose(out, manual.reshape(heads, head_dim, d), atol=1e-5)
 
@@ -139,13 +159,13 @@ def test_callable_dimension_numbers(rng):
     g = {"w": randn(rng, 8, 12), "stack": randn(rng, 2, 8, 12), "b": randn(rng, 12)}
     rule = lambda tree: jax.tree.map(
             lambda x: MuonDimensionNumbers(x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else None, tree)
-    out = apply(muon_orthogonalize(dimension_numbers=rule), g)
-    np.testing.assert_array_equal(out["b"], g["b"])
     single = muon_orthogonalize()
-    np.testing.assert_allclose(out["w"], apply(single, {"w": g["w"]})["w"], atol=1e-6)
+    out, *alone = first_updates((muon_orthogonalize(dimension_numbers=rule), g),
+                                *((single, {"w": x}) for x in (g["w"], *g["stack"])))
+    np.testing.assert_array_equal(out["b"], g["b"])
+    np.testing.assert_allclose(out["w"], alone[0]["w"], atol=1e-6)
     for layer in range(2):
-        np.testing.assert_allclose(out["stack"][layer],
-                                   apply(single, {"w": g["stack"][layer]})["w"], atol=1e-6)
+        np.testing.assert_allclose(out["stack"][layer], alone[1 + layer]["w"], atol=1e-6)
 
 
 def test_same_shape_leaves_share_one_newton_schulz(rng):
@@ -169,7 +189,7 @@ def test_inside_optax_partition_with_masked_nodes(rng):
     np.testing.assert_array_equal(out["bias"], -params["bias"])
     np.testing.assert_allclose(out["h"], 0.2 * math.sqrt(12) * ns_reference(params["h"]),
                                atol=1e-5)
-    np.testing.assert_allclose(out["stack"][0], 0.2 * math.sqrt(12) *
+    np.testing.assert_allclose(np.asarray(out["stack"])[0], 0.2 * math.sqrt(12) *
                                ns_reference(params["stack"][0]), atol=1e-5)
 
 
@@ -193,47 +213,55 @@ def test_jit_compiles_once_and_eval_shape_init(rng):
 
 def test_bf16_compute_dtype_and_mixed_leaf_dtypes(rng):
     g = {"f32": randn(rng, 16, 32), "bf16": randn(rng, 16, 32).astype(jnp.bfloat16)}
-    ref = apply(muon_orthogonalize(), {"f32": g["f32"]})["f32"]
-    out = jax.jit(muon_orthogonalize(compute_dtype=jnp.bfloat16).update)(g, optax.EmptyState())[0]
+    default = muon_orthogonalize()
+    out, ref, ref16 = first_updates(  # one compile; the references on their own transforms
+        (muon_orthogonalize(compute_dtype=jnp.bfloat16), g), (default, {"w": g["f32"]}),
+        (default, {"w": g["bf16"].astype(np.float32)}))
     assert out["f32"].dtype == jnp.float32 and out["bf16"].dtype == jnp.bfloat16
-    rel = float(jnp.linalg.norm(out["f32"] - ref) / jnp.linalg.norm(ref))
+    ref = np.float64(ref["w"])
+    rel = float(np.linalg.norm(out["f32"] - ref) / np.linalg.norm(ref))
     assert rel < 0.05
-    np.testing.assert_allclose(out["bf16"].astype(jnp.float32),
-                               apply(muon_orthogonalize(), {"x": g["bf16"].astype(jnp.float32)})[
-                                       "x"], atol=0.1)
+    np.testing.assert_allclose(out["bf16"].astype(np.float32), ref16["w"], atol=0.1)
 
 
 def test_zero_update_stays_zero():
-    out = apply(muon_orthogonalize(), {"w": jnp.zeros((6, 9))})
+    out = apply(muon_orthogonalize(), {"w": np.zeros((6, 9), np.float32)})
     np.testing.assert_array_equal(out["w"], 0.0)
 
 
 def test_inject_hyperparams(rng):
     g = {"w": randn(rng, 8, 12)}
     tx = optax.inject_hyperparams(muon_orthogonalize, static_args=("ns_steps",))(rms_scale=0.2)
-    state = tx.init(g)
+    state = jax.jit(tx.init)(g)  # eagerly, init compiles each conversion of its own
     step = jax.jit(tx.update)
     first, state = step(g, state)
-    state.hyperparams["rms_scale"] = jnp.asarray(0.4)
+    # float32 like the injected value (a weak-typed jnp.asarray(0.4) would retrace), put on
+    # the device from the host (jnp.asarray compiles)
+    state.hyperparams["rms_scale"] = jax.device_put(np.float32(0.4))
     second, _ = step(g, state)
-    np.testing.assert_allclose(second["w"], 2 * first["w"], rtol=1e-6)
+    np.testing.assert_allclose(second["w"], 2 * np.asarray(first["w"]), rtol=1e-6)
     # ns_steps is a static loop count: injecting it (the default for ints) fails clearly.
     bad = optax.inject_hyperparams(muon_orthogonalize)()
     with pytest.raises(TypeError, match="static_args"):
-        jax.jit(bad.update)(g, bad.init(g))
+        jax.jit(lambda g: bad.update(g, bad.init(g)))(g)
+
+
+def _ones(shape, dtype=np.float32):
+    """A jax array of ones put from the host (jnp.ones compiles per shape and dtype)."""
+    return jax.device_put(np.ones(shape, dtype))
 
 
 @pytest.mark.parametrize("kwargs, updates, exc, match", [
-    ({}, {"w": jnp.ones((2, 3, 4))}, ValueError, r"\['w'\].*dimension_numbers"),
-    ({}, {"v": jnp.ones(4)}, ValueError, r"\['v'\].*dimension_numbers"),
-    ({}, {"w": jnp.ones((3, 4), jnp.int32)}, TypeError, r"\['w'\].*int32"),
-    ({"dimension_numbers": MuonDimensionNumbers(0, 0)}, {"w": jnp.ones((3, 4))}, ValueError,
+    ({}, {"w": _ones((2, 3, 4))}, ValueError, r"\['w'\].*dimension_numbers"),
+    ({}, {"v": _ones(4)}, ValueError, r"\['v'\].*dimension_numbers"),
+    ({}, {"w": _ones((3, 4), np.int32)}, TypeError, r"\['w'\].*int32"),
+    ({"dimension_numbers": MuonDimensionNumbers(0, 0)}, {"w": _ones((3, 4))}, ValueError,
      "distinct"),
-    ({"dimension_numbers": MuonDimensionNumbers(0, 2)}, {"w": jnp.ones((3, 4))}, ValueError,
+    ({"dimension_numbers": MuonDimensionNumbers(0, 2)}, {"w": _ones((3, 4))}, ValueError,
      "output_axis.*out of range"),
-    ({"dimension_numbers": MuonDimensionNumbers((), 1)}, {"w": jnp.ones((3, 4))}, ValueError,
+    ({"dimension_numbers": MuonDimensionNumbers((), 1)}, {"w": _ones((3, 4))}, ValueError,
      "reduction_axis"),
-    ({"dimension_numbers": {"w": (0, 1)}}, {"w": jnp.ones((3, 4))}, ValueError,
+    ({"dimension_numbers": {"w": (0, 1)}}, {"w": _ones((3, 4))}, ValueError,
      "dimension_numbers"),
 ])
 def test_bad_updates_errors(kwargs, updates, exc, match):
@@ -260,9 +288,11 @@ def test_bad_options_errors(kwargs, exc, match):
 
 def test_matches_newton_schulz_on_batch(rng):
     g = randn(rng, 4, 8, 12)
-    out = apply(muon_orthogonalize(scale=None, dimension_numbers=MuonDimensionNumbers(1, 2)),
-                {"w": g})["w"]
-    np.testing.assert_allclose(out, newton_schulz(g), atol=1e-6)
+    tx = muon_orthogonalize(scale=None, dimension_numbers=MuonDimensionNumbers(1, 2))
+    # Both in one jitted program (newton_schulz eagerly compiles each of its operations).
+    out, want = jax.jit(lambda g: (tx.update({"w": g}, tx.init({"w": g}))[0]["w"],
+                                   newton_schulz(g)))(g)
+    np.testing.assert_allclose(out, want, atol=1e-6)
 
 
 def test_optax_contrib_dimension_numbers_are_accepted(rng):
@@ -271,10 +301,12 @@ def test_optax_contrib_dimension_numbers_are_accepted(rng):
     ours = {"w": MuonDimensionNumbers(1, 2), "v": MuonDimensionNumbers()}
     theirs = {"w": optax.contrib.MuonDimensionNumbers(reduction_axis=(1,), output_axis=(2,)),
               "v": optax.contrib.MuonDimensionNumbers()}
-    want = apply(muon_orthogonalize(dimension_numbers=ours), g)
-    chex.assert_trees_all_close(apply(muon_orthogonalize(dimension_numbers=theirs), g), want)
     one = muon_orthogonalize(dimension_numbers=optax.contrib.MuonDimensionNumbers(1, 2))
-    chex.assert_trees_all_close(apply(one, {"w": g["w"]})["w"], want["w"])
+    want, got, got_one = first_updates(  # one compile
+        (muon_orthogonalize(dimension_numbers=ours), g),
+        (muon_orthogonalize(dimension_numbers=theirs), g), (one, {"w": g["w"]}))
+    chex.assert_trees_all_close(got, want)
+    chex.assert_trees_all_close(got_one["w"], want["w"])
 
 
 def test_shard_matrices_off_is_the_same_update_on_one_device(rng):
@@ -282,13 +314,13 @@ def test_shard_matrices_off_is_the_same_update_on_one_device(rng):
     g = {"a": randn(rng, 8, 24), "b": randn(rng, 24, 8), "stack": randn(rng, 3, 8, 8)}
     dims = {"a": MuonDimensionNumbers(), "b": MuonDimensionNumbers(),
             "stack": MuonDimensionNumbers(1, 2)}
-    on = jax.jit(muon_orthogonalize(dimension_numbers=dims).update)(g, optax.EmptyState())[0]
-    off = jax.jit(muon_orthogonalize(dimension_numbers=dims, shard_matrices=False).update)(
-            g, optax.EmptyState())[0]
+    on, off = first_updates(  # one compile
+        (muon_orthogonalize(dimension_numbers=dims), g),
+        (muon_orthogonalize(dimension_numbers=dims, shard_matrices=False), g))
     chex.assert_trees_all_equal(on, off)
 
 
-@pytest.mark.parametrize("value", [1, "yes", None, jnp.asarray(True)])
+@pytest.mark.parametrize("value", [1, "yes", None, jax.device_put(np.bool_(True))])
 def test_shard_matrices_must_be_a_bool(value):
     with pytest.raises(TypeError, match="shard_matrices"):
         muon_orthogonalize(shard_matrices=value)
@@ -301,13 +333,14 @@ def test_same_polar_factor_as_optax(rng):
     """Where optax is right, the two agree: the bare polar factor of every layout."""
     from optax.contrib import _muon as optax_muon
 
-    coeffs = jnp.asarray(ns_coefficients("keller", 1)[0])
-    for shape in ((8, 24), (24, 8), (12, 12)):
-        x = randn(rng, *shape)
-        theirs = jax.jit(lambda x: optax_muon.orthogonalize_via_newton_schulz(
-            x, coeffs, 5, eps=1e-7))(x)
-        ours = apply(muon_orthogonalize(scale=None), {"x": x})["x"]
-        np.testing.assert_allclose(ours, theirs, atol=2e-6)
+    coeffs = np.float32(ns_coefficients("keller", 1)[0])
+    xs = [randn(rng, *shape) for shape in ((8, 24), (24, 8), (12, 12))]
+    tx = muon_orthogonalize(scale=None)
+    # Every layout, theirs and ours, in one jitted program (one compile, not six).
+    pairs = jax.jit(lambda xs: [(optax_muon.orthogonalize_via_newton_schulz(
+        x, coeffs, 5, eps=1e-7), tx.update({"x": x}, tx.init({"x": x}))[0]["x"]) for x in xs])(xs)
+    for x, (theirs, ours) in zip(xs, pairs, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=2e-6, err_msg=str(x.shape))
 
 
 def test_coefficient_table_length_is_checked_where_optax_is_not(rng):
@@ -318,19 +351,22 @@ def test_coefficient_table_length_is_checked_where_optax_is_not(rng):
     g = {"w": randn(rng, 16, 48)}
     with pytest.raises(ValueError, match=r"\(8, 3\)"):
         muon_orthogonalize(ns_coeffs=table, ns_steps=8)
-    five = apply(muon_orthogonalize(ns_coeffs=table, ns_steps=5, scale=None), g)["w"]
+    calls = [(muon_orthogonalize(ns_coeffs=table, ns_steps=5, scale=None), g),
+             (muon_orthogonalize(ns_coeffs="polar_express", ns_steps=8, scale=None), g)]
+    optax_checks = tuple(int(v) for v in optax.__version__.split(".")[:3]) >= (0, 2, 8)
+    if optax_checks:
+        dims = {"w": optax.contrib.MuonDimensionNumbers()}
+        with pytest.raises(ValueError, match="Not enough coeffs"):  # 5 rows, 3 steps
+            jax.eval_shape(optax.contrib.scale_by_muon(  # traced: eagerly, init compiles
+                ns_coeffs=table, ns_steps=3, weight_dimension_numbers=dims).init, g)
+        calls.append((optax.contrib.scale_by_muon(
+            ns_coeffs=table, ns_steps=8, beta=0.0, nesterov=False, eps=1e-7,
+            weight_dimension_numbers=dims), g))
+    five, steps8, *eight = (out["w"] for out in first_updates(*calls))  # one compile
     np.testing.assert_allclose(five, ns_reference(g["w"], table), atol=1e-5)
-    steps8 = apply(muon_orthogonalize(ns_coeffs="polar_express", ns_steps=8, scale=None), g)
-    assert float(jnp.max(jnp.abs(steps8["w"] - five))) > 1e-3  # the 3 more steps matter
-    if tuple(int(v) for v in optax.__version__.split(".")[:3]) < (0, 2, 8):
-        return
-    dims = {"w": optax.contrib.MuonDimensionNumbers()}
-    with pytest.raises(ValueError, match="Not enough coeffs"):  # 5 rows are more than 3 steps
-        optax.contrib.scale_by_muon(ns_coeffs=table, ns_steps=3,
-                                    weight_dimension_numbers=dims).init(g)
-    eight = optax.contrib.scale_by_muon(ns_coeffs=table, ns_steps=8, beta=0.0, nesterov=False,
-                                        eps=1e-7, weight_dimension_numbers=dims)
-    np.testing.assert_allclose(apply(eight, g)["w"], five, atol=1e-5)
+    assert float(np.max(np.abs(steps8 - five))) > 1e-3  # the 3 more steps matter
+    if optax_checks:
+        np.testing.assert_allclose(eight[0], five, atol=1e-5)
 
 
 def test_stacked_matrices_are_scaled_each_on_its_own_unlike_optax_adaptive(rng):
@@ -342,13 +378,14 @@ def test_stacked_matrices_are_scaled_each_on_its_own_unlike_optax_adaptive(rng):
     theirs = optax.contrib.scale_by_muon(
             beta=0.0, nesterov=False, adaptive=True,
             weight_dimension_numbers={"w": optax.contrib.MuonDimensionNumbers(1, 2)})
-    layer0 = lambda tx, big: np.asarray(apply(tx, stack(big))["w"][0])
-    coupled = float(np.linalg.norm(layer0(theirs, 10.0)) / np.linalg.norm(layer0(theirs, 1.0)))
-    assert coupled > 5  # layer 1 grew 10x: optax's layer-0 step grew with it
     ours = muon_orthogonalize(dimension_numbers=MuonDimensionNumbers(1, 2))
-    np.testing.assert_allclose(layer0(ours, 10.0), layer0(ours, 1.0), atol=1e-6)
-    np.testing.assert_allclose(layer0(ours, 1.0), apply(muon_orthogonalize(), {"w": g0})["w"],
-                               atol=1e-6)
+    outs = first_updates(*((tx, stack(big)) for tx in (theirs, ours) for big in (10.0, 1.0)),
+                         (muon_orthogonalize(), {"w": g0}))  # one compile
+    (theirs10, theirs1, ours10, ours1), alone = [out["w"][0] for out in outs[:4]], outs[4]
+    coupled = float(np.linalg.norm(theirs10) / np.linalg.norm(theirs1))
+    assert coupled > 5  # layer 1 grew 10x: optax's layer-0 step grew with it
+    np.testing.assert_allclose(ours10, ours1, atol=1e-6)
+    np.testing.assert_allclose(ours1, alone["w"], atol=1e-6)
 
 
 def test_embedding_and_head_stay_off_muon_unlike_optax_default(rng):
@@ -360,17 +397,19 @@ def test_embedding_and_head_stay_off_muon_unlike_optax_default(rng):
     v, d = 64, 16
     params = {"embed": {"embedding": randn(rng, v, d)},
               "layers": {"0": {"attn": {"q_proj": {"kernel": randn(rng, d, d)}},
-                               "attn_norm": {"scale": jnp.ones(d)}}},
+                               "attn_norm": {"scale": np.ones(d, np.float32)}}},
               "lm_head": {"kernel": randn(rng, d, v)}}
-    grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
+    grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(x.dtype), params)
     def cosine(a, b):  # float64 numpy (eager jnp would compile each operation per shape)
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.sum(a * b) / (np.linalg.norm(a) * np.linalg.norm(b)))
 
     polar = lambda x: -ns_reference(x)  # a descent step along the polar factor
 
-    first_step = lambda tx: jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
-    step = first_step(optax.contrib.muon(1e-3))
+    # Both optimizers' first steps from one jitted program (one compile, not two).
+    txs = (optax.contrib.muon(1e-3), rowgeom.lm_optimizer(1e-3, weight_decay=0.0))  # no decay
+    steps = jax.jit(lambda g, p: [tx.update(g, tx.init(p), p)[0] for tx in txs])(grads, params)
+    step = steps[0]
     for path in (("embed", "embedding"), ("lm_head", "kernel")):
         got, g = step[path[0]][path[1]], grads[path[0]][path[1]]
         assert cosine(got, polar(g)) > 0.99, path  # orthogonalized: Muon
@@ -379,7 +418,7 @@ def test_embedding_and_head_stay_off_muon_unlike_optax_default(rng):
             "embed": {"embedding": "embedding"}, "lm_head": {"kernel": "head"},
             "layers": {"0": {"attn": {"q_proj": {"kernel": "hidden"}},
                              "attn_norm": {"scale": "vector"}}}}
-    step = first_step(rowgeom.lm_optimizer(1e-3, weight_decay=0.0))  # optax's: no decay
+    step = steps[1]  # rowgeom's, without decay like optax's
     for path in (("embed", "embedding"), ("lm_head", "kernel")):
         got, g = step[path[0]][path[1]], grads[path[0]][path[1]]
         assert cosine(got, polar(g)) < 0.95, path

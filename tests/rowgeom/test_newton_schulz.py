@@ -43,6 +43,18 @@ def gaussian(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
 
+@functools.cache
+def _ns_jit(**static):
+    return jax.jit(functools.partial(newton_schulz, **static))
+
+
+def ns(x, **static):
+    """`newton_schulz` jitted once per (hashable) options, compiled once per shape and shared
+    by the tests (the (48, 16) and (16, 48) matrices of several tests): eagerly, each operation
+    of the iteration would be a compile of its own. Results as numpy arrays."""
+    return np.asarray(_ns_jit(**static)(x))
+
+
 # --- coefficient tables ---------------------------------------------------------------------
 
 
@@ -83,18 +95,19 @@ def test_ns_coefficients_errors(coeffs, steps, exc, match):
     with pytest.raises(exc, match=match):
         ns_coefficients(coeffs, steps)
     with pytest.raises(exc, match=match):
-        newton_schulz(jnp.ones((2, 3)), steps=steps, coeffs=coeffs)
+        newton_schulz(jax.device_put(np.ones((2, 3), np.float32)), steps=steps, coeffs=coeffs)
 
 
 # --- the polar factor -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("preset", ["keller", "polar_express"])
-@pytest.mark.parametrize("shape", [(24, 96), (96, 24)])
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
 def test_singular_values_in_documented_band(rng, preset, shape):
-    """Output = U f(Σ) Vᵀ with the input's singular vectors and f(σ) inside the preset's band."""
+    """Output = U f(Σ) Vᵀ with the input's singular vectors and f(σ) inside the preset's band.
+    (The shapes of the other tests: one compiled program per shape and preset.)"""
     g = gaussian(rng, shape)
-    out = np.asarray(jax.jit(lambda x: newton_schulz(x, coeffs=preset))(g), np.float64)
+    out = np.asarray(ns(g, coeffs=preset), np.float64)
     lo, hi = BANDS[preset]
     s_out = np.linalg.svd(out, compute_uv=False)
     assert lo <= s_out.min() and s_out.max() <= hi, (s_out.min(), s_out.max())
@@ -108,18 +121,6 @@ def test_singular_values_in_documented_band(rng, preset, shape):
                                atol=2e-5)
 
 
-@functools.cache
-def _ns_jit(**static):
-    return jax.jit(functools.partial(newton_schulz, **static))
-
-
-def ns(x, **static):
-    """`newton_schulz` jitted once per (hashable) options, compiled once per shape: eagerly,
-    each operation of the iteration would be a compile of its own (the transpose-identity
-    test keeps an eager call)."""
-    return _ns_jit(**static)(x)
-
-
 def test_custom_table_applied_in_order(rng):
     g = gaussian(rng, (16, 40))
     out = np.asarray(jax.jit(lambda x: newton_schulz(x, steps=5, coeffs=TABLE))(g))
@@ -129,24 +130,25 @@ def test_custom_table_applied_in_order(rng):
 
 
 def test_matches_optax_orthogonalize(rng):
-    g = jnp.asarray(gaussian(rng, (2, 16, 40)))  # a batch of two matrices
-    ours = ns(g, coeffs="keller", eps=1e-7)
+    g = gaussian(rng, (2, 16, 40))  # a batch of two matrices
     dims = optax_muon.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
-    theirs = jax.jit(lambda x: optax_muon.orthogonalize_via_newton_schulz(
-            x, jnp.asarray(KELLER), 5, eps=1e-7, dimension_numbers=dims))(g)
+    coeffs = np.float32(KELLER)
+    # Ours and theirs on the batch, and on a tall input (the transposed path in both): one
+    # jitted program.
+    (ours, theirs), (ours_tall, theirs_tall) = jax.jit(lambda g, tall: (
+        (newton_schulz(g, coeffs="keller", eps=1e-7),
+         optax_muon.orthogonalize_via_newton_schulz(g, coeffs, 5, eps=1e-7,
+                                                    dimension_numbers=dims)),
+        (newton_schulz(tall, coeffs=KELLER),
+         optax_muon.orthogonalize_via_newton_schulz(tall, coeffs, 5, eps=1e-7))))(g, g[0].T)
     chex.assert_trees_all_close(ours, theirs, atol=2e-6)
-    # Tall input goes through the transposed path in both.
-    chex.assert_trees_all_close(
-            ns(g[0].T, coeffs=KELLER),
-            jax.jit(lambda x: optax_muon.orthogonalize_via_newton_schulz(
-                x, jnp.asarray(KELLER), 5, eps=1e-7))(g[0].T),
-            atol=2e-6)
+    chex.assert_trees_all_close(ours_tall, theirs_tall, atol=2e-6)
 
 
 @pytest.mark.skipif(optax.__version__ != "0.2.8", reason="documents optax 0.2.8 behaviour")
 def test_optax_028_table_length_handling(rng):
     """What `ns_coefficients` documents about optax 0.2.8's handling of an (n, 3) table."""
-    g = jnp.asarray(gaussian(rng, (16, 40)))
+    g = gaussian(rng, (16, 40))
     dims = {"w": optax_muon.MuonDimensionNumbers()}
     rows = tuple(map(tuple, TABLE))
 
@@ -204,25 +206,27 @@ def test_leading_axes_are_a_batch(rng):
 
 
 def test_bf16_compute_dtype(rng):
-    g = jnp.asarray(gaussian(rng, (24, 64)))
-    ref = ns(g)
-    out = ns(g, compute_dtype=jnp.bfloat16)
+    g = gaussian(rng, (24, 64))
+    # The three calls in one jitted program (numpy in and out: no eager conversions or norms).
+    ref, out, out16 = (np.asarray(y) for y in jax.jit(lambda g, g16: (
+        newton_schulz(g), newton_schulz(g, compute_dtype=jnp.bfloat16),
+        newton_schulz(g16, compute_dtype=jnp.bfloat16)))(g, g.astype(jnp.bfloat16)))
     assert out.dtype == jnp.float32
     # bf16 keeps ~3 significant digits and 5 expanding steps amplify rounding: a few % relative.
     np.testing.assert_allclose(out, ref, atol=0.05)
-    assert float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref)) < 0.05
-    out16 = ns(jnp.asarray(np.asarray(g).astype(jnp.bfloat16)), compute_dtype=jnp.bfloat16)
+    assert float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) < 0.05
     assert out16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(out16.astype(jnp.float32), ref, atol=0.06)
+    np.testing.assert_allclose(out16.astype(np.float32), ref, atol=0.06)
 
 
 def test_bad_input_errors():
+    ones = lambda shape, dtype=np.float32: jax.device_put(np.ones(shape, dtype))  # no compile
     with pytest.raises(TypeError, match="x must have a real floating dtype"):
-        newton_schulz(jnp.ones((3, 4), jnp.int32))
+        newton_schulz(ones((3, 4), np.int32))
     with pytest.raises(ValueError, match="x must have rank >= 2"):
-        newton_schulz(jnp.ones(4))
+        newton_schulz(ones(4))
     with pytest.raises(TypeError, match="compute_dtype"):
-        newton_schulz(jnp.ones((3, 4)), compute_dtype=jnp.int8)
+        newton_schulz(ones((3, 4)), compute_dtype=jnp.int8)
 
 
 _jitted_keller = jax.jit(lambda x: newton_schulz(x, coeffs="keller"))
@@ -262,7 +266,8 @@ def test_traced_program_forms_the_gram_matrix_on_the_smaller_side(shape):
     """Every product in the traced program of `newton_schulz` is (n, n) or (n, m) with n the
     smaller side: a tall (m, n) input is transposed, never multiplied as an (m, m) Gram."""
     m, n = max(shape[-2:]), min(shape[-2:])
-    jaxpr = jax.make_jaxpr(lambda x: newton_schulz(x, steps=2))(jnp.zeros(shape, jnp.float32))
+    jaxpr = jax.make_jaxpr(lambda x: newton_schulz(x, steps=2))(
+        jax.ShapeDtypeStruct(shape, jnp.float32))
     shapes = _dot_output_shapes(jaxpr.jaxpr)
     batch = shape[:-2]
     assert shapes, "no dot_general found in the traced program"
@@ -277,13 +282,18 @@ def test_traced_program_forms_the_gram_matrix_on_the_smaller_side(shape):
 def test_transpose_identity_is_exact(rng, shape, coeffs):
     """``newton_schulz(x) == newton_schulz(xᵀ)ᵀ`` bit for bit: a tall input is computed as its
     transpose (the same operations on the same numbers), not by another route that happens to
-    agree to rounding. Under jit XLA may fuse the transposes differently: equal to rounding."""
-    x = jnp.asarray(gaussian(rng, shape))
-    xt = jnp.swapaxes(x, -1, -2)
-    ns = lambda y: newton_schulz(y, coeffs=coeffs)
-    np.testing.assert_array_equal(ns(x), jnp.swapaxes(ns(xt), -1, -2))
-    jitted = jax.jit(ns)
-    np.testing.assert_allclose(jitted(x), jnp.swapaxes(jitted(xt), -1, -2), atol=1e-5)
+    agree to rounding. Checked on the traced program (no compile): a tall input's is, operation
+    for operation, the transpose, the wide input's program and the transpose back, so run op by
+    op (eagerly) the two give the same bits. Under jit XLA may fuse the transposes
+    differently: equal to rounding."""
+    x = gaussian(rng, shape)
+    xt = np.swapaxes(x, -1, -2)
+    tall = x if shape[-2] > shape[-1] else xt
+    polar = lambda y: newton_schulz(y, coeffs=coeffs)
+    via_wide = lambda y: jnp.swapaxes(polar(jnp.swapaxes(y, -1, -2)), -1, -2)
+    assert str(jax.make_jaxpr(polar)(tall)) == str(jax.make_jaxpr(via_wide)(tall))
+    np.testing.assert_allclose(ns(x, coeffs=coeffs), np.swapaxes(ns(xt, coeffs=coeffs), -1, -2),
+                               atol=1e-5)
 
 
 def _scalar_schedule(sigma, table, norm):
@@ -308,7 +318,7 @@ def test_polar_factor_of_a_well_conditioned_matrix_against_svd(rng, preset, shap
     v = np.linalg.qr(rng.standard_normal((n, k)))[0]
     sigma = np.linspace(1.0, 2.0, k)
     x = (u * sigma) @ v.T
-    out = np.asarray(ns(jnp.asarray(x, jnp.float32), coeffs=preset), np.float64)
+    out = np.asarray(ns(np.float32(x), coeffs=preset), np.float64)
     table = ns_coefficients(preset, 5)
     norm = NORM_SCALE[preset] * np.linalg.norm(sigma) + 1e-7
     f = _scalar_schedule(sigma, table, norm)

@@ -77,20 +77,31 @@ def centroid_stats(s, vocab_axis):
 # --- the transform, called as a user would -------------------------------------------------------
 
 
+def _key(shape, vocab_axis, options):
+    return tuple(shape), vocab_axis, tuple(sorted(options.items()))
+
+
 @functools.cache
-def _jitted_update(vocab_axis, options):
-    tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis, **dict(options))
-    return jax.jit(tx.update)
+def _calls_program():
+    """Every jitted call of `rownorm` in this file (CALLS), as one jitted program of one input
+    per call: one compile for the file's RowNorm checks, not one per shape and options."""
+    txs = [rowgeom.projected_rownorm(vocab_axis=axis, **options) for _, axis, options in CALLS]
+    return jax.jit(lambda us: [tx.update(u, tx.init(u))[0] for tx, u in zip(txs, us, strict=True)])
 
 
 def rownorm(u, vocab_axis, *, jit=True, **options):
     """`projected_rownorm(vocab_axis=..., **options).update(u)` as float64 (a bare-array tree):
-    jitted (one compile per options and shape, shared by the tests), or eagerly (each operation
-    compiled on its own: a few tests only)."""
+    jitted (the call's slot of `_calls_program`, the other slots on zeros), or eagerly (each
+    operation compiled on its own: a few tests only)."""
     tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis, **options)
-    u = jnp.asarray(u, jnp.float32)
-    update = _jitted_update(vocab_axis, tuple(sorted(options.items()))) if jit else tx.update
-    out, _ = update(u, tx.init(u))
+    u = np.asarray(u, np.float32)
+    if jit:
+        slots = [_key(shape, axis, opts) for shape, axis, opts in CALLS]
+        slot = slots.index(_key(u.shape, vocab_axis, options))  # every call is in CALLS
+        out = _calls_program()([u if i == slot else np.zeros(shape, np.float32)
+                                for i, (shape, _, _) in enumerate(CALLS)])[slot]
+    else:
+        out, _ = tx.update(jnp.asarray(u, jnp.float32), tx.init(u))  # no compile: f32 in
     assert out.shape == u.shape and out.dtype == jnp.float32
     return np.asarray(out, np.float64)
 
@@ -124,23 +135,14 @@ def test_rownorm_matches_the_float64_reference_in_every_layout(rng, shape, vocab
 CENTRING_FLAGS = [(False, True), (True, False), (False, False)]
 
 
-@functools.cache
-def _centring_variants(shape, vocab_axis):
-    """The input (the `rng` fixture's first draw) and the transform with each of CENTRING_FLAGS
-    on it, from one jitted program (not one per flag pair): (u, {flags: float64 result})."""
-    u = gaussian(np.random.default_rng(0), shape, offset=1.0)
-    txs = {(ci, co): rowgeom.projected_rownorm(vocab_axis=vocab_axis, center_input=ci,
-                                               center_output=co) for ci, co in CENTRING_FLAGS}
-    outs = jax.jit(lambda u: {k: tx.update(u, tx.init(u))[0] for k, tx in txs.items()})(u)
-    assert all(y.shape == u.shape and y.dtype == jnp.float32 for y in outs.values())
-    return u, {k: np.asarray(y, np.float64) for k, y in outs.items()}
+CENTRING_LAYOUTS = [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]]
 
 
 @pytest.mark.parametrize("center_input, center_output", CENTRING_FLAGS)
-@pytest.mark.parametrize("shape, vocab_axis", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]])
+@pytest.mark.parametrize("shape, vocab_axis", CENTRING_LAYOUTS)
 def test_rownorm_centring_flags(shape, vocab_axis, center_input, center_output):
-    u, outs = _centring_variants(shape, vocab_axis)
-    got = outs[center_input, center_output]
+    u = gaussian(np.random.default_rng(0), shape, offset=1.0)
+    got = rownorm(u, vocab_axis, center_input=center_input, center_output=center_output)
     want = ref_rownorm(u, vocab_axis, center_input=center_input, center_output=center_output)
     np.testing.assert_allclose(got, want, atol=ATOL)
     # Each flag changes the result by far more than the tolerance (the offset sees to that).
@@ -153,9 +155,12 @@ def test_rownorm_centring_flags(shape, vocab_axis, center_input, center_output):
         assert np.linalg.norm(rows, axis=1).max() <= 1 + 1e-6
 
 
-@pytest.mark.parametrize("shape, vocab_axis", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]])
+PADDED_LAYOUTS, NUM_PADDED_VALID = [LAYOUTS[0], LAYOUTS[1], LAYOUTS[3]], 30
+
+
+@pytest.mark.parametrize("shape, vocab_axis", PADDED_LAYOUTS)
 def test_rownorm_padding_rows_stay_out_of_the_means(rng, shape, vocab_axis):
-    num_valid = 30
+    num_valid = NUM_PADDED_VALID
     u = gaussian(rng, shape)
     # Padding rows hold large values (which would dominate either mean if they leaked in).
     moved = np.moveaxis(u, vocab_axis, 0)
@@ -278,37 +283,61 @@ def test_rescale_modes_against_the_reference(rng, shape, vocab_axis):
     assert centroid_stats(bound, vocab_axis)[0] == pytest.approx(1.0, rel=REL)
 
 
+# Every jitted `rownorm` call above, as (shape, vocab_axis, options): `_calls_program` runs them
+# all in one program.
+CALLS = [
+    *((shape, axis, {}) for shape, axis in LAYOUTS),  # and the scaled and near-identical rows
+    *((shape, axis, {"center_input": ci, "center_output": co})
+      for shape, axis in CENTRING_LAYOUTS for ci, co in CENTRING_FLAGS),
+    *((shape, axis, {"num_valid": NUM_PADDED_VALID}) for shape, axis in PADDED_LAYOUTS),
+    *((tuple(NUM_PADDED_VALID if i == axis else n for i, n in enumerate(shape)), axis, {})
+      for shape, axis in PADDED_LAYOUTS),  # the valid rows alone
+    ((20, 6), 0, {"eps": EPS}), ((6, 20), 1, {"eps": EPS}),
+    ((20, 6), 0, {"eps": EPS, "center_input": False, "center_output": False}),
+    ((2, 6, 3), 1, {"eps": EPS}),
+    ((9, 5), 0, {}), ((5, 9), 1, {}), ((1, 5), 0, {}),  # all-equal rows, one token
+    *((shape, axis, {"rescale": mode}) for shape, axis in LAYOUTS[:2]
+      for mode in ("exact", "bound")),
+]
+
+
 # --- the row diameter and its bracket ----------------------------------------------------------
-
-@functools.cache
-def _jitted(fn, **static):
-    return jax.jit(functools.partial(fn, **static))
-
-
-def row_diameter(s, **static):
-    """`rowgeom.row_diameter`, jitted once per options (and compiled once per shape)."""
-    return _jitted(rowgeom.row_diameter, **static)(s)
-
-
-def row_diameter_bounds(s, **static):
-    return _jitted(rowgeom.row_diameter_bounds, **static)(s)
-
-
-@functools.cache
-def _measures_jit(vocab_axis):
-    return jax.jit(lambda s: (rowgeom.row_diameter(s, vocab_axis=vocab_axis),
-                              {k: rowgeom.row_diameter_bounds(s, vocab_axis=vocab_axis, sweeps=k)
-                               for k in (0, 2)}))
-
-
-def measures(s, vocab_axis):
-    """(`row_diameter`, {sweeps: `row_diameter_bounds`} for sweeps 0 and 2) of `s`, from one
-    jitted program (one compile per shape, not three)."""
-    return _measures_jit(vocab_axis)(s)
-
 
 # Small arrays: (shape, vocab_axis), several sizes of V including 2 (where D = 2 r_c).
 DIAMETER_CASES = [((2, 3), 0), ((7, 5), 0), ((5, 7), 1), ((2, 9, 3), 1), ((1, 4), 0)]
+BLOCKED = (7, 5)  # blocks of 2 rows, smaller than V: the scan over block pairs
+
+
+@functools.cache
+def _measures_program():
+    """For one input per DIAMETER_CASES entry: `row_diameter`, {sweeps: `row_diameter_bounds`}
+    for sweeps 0 and 2, `track_row_diameter`'s update of it as an lm_head kernel (and, for the
+    BLOCKED shape, `row_diameter` by blocks of 2 rows), as one jitted program: one compile for
+    the file's diameter, bracket and tracker checks, not one per shape and function."""
+    trackers = [rowgeom.track_row_diameter(vocab_axis=axis) for _, axis in DIAMETER_CASES]
+
+    def run(ss):
+        out = []
+        for (shape, axis), s, tracker in zip(DIAMETER_CASES, ss, trackers, strict=True):
+            tree = {"lm_head": {"kernel": s}}
+            out.append({"diameter": rowgeom.row_diameter(s, vocab_axis=axis),
+                        "brackets": {k: rowgeom.row_diameter_bounds(s, vocab_axis=axis, sweeps=k)
+                                     for k in (0, 2)},
+                        "tracker": tracker.update(tree, tracker.init(tree))})
+            if shape == BLOCKED:
+                out[-1]["blocked"] = rowgeom.row_diameter(s, vocab_axis=axis, block_size=2)
+        return out
+
+    return jax.jit(run)
+
+
+def measures(s, vocab_axis):
+    """The measures of `s` (its DIAMETER_CASES slot of `_measures_program`, the other slots on
+    zeros): {"diameter", "brackets", "tracker": (updates, state)[, "blocked"]}."""
+    slot = DIAMETER_CASES.index((np.shape(s), vocab_axis))
+    return _measures_program()([np.asarray(s, np.float32) if i == slot
+                                else np.zeros(shape, np.float32)
+                                for i, (shape, _) in enumerate(DIAMETER_CASES)])[slot]
 
 
 def diameter_input(rng, shape, vocab_axis, kind):
@@ -346,11 +375,11 @@ def check_bracket(lower, upper, s, vocab_axis, *, sweeps):
 def test_diameter_and_bracket_against_brute_force(rng, shape, vocab_axis, kind):
     s = diameter_input(rng, shape, vocab_axis, kind)
     exact = brute_diameter(s, vocab_axis)
-    diameter, brackets = measures(s, vocab_axis)
+    found = measures(s, vocab_axis)
+    diameter, brackets = found["diameter"], found["brackets"]
     assert float(diameter) == pytest.approx(exact, rel=REL, abs=1e-7)
-    if shape == (7, 5):  # blocks smaller than V: the scan over block pairs covers every pair
-        assert float(row_diameter(s, vocab_axis=vocab_axis, block_size=2)) == \
-            pytest.approx(exact, rel=REL, abs=1e-7)
+    if shape == BLOCKED:  # blocks smaller than V: the scan over block pairs covers every pair
+        assert float(found["blocked"]) == pytest.approx(exact, rel=REL, abs=1e-7)
     for sweeps, (lower, upper) in brackets.items():
         assert lower.dtype == upper.dtype == jnp.float32
         check_bracket(lower, upper, s, vocab_axis, sweeps=sweeps)
@@ -367,7 +396,8 @@ def test_bracket_and_diameter_scale_with_the_input_near_float32_range(rng, shape
     scaled = (s.astype(np.float64) * 2.0**exponent).astype(np.float32)
     unit = 2.0**exponent
     exact = brute_diameter(s, vocab_axis)
-    diameter, brackets = measures(scaled, vocab_axis)
+    found = measures(scaled, vocab_axis)
+    diameter, brackets = found["diameter"], found["brackets"]
     assert float(diameter) / unit == pytest.approx(exact, rel=REL)
     for sweeps, (lower, upper) in brackets.items():
         check_bracket(float(lower) / unit, float(upper) / unit, s, vocab_axis, sweeps=sweeps)
@@ -378,13 +408,12 @@ def test_tracker_stats_against_brute_force(rng, shape, vocab_axis):
     """`track_row_diameter` records the sweeps-2 bracket of the update it sees and
     ``||sum_i s_i||``, and passes the update through unchanged."""
     s = diameter_input(rng, shape, vocab_axis, "clusters")
-    tx = rowgeom.track_row_diameter(vocab_axis=vocab_axis)
-    out, state = jax.jit(tx.update)({"lm_head": {"kernel": s}},
-                                    tx.init({"lm_head": {"kernel": s}}))
+    out, state = measures(s, vocab_axis)["tracker"]  # track_row_diameter(vocab_axis=vocab_axis)
     np.testing.assert_array_equal(out["lm_head"]["kernel"], s)
     stats = rowgeom.read_row_diameter(state)
     key = "lm_head/kernel"
-    assert stats.measured_at == {key: 1} and stats.count == {key: 1}
+    assert {k: int(v) for k, v in stats.measured_at.items()} == {key: 1}  # (no eager ==)
+    assert {k: int(v) for k, v in stats.count.items()} == {key: 1}
     check_bracket(stats.lower[key], stats.upper[key], s, vocab_axis, sweeps=2)
     rows, _ = _token_rows(s, vocab_axis)
     assert float(stats.row_sum_residual[key]) == pytest.approx(
@@ -398,7 +427,8 @@ def test_tracker_of_a_projected_rownorm_step(rng):
     g = gaussian(rng, (12, 37))
     tx = optax.chain(rowgeom.projected_rownorm(vocab_axis=1), optax.scale_by_learning_rate(lr),
                      rowgeom.track_row_diameter(vocab_axis=1))
-    step, state = jax.jit(tx.update)(g, tx.init(g))
+    # init inside the jitted program: eagerly it compiles each of its zeros
+    step, state = jax.jit(lambda g: tx.update(g, tx.init(g)))(g)
     np.testing.assert_allclose(step, -lr * ref_rownorm(g, 1), atol=lr * ATOL)
     stats = rowgeom.read_row_diameter(state)
     check_bracket(stats.lower, stats.upper, np.asarray(step), 1, sweeps=2)
@@ -447,33 +477,43 @@ def _mesh_errors(axis_type, inside: bool):
     padded[NUM_VALID:] = 1e3
     eps_rows = rows_with_norms(rng, MESH_NORMS, MESH_D, EPS)
     clusters = diameter_input(rng, (MESH_V, MESH_D), 0, "clusters")
-    for name, vocab_axis, spec, t in (("table", 0, P("vocab", None), lambda a: a),
-                                      ("kernel", 1, P(None, "vocab"), lambda a: a.T)):
-        shard = lambda a, spec=spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))
-        variants = {
-            "rownorm": (table, {}),
-            "rownorm_uncentred_input": (table, {"center_input": False}),
-            "rownorm_padded": (padded, {"num_valid": NUM_VALID}),
-            "rownorm_eps": (eps_rows, {"eps": EPS}),
-        }
+    layouts = (("table", 0, P("vocab", None), lambda a: a),
+               ("kernel", 1, P(None, "vocab"), lambda a: np.ascontiguousarray(a.T)))
+    variants = {
+        "rownorm": (table, {}),
+        "rownorm_uncentred_input": (table, {"center_input": False}),
+        "rownorm_padded": (padded, {"num_valid": NUM_VALID}),
+        "rownorm_eps": (eps_rows, {"eps": EPS}),
+    }
+    # Every check of both layouts in one jitted program, each on a sharded input of its own
+    # (eagerly, each operation would compile for the 8 devices; a program per check was 20
+    # compiles per context).
+    checks, inputs = {}, {}
+    for name, vocab_axis, spec, t in layouts:
+        sharding = NamedSharding(mesh, spec)
         for check, (x, options) in variants.items():
             tx = rowgeom.projected_rownorm(vocab_axis=vocab_axis, **options)
-            step = jax.jit(lambda u, tx=tx: tx.update(u, tx.init(u))[0])
-            with context():
-                got = np.asarray(step(shard(t(x))), np.float64)
+            checks[name, check] = lambda u, tx=tx: tx.update(u, tx.init(u))[0]
+            inputs[name, check] = jax.device_put(t(x), sharding)
+        tracker = rowgeom.track_row_diameter(vocab_axis=vocab_axis)
+        checks[name, "measures"] = lambda s, axis=vocab_axis, tracker=tracker: (
+            rowgeom.row_diameter(s, vocab_axis=axis, block_size=16),
+            {k: rowgeom.row_diameter_bounds(s, vocab_axis=axis, sweeps=k) for k in (0, 2)},
+            tracker.update(s, tracker.init(s))[1])
+        inputs[name, "measures"] = jax.device_put(t(clusters), sharding)
+    with context():
+        results = jax.jit(lambda xs: {key: checks[key](x) for key, x in xs.items()})(inputs)
+    for name, vocab_axis, _, t in layouts:
+        for check, (x, options) in variants.items():
+            got = np.asarray(results[name, check], np.float64)
             want = ref_rownorm(t(x), vocab_axis, **options)
             out[f"{name}_{check}"] = float(np.abs(got - want).max())
-        norms = np.linalg.norm(np.moveaxis(got, vocab_axis, 0), axis=1)
+        norms = np.linalg.norm(np.moveaxis(got, vocab_axis, 0), axis=1)  # the eps variant's
         out[f"{name}_rownorm_eps_norms"] = float(
             np.abs(norms - np.minimum(np.concatenate([MESH_NORMS, MESH_NORMS]), 1.0)).max())
 
         s = t(clusters)
-        with context():  # jitted: eagerly, each operation would compile for the 8 devices
-            diameter = row_diameter(shard(s), vocab_axis=vocab_axis, block_size=16)
-            brackets = {k: row_diameter_bounds(shard(s), vocab_axis=vocab_axis, sweeps=k)
-                        for k in (0, 2)}
-            tracker = rowgeom.track_row_diameter(vocab_axis=vocab_axis)
-            _, state = jax.jit(tracker.update)(shard(s), tracker.init(shard(s)))
+        diameter, brackets, state = results[name, "measures"]
         out[f"{name}_diameter"] = rel(diameter, brute_diameter(s, vocab_axis))
         for k, (lower, upper) in brackets.items():
             for part, err in bracket_errors(lower, upper, s, vocab_axis, k).items():

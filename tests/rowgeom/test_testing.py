@@ -1,6 +1,7 @@
 """rowgeom.testing assertions: each passes on correct input and trips on purpose with a message
 naming the leaf path and the measured value, checked against independent float64 numpy values."""
 
+import functools
 import re
 import subprocess
 import sys
@@ -14,6 +15,18 @@ from flax import nnx
 
 import rowgeom
 import rowgeom.testing as rt
+
+
+def put(x, dtype=np.float32):
+    """A jax array of `x` (numpy, or anything numpy reads) in `dtype`, converted on the host and
+    put on the device: jnp.asarray, jnp.ones and eager casts or .at[] edits compile per shape."""
+    return jax.device_put(np.asarray(x).astype(dtype))
+
+
+@functools.cache
+def _jitted(fn, **static):
+    """A public function jitted once per options (eagerly, each of its operations compiles)."""
+    return jax.jit(functools.partial(fn, **static))
 
 
 def np_row_diameter(x, axis):
@@ -32,8 +45,8 @@ def measured(message, name):
 def head():
     """A Flax-layout (d, V) head step inside a model-shaped tree, and its float64 diameter."""
     rng = np.random.default_rng(0)
-    kernel = jnp.asarray(rng.standard_normal((8, 12)), jnp.float32)
-    tree = {"embed": {"embedding": jnp.zeros((12, 8))}, "norm": {"scale": jnp.ones(8)},
+    kernel = put(rng.standard_normal((8, 12)))
+    tree = {"embed": {"embedding": put(np.zeros((12, 8)))}, "norm": {"scale": put(np.ones(8))},
             "lm_head": {"kernel": kernel}}
     return tree, np_row_diameter(kernel, 1)
 
@@ -72,9 +85,9 @@ def test_row_diameter_bracket_certifies_both_ways(head):
 def test_row_diameter_inconclusive_bracket():
     # Rows on a circle: the centroid bound 2 r_c overshoots D, so D itself is not certified.
     angles = np.linspace(0, 2 * np.pi, 7, endpoint=False)
-    rows = jnp.asarray(np.stack([np.cos(angles), np.sin(angles)], 1), jnp.float32)
+    rows = put(np.stack([np.cos(angles), np.sin(angles)], 1))
     diameter = np_row_diameter(rows, 0)
-    lower, upper = (float(b) for b in rowgeom.row_diameter_bounds(rows, vocab_axis=0))
+    lower, upper = (float(b) for b in _jitted(rowgeom.row_diameter_bounds, vocab_axis=0)(rows))
     assert lower <= diameter < 0.99 * upper
     with pytest.raises(AssertionError, match=r"D <= bound .* not certified: "
                        r"rowgeom.row_diameter_bounds gives \[.*\] \(V = 7\); use method='exact'"):
@@ -86,9 +99,9 @@ def test_row_diameter_inconclusive_bracket():
 def test_row_diameter_auto_falls_back_to_exact():
     # Two farthest-point sweeps miss this set's diametral pair ([-3, 0], [4, 0]): D = 7 lies
     # strictly inside the bracket, so only the exact scan can show that D > 6.9.
-    rows = jnp.array([[-2.5, 1.5], [2.5, 1.5], [3.0, 0.0], [-3.0, 0.0], [1.0, 1.0],
-                      [-1.0, -4.0], [4.0, 0.0]])
-    lower, upper = (float(b) for b in rowgeom.row_diameter_bounds(rows, vocab_axis=0))
+    rows = put([[-2.5, 1.5], [2.5, 1.5], [3.0, 0.0], [-3.0, 0.0], [1.0, 1.0],
+                [-1.0, -4.0], [4.0, 0.0]])
+    lower, upper = (float(b) for b in _jitted(rowgeom.row_diameter_bounds, vocab_axis=0)(rows))
     assert lower < 6.9 < 7.0 == np_row_diameter(rows, 0) < upper
     with pytest.raises(AssertionError) as err:
         rt.assert_row_diameter_at_most({"head": rows}, 6.9, vocab_axis=0, exact_max_vocab=2)
@@ -99,10 +112,9 @@ def test_row_diameter_auto_falls_back_to_exact():
 
 def test_row_diameter_bounds_bracket_rows_with_a_large_offset():
     rng = np.random.default_rng(3)
-    rows = (rng.standard_normal((2, 8)) + 1e5 * rng.standard_normal(8)).astype(np.float32)
+    rows = put(rng.standard_normal((2, 8)) + 1e5 * rng.standard_normal(8))
     diameter = np_row_diameter(rows, 0)
-    lower, upper = (float(b) for b in rowgeom.row_diameter_bounds(jnp.asarray(rows),
-                                                                  vocab_axis=0))
+    lower, upper = (float(b) for b in _jitted(rowgeom.row_diameter_bounds, vocab_axis=0)(rows))
     assert lower <= diameter * (1 + 1e-6) and diameter <= upper * (1 + 1e-6), (lower, diameter,
                                                                                upper)
     # Certified even at bound = D: the assertion measures pivoted rows, so the upper end is tight.
@@ -114,12 +126,17 @@ def test_row_diameter_nnx_state_paths_and_nan():
         def __init__(self, rngs):
             self.lm_head = nnx.Linear(8, 12, use_bias=False, rngs=rngs)
 
-    state = nnx.state(Head(nnx.Rngs(0)), nnx.Param)  # leaves are nnx.Param Variables
+    # Built abstractly and given a numpy draw (its random init, run eagerly, compiled each op)
+    state = nnx.state(nnx.eval_shape(lambda: Head(nnx.Rngs(0))), nnx.Param)  # nnx.Param leaves
+    kernel = np.random.default_rng(5).standard_normal((8, 12)).astype(np.float32)
+    nnx.replace_by_pure_dict(state, {"lm_head": {"kernel": put(kernel)}})
     diameter = np_row_diameter(state["lm_head"]["kernel"].get_value(), 1)
     rt.assert_row_diameter_at_most(state, diameter, vocab_axis=1)
     with pytest.raises(AssertionError, match=r"^leaf 'lm_head/kernel': row diameter D = "):
         rt.assert_row_diameter_at_most(state, diameter / 2, vocab_axis=1)
-    bad = jnp.zeros((12, 8)).at[1, 0].set(jnp.nan)
+    bad = np.zeros((12, 8), np.float32)
+    bad[1, 0] = np.nan
+    bad = put(bad)
     for kwargs in ({}, {"exact_max_vocab": 1}):  # exact, and the bracket's exact fallback
         with pytest.raises(AssertionError, match=r"row diameter D = nan > bound 1 "):
             rt.assert_row_diameter_at_most({"w": bad}, 1.0, vocab_axis=0, **kwargs)
@@ -132,11 +149,12 @@ def test_row_diameter_bad_arguments(head):
     with pytest.raises(ValueError, match=r"leaf .norm/scale.: expected an array of rank >= 2 "):
         rt.assert_row_diameter_at_most(tree, 1.0, vocab_axis=0)
     with pytest.raises(TypeError, match="leaf 'w': expected a floating array, got dtype int32"):
-        rt.assert_row_diameter_at_most({"w": jnp.ones((3, 2), jnp.int32)}, 1.0, vocab_axis=0)
+        rt.assert_row_diameter_at_most({"w": put(np.ones((3, 2)), np.int32)}, 1.0, vocab_axis=0)
     with pytest.raises(ValueError, match="bound must be finite and >= 0"):
         rt.assert_row_diameter_at_most(tree, -1.0, vocab_axis={"lm_head": 1})
     with pytest.raises(TypeError, match="call them outside jax.jit"):
-        jax.jit(lambda x: rt.assert_row_diameter_at_most(x, 1.0, vocab_axis=0))(jnp.ones((3, 2)))
+        jax.jit(lambda x: rt.assert_row_diameter_at_most(x, 1.0, vocab_axis=0))(
+            put(np.ones((3, 2))))
 
 
 # --- assert_rows_zero_sum ------------------------------------------------------------------
@@ -145,9 +163,9 @@ def test_row_diameter_bad_arguments(head):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_zero_sum_passes_on_projected_rownorm_and_trips_on_the_gradient(dtype):
     rng = np.random.default_rng(1)
-    grad = jnp.asarray(rng.standard_normal((8, 12)) + 0.3, dtype)  # (d, V), not zero-sum
+    grad = put(rng.standard_normal((8, 12)) + 0.3, dtype)  # (d, V), not zero-sum
     tree = {"lm_head": {"kernel": grad}}
-    step = {"lm_head": {"kernel": rowgeom.rownorm_direction(grad, vocab_axis=1)}}
+    step = {"lm_head": {"kernel": _jitted(rowgeom.rownorm_direction, vocab_axis=1)(grad)}}
     rt.assert_rows_zero_sum(step, vocab_axis=1)
     with pytest.raises(AssertionError) as err:
         rt.assert_rows_zero_sum(tree, vocab_axis=1)
@@ -165,12 +183,16 @@ def test_zero_sum_passes_on_projected_rownorm_and_trips_on_the_gradient(dtype):
 
 def test_zero_sum_padded_rows():
     rng = np.random.default_rng(2)
-    grad = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)  # (V, d), 3 padded rows
-    step = rowgeom.rownorm_direction(grad, vocab_axis=0, num_valid=9)
-    rt.assert_rows_zero_sum(step, vocab_axis=0, num_valid=9)
+    grad = put(rng.standard_normal((12, 8)))  # (V, d), 3 padded rows
+    step = np.asarray(_jitted(rowgeom.rownorm_direction, vocab_axis=0, num_valid=9)(grad))
+    rt.assert_rows_zero_sum(put(step), vocab_axis=0, num_valid=9)
     with pytest.raises(AssertionError, match=r"token rows do not sum to zero"):
-        rt.assert_rows_zero_sum(step.at[3].add(0.1), vocab_axis=0, num_valid=9)
-    leaky = step.at[10, 2].set(0.25)
+        moved = step.copy()
+        moved[3] += np.float32(0.1)
+        rt.assert_rows_zero_sum(put(moved), vocab_axis=0, num_valid=9)
+    leaky = step.copy()
+    leaky[10, 2] = 0.25
+    leaky = put(leaky)
     with pytest.raises(AssertionError) as err:
         rt.assert_rows_zero_sum({"head": leaky}, vocab_axis=0, num_valid=9)
     assert str(err.value) == (
@@ -189,12 +211,12 @@ def test_hilbert_perturbation_theorem_1_is_tight():
                             (16, 16))
     far = 2.5 * (step[a] - step[b]) / np.linalg.norm(step[a] - step[b])  # attains ||h|| D
     hidden = np.concatenate([rng.standard_normal((3, 5)), far[None]])
-    kernel = jnp.asarray(step.T, jnp.float32)  # Flax (d, V) layout
+    kernel = put(step.T)  # Flax (d, V) layout
     tree = {"lm_head": {"kernel": kernel}}
-    rt.assert_hilbert_perturbation_at_most(tree, jnp.asarray(hidden, jnp.float32), diameter,
+    rt.assert_hilbert_perturbation_at_most(tree, put(hidden), diameter,
                                            vocab_axis=1)
     with pytest.raises(AssertionError) as err:
-        rt.assert_hilbert_perturbation_at_most(tree, jnp.asarray(hidden, jnp.float32),
+        rt.assert_hilbert_perturbation_at_most(tree, put(hidden),
                                                0.9 * diameter, vocab_axis=1)
     message = str(err.value)
     assert message.startswith("leaf 'lm_head/kernel': Hilbert perturbation at hidden[3] is ")
@@ -204,7 +226,7 @@ def test_hilbert_perturbation_theorem_1_is_tight():
     np.testing.assert_allclose(value, reference, rtol=1e-5)
     assert "||h|| * bound = 2.5 * " in message
     with pytest.raises(ValueError, match=r"leaf 'lm_head/kernel': hidden must have last "):
-        rt.assert_hilbert_perturbation_at_most(tree, jnp.ones((2, 4)), 1.0, vocab_axis=1)
+        rt.assert_hilbert_perturbation_at_most(tree, put(np.ones((2, 4))), 1.0, vocab_axis=1)
 
 
 # --- assert_labels_equal -------------------------------------------------------------------
@@ -269,9 +291,8 @@ def _moment_in_float32():
 
 
 def test_no_retrace_passes_for_rowgeom_and_trips_on_a_dtype_drift():
-    params = {"lm_head": {"kernel": jnp.ones((4, 10))}}
-    grads = {"lm_head": {"kernel": jnp.asarray(np.random.default_rng(4).standard_normal((4, 10)),
-                                               jnp.float32)}}
+    params = {"lm_head": {"kernel": put(np.ones((4, 10)))}}
+    grads = {"lm_head": {"kernel": put(np.random.default_rng(4).standard_normal((4, 10)))}}
     rt.assert_optimizer_does_not_retrace(
         optax.chain(rowgeom.projected_rownorm(vocab_axis=1), optax.sgd(0.1)), params, grads)
     with pytest.raises(AssertionError) as err:
@@ -280,7 +301,7 @@ def test_no_retrace_passes_for_rowgeom_and_trips_on_a_dtype_drift():
         "optimizer step 1 retraced (chex.assert_max_traces(n=1) tripped): these inputs changed "
         "their abstract value since step 0:\n"
         "  opt_state/mu/lm_head/kernel: bfloat16[4, 10] -> float32[4, 10]")
-    shapes = lambda step: {"lm_head": {"kernel": jnp.ones((4, 10 + step))}}  # noqa: E731
+    shapes = lambda step: {"lm_head": {"kernel": put(np.ones((4, 10 + step)))}}  # noqa: E731
     with pytest.raises(AssertionError, match=r"grads/lm_head/kernel: float32\[4, 10\] -> "
                                              r"float32\[4, 11\]"):
         rt.assert_optimizer_does_not_retrace(optax.sgd(0.1), params, shapes)

@@ -49,11 +49,15 @@ def _assert_trees_close(got, want, *, rtol=1e-5, what=""):
         np.testing.assert_allclose(a, b, rtol=0, atol=rtol * scale, err_msg=f"{what} leaf {i}")
 
 
-@functools.cache
 def _plain_steps(name: str, dtype_name: str = "float32"):
     """The case's transform, initial params, two gradients, its jitted step, both steps'
     (updates, state, params after the step), and how often the step was traced. Cached: the
     battery's tests share one compile per case and dtype."""
+    return _plain_steps_cached(name, dtype_name)  # one cache key however the dtype is given
+
+
+@functools.cache
+def _plain_steps_cached(name: str, dtype_name: str):
     case = bc.BY_NAME[name]
     tx = case.build()
     params = bc.params_for(case, jnp.dtype(dtype_name))
@@ -103,7 +107,8 @@ def test_dtype_kept_and_float32_internals(case):
         assert u.dtype == p.dtype == jnp.bfloat16
     # float32 internals: the bf16 result is the float32 computation on the same (exactly upcast)
     # input, rounded once: at most one bf16 ulp apart (bf16 internals are ~100 ulps off).
-    g32, p32 = jax.tree.map(lambda x: x.astype(jnp.float32), (grads16[0], params16))
+    # exactly upcast on the host (eager casts compile per shape)
+    g32, p32 = jax.tree.map(lambda x: np.asarray(x).astype(np.float32), (grads16[0], params16))
     want = step32(g32, tx.init(p32), p32)[0]
     for got, ref in zip(jax.tree.leaves(updates16), jax.tree.leaves(want), strict=True):
         got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
@@ -140,35 +145,55 @@ def test_eval_shape_init_matches_init(case):
 
 
 @functools.cache
-def _wrapped_steps(name: str):
-    """The case's transform under `optax.inject_hyperparams`, `optax.MultiSteps` (k=2) and
-    `optax.apply_if_finite`, two steps each. One jitted program steps all three wrappers at once
-    (called twice, inits jitted together): two compiles per case, not six. The injected run's
-    hyperparameter is changed between its steps (see `bc.Case.inject`); the guarded run sees a
-    NaN gradient first, then the first finite one."""
-    case = bc.BY_NAME[name]
-    tx, params, grads, _, outs, _ = _plain_steps(name)
-    injected = optax.inject_hyperparams(case.make, static_args=case.static_args)(**case.kwargs)
-    multi = optax.MultiSteps(tx, every_k_schedule=2)
-    guarded = optax.apply_if_finite(tx, max_consecutive_errors=3)
-    init = jax.jit(lambda p: (injected.init(p), multi.init(p), guarded.init(p)))
-    step = jax.jit(lambda a, b, c: (injected.update(*a), multi.update(*b), guarded.update(*c)))
-    bad = jax.tree.map(lambda g: np.asarray(g).copy(), grads[0])
-    for leaf in jax.tree.leaves(bad):
-        leaf[(0,) * leaf.ndim] = np.nan
-    inj_state, multi_state, guard_state = init(params)
-    (inj_first, inj_state), (multi_first, multi_state), (skipped, guard_state) = step(
-        (grads[0], inj_state, params), (grads[0], multi_state, params),
-        (bad, guard_state, params))
-    guard_after_nan = guard_state
-    if case.inject is not None:
-        hyper, value, _ = case.inject
-        inj_state.hyperparams[hyper] = jnp.asarray(value, inj_state.hyperparams[hyper].dtype)
-    (inj_second, _), (multi_second, multi_state), (guard_updates, guard_state) = step(
-        (grads[1], inj_state, outs[0][2]), (grads[1], multi_state, params),
-        (grads[0], guard_state, params))
-    return {"inject": (inj_first, inj_second), "multi": (multi_first, multi_second, multi_state),
+def _wrapped_all():
+    """Every case's transform under `optax.inject_hyperparams`, `optax.MultiSteps` (k=2) and
+    `optax.apply_if_finite`, two steps each. One jitted program steps all three wrappers of
+    every case at once (called twice, the inits jitted together): two compiles for the battery,
+    not two per case. The injected run's hyperparameter is changed between its steps (see
+    `bc.Case.inject`); the guarded run sees a NaN gradient first, then the first finite one.
+    {name: results}."""
+    wrappers, runs = [], []
+    for case in bc.CASES:
+        tx, params, grads, _, outs, _ = _plain_steps(case.name)
+        wrappers.append((
+            optax.inject_hyperparams(case.make, static_args=case.static_args)(**case.kwargs),
+            optax.MultiSteps(tx, every_k_schedule=2),
+            optax.apply_if_finite(tx, max_consecutive_errors=3)))
+        bad = jax.tree.map(lambda g: np.asarray(g).copy(), grads[0])
+        for leaf in jax.tree.leaves(bad):
+            leaf[(0,) * leaf.ndim] = np.nan
+        runs.append((case, params, grads, outs, bad))
+    init = jax.jit(lambda ps: [tuple(w.init(p) for w in ws)
+                               for ws, p in zip(wrappers, ps, strict=True)])
+    step = jax.jit(lambda args: [tuple(w.update(*a) for w, a in zip(ws, wargs, strict=True))
+                                 for ws, wargs in zip(wrappers, args, strict=True)])
+    states = init([params for _, params, *_ in runs])
+    firsts = step([((grads[0], inj, params), (grads[0], multi, params), (bad, guard, params))
+                   for (_, params, grads, _, bad), (inj, multi, guard) in zip(
+                       runs, states, strict=True)])
+    second_args = []
+    for (case, params, grads, outs, _), first in zip(runs, firsts, strict=True):
+        (_, inj_state), (_, multi_state), (_, guard_state) = first
+        if case.inject is not None:
+            hyper, value, _ = case.inject
+            inj_state.hyperparams[hyper] = jax.device_put(  # put: jnp.asarray compiles
+                np.asarray(value, inj_state.hyperparams[hyper].dtype))
+        second_args.append(((grads[1], inj_state, outs[0][2]), (grads[1], multi_state, params),
+                            (grads[0], guard_state, params)))
+    seconds = step(second_args)
+    results = {}
+    for (case, *_), first, second in zip(runs, firsts, seconds, strict=True):
+        (inj_first, _), (multi_first, _), (skipped, guard_after_nan) = first
+        (inj_second, _), (multi_second, multi_state), (guard_updates, guard_state) = second
+        results[case.name] = {
+            "inject": (inj_first, inj_second),
+            "multi": (multi_first, multi_second, multi_state),
             "guard": (skipped, guard_after_nan, guard_updates, guard_state)}
+    return results
+
+
+def _wrapped_steps(name: str):
+    return _wrapped_all()[name]
 
 
 @pytest.mark.slow
@@ -180,7 +205,7 @@ def test_inject_hyperparams(case):
     first, second = _wrapped_steps(case.name)["inject"]
     _assert_trees_close(first, outs[0][0], what="injected step")
     factor = 1.0 if case.inject is None else case.inject[2]
-    want = jax.tree.map(lambda u: factor * u, outs[1][0])
+    want = jax.tree.map(lambda u: factor * np.asarray(u, np.float64), outs[1][0])  # host
     _assert_trees_close(second, want, what=f"second step, hyperparameters x{factor}")
 
 
@@ -249,7 +274,9 @@ def test_nnx_optimizer_matches_plain_pytree(case):
     same two steps as the plain optax transform on the same tree."""
     _, params, grads, _, outs, _ = _plain_steps(case.name)
     vocab = bc.VPAD if case.tree == "padded" else bc.V
-    model = _TinyLM(vocab, set(params), nnx.Rngs(0))
+    # Built abstractly, then given the battery's params: its random init is never used (run
+    # eagerly, it compiled each draw per shape).
+    model = nnx.eval_shape(lambda: _TinyLM(vocab, set(params), nnx.Rngs(0)))
     values = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(values, params)
     nnx.update(model, values)
@@ -303,14 +330,25 @@ def _spec_str(x):
     return str(P(*spec))
 
 
-def _two_steps(tx, params, grads):
-    step = bc.step(tx)
-    state = tx.init(params)
-    outs = []
-    for g in grads:
-        updates, state = step(g, state, params)
-        outs.append(updates)
-    return outs, state
+def _two_steps_of_every_case(place=lambda tree: tree):
+    """Every case's transform stepped twice on its params and gradients (each tree put where
+    `place` puts it), from a jitted init and a jitted step of all the cases at once (two
+    compiles for the battery rather than a step per case, and eager inits whose every zero
+    compiles for the devices): {name: ([first updates, second updates], state, params)}."""
+    cases = bc.CASES
+    txs = [case.build() for case in cases]
+    params = [place(bc.params_for(case)) for case in cases]
+    grads = [[place(bc.grads_for(bc.params_for(case), seed)) for case in cases]
+             for seed in (0, 10)]
+    init = jax.jit(lambda ps: [tx.init(p) for tx, p in zip(txs, ps, strict=True)])
+    step = jax.jit(lambda gs, ss, ps: [tx.update(g, s, p) for tx, g, s, p in zip(
+        txs, gs, ss, ps, strict=True)])
+    states, outs = init(params), []
+    for gs in grads:
+        updates, states = (list(x) for x in zip(*step(gs, states, params), strict=True))
+        outs.append(updates)  # (states a list again: a tuple would retrace the step)
+    return {case.name: ([u[i] for u in outs], states[i], params[i])
+            for i, case in enumerate(cases)}
 
 
 def _rel_diff(got, want):
@@ -326,40 +364,40 @@ def _rel_diff(got, want):
     return worst
 
 
-def run_case(case, layout, want):
-    params = bc.params_for(case)
-    grads = [bc.grads_for(params, seed) for seed in (0, 10)]
-    tx = case.build()
+@functools.cache
+def _unsharded_two_steps():
+    return _two_steps_of_every_case()
+
+
+@functools.cache
+def _sharded_cases(layout):
+    """Two jitted steps of every case on sharded params and gradients against the same steps
+    unsharded: {name: result}."""
     mesh = _mesh(layout)
 
-    def place(tree):
-        return jax.tree.map(
-            lambda x: jax.device_put(x, NamedSharding(mesh, _spec(x.shape, layout))), tree)
+    def place(tree):  # from the host (resharding a device array compiles a slicing program)
+        return jax.tree.map(lambda x: jax.device_put(
+            np.asarray(x), NamedSharding(mesh, _spec(x.shape, layout))), tree)
 
+    want = _unsharded_two_steps()
     with jax.set_mesh(mesh):
-        placed = place(params)
-        got_updates, got_state = _two_steps(tx, placed, [place(g) for g in grads])
-        placed_specs = [_spec_str(x) for x in jax.tree.leaves(placed)]
-        update_specs = [_spec_str(x) for x in jax.tree.leaves(got_updates[-1])]
-    return {"updates": _rel_diff(got_updates, want[0]), "state": _rel_diff(got_state, want[1]),
-            "param_specs": placed_specs,
-            # leaves whose update is not sharded like its parameter: (param spec, update spec)
-            "resharded": [(p, u) for p, u in zip(placed_specs, update_specs, strict=True)
-                          if p != u]}
+        got = _two_steps_of_every_case(place)
+        results = {}
+        for name, (got_updates, got_state, placed) in got.items():
+            placed_specs = [_spec_str(x) for x in jax.tree.leaves(placed)]
+            update_specs = [_spec_str(x) for x in jax.tree.leaves(got_updates[-1])]
+            results[name] = {
+                "updates": _rel_diff(got_updates, want[name][0]),
+                "state": _rel_diff(got_state, want[name][1]),
+                "param_specs": placed_specs,
+                # leaves whose update is not sharded like its parameter: (param, update spec)
+                "resharded": [(p, u) for p, u in zip(placed_specs, update_specs, strict=True)
+                              if p != u]}
+    return results
 
 
-
-@functools.cache
-def _unsharded_two_steps(name):
-    case = bc.BY_NAME[name]
-    params = bc.params_for(case)
-    return _two_steps(case.build(), params, [bc.grads_for(params, seed) for seed in (0, 10)])
-
-
-@functools.cache
 def _sharded_case(layout, name):
-    """Two jitted steps on sharded params and gradients against the same steps unsharded."""
-    return run_case(bc.BY_NAME[name], layout, _unsharded_two_steps(name))
+    return _sharded_cases(layout)[name]
 
 
 LAYOUTS = ["8", "2x4", "8-explicit"]
