@@ -60,8 +60,10 @@ class Trainer:
         self.head_lr = lr_schedule(self.head_group.learning_rate, cfg)
         mc, tx, seed = cfg.model, self.tx, cfg.seed
 
-        def init_state():
-            model = model_lib.Transformer(mc, rngs=nnx.Rngs(seed))
+        # The seed is an argument, not a constant: runs that differ only in it (a seed study)
+        # lower to one program, which the persistent compilation cache then compiles once.
+        def init_state(seed):
+            model = model_lib.Transformer(mc, rngs=nnx.Rngs(jax.random.key(seed)))
             _, params, rest = nnx.split(model, nnx.Param, ...)
             params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
             return {"params": params, "rest": rest, "opt_state": tx.init(params),
@@ -78,7 +80,7 @@ class Trainer:
             nnx.to_pure_dict(abs_params), names,
             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         with jax.set_mesh(mesh):
-            abstract = jax.eval_shape(init_state)
+            abstract = jax.eval_shape(init_state, seed)
         self.shardings = sharding.state_shardings(abstract, param_shardings, mesh)
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
@@ -142,7 +144,7 @@ class Trainer:
     def init(self):
         """A fresh train state, created in place with its shardings."""
         with jax.set_mesh(self.mesh):
-            return self._init()
+            return self._init(self.cfg.seed)
 
 
 class UsageError(ValueError):
