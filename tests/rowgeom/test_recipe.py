@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _geometry_shared import tinylm_params
 from _nnx_models import D, TinyLM, V
 from flax import nnx
 
@@ -29,14 +30,23 @@ def flat(tree):
 
 @pytest.fixture(scope="module")
 def params():
-    """The model's parameters as a plain dict of arrays."""
-    model = nnx.jit(lambda: TinyLM(nnx.Rngs(0)))()  # one compile for every initializer
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    """The model's parameters as a plain dict of arrays (its nnx.to_pure_dict layout), drawn on
+    the host: running the initializers would be a compile of its own."""
+    return tinylm_params(0)
 
 
 def random_grads(params, seed):
+    """Host arrays (a jitted update takes them as they are: no conversion compile)."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+    return jax.tree.map(lambda x: rng.normal(size=x.shape).astype(x.dtype), params)
+
+
+def apply_updates(params, updates):
+    """optax.apply_updates on the host (float32 + float32, the same rounding; eagerly each
+    leaf's addition would compile on its own), placed back as device arrays like the first
+    step's params (`jax.device_put`: no compile)."""
+    return jax.device_put(jax.tree.map(lambda p, u: np.asarray(p) + np.asarray(u), params,
+                                       updates))
 
 
 def run_steps(tx, params, n=2):
@@ -47,7 +57,7 @@ def run_steps(tx, params, n=2):
         grads = random_grads(params, seed=i)
         updates, state = update(grads, state, params)
         out.append((params, grads, updates))
-        params = optax.apply_updates(params, updates)
+        params = apply_updates(params, updates)
     assert update._cache_size() == 1  # the second step reuses the first step's compilation
     return out, state
 
@@ -106,31 +116,44 @@ def test_rownorm_head_step_equals_the_fp64_reference(default_run):
 
 def test_hidden_step_is_muon_of_the_nesterov_momentum(default_run):
     steps, _ = default_run
-    orthogonalize = rowgeom.muon_orthogonalize().update
+    muon = rowgeom.muon_orthogonalize()
+    # Jitted: one compile for both steps (eagerly, every operation compiles on its own).
+    orthogonalize = jax.jit(lambda u: muon.update(u, optax.EmptyState())[0])
     buf = 0.0
     for before, grads, updates in steps:
         path = "layers/1/mlp/gate_proj/kernel"
         w, g = flat(before)[path], flat(grads)[path]
         buf = BETA * buf + g  # optax.trace, Nesterov: g + beta * buf
-        polar, _ = orthogonalize({"w": jnp.asarray(g + BETA * buf, jnp.float32)},
-                                 optax.EmptyState())
+        polar = orthogonalize({"w": (g + BETA * buf).astype(np.float32)})
         expected = -LR * (np.asarray(polar["w"], np.float64) + WD * w)
         np.testing.assert_allclose(flat(updates)[path], expected, rtol=2e-5, atol=1e-7)
         # RMS-matched Muon: the direction has RMS 0.2 (up to Newton-Schulz's band).
         assert 0.1 < np.sqrt(np.mean(np.asarray(polar["w"]) ** 2)) < 0.3
 
 
+def np_adamw_updates(grads, params, *, lr, b1, b2, eps, weight_decay):
+    """AdamW's successive updates in float64 (Loshchilov & Hutter; optax.adamw's chain):
+    bias-corrected moments, then the decoupled decay, times -lr."""
+    m = v = 0.0
+    out = []
+    for t, (g, w) in enumerate(zip(grads, params, strict=True), start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        direction = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        out.append(-lr * (direction + weight_decay * w))
+    return out
+
+
 def test_embeddings_and_vectors_get_adamw(params, default_run):
     steps, _ = default_run
-    cases = {"embed/embedding": optax.adamw(LR, b1=0.9, b2=0.95, eps=1e-8, weight_decay=WD),
-             "layers/0/attn_norm/scale": optax.adamw(LR, b1=0.9, b2=0.95, eps=1e-8,
-                                                     weight_decay=0.0)}
-    for path, adamw in cases.items():
-        state = adamw.init({"p": jnp.asarray(flat(params)[path], jnp.float32)})
-        for before, grads, updates in steps:
-            ref, state = adamw.update({"p": jnp.asarray(flat(grads)[path], jnp.float32)}, state,
-                                      {"p": jnp.asarray(flat(before)[path], jnp.float32)})
-            np.testing.assert_allclose(flat(updates)[path], ref["p"], rtol=1e-5, atol=1e-8)
+    cases = {"embed/embedding": WD, "layers/0/attn_norm/scale": 0.0}  # path: weight decay
+    for path, weight_decay in cases.items():
+        refs = np_adamw_updates([flat(grads)[path] for _, grads, _ in steps],
+                                [flat(before)[path] for before, _, _ in steps],
+                                lr=LR, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay)
+        for i, ((_, _, updates), ref) in enumerate(zip(steps, refs, strict=True)):
+            np.testing.assert_allclose(flat(updates)[path], ref, rtol=1e-5, atol=1e-8,
+                                       err_msg=f"{path} step {i}")
 
 
 def check_bracket(stats, head_update):
@@ -154,8 +177,8 @@ def test_diagnostics_record_the_first_head_step_then_every_tenth(params, default
 
 def test_tied_head_is_uncentred_rownorm_on_the_table_rows():
     rng = np.random.default_rng(3)
-    params = {"wte": {"embedding": jnp.asarray(rng.normal(size=(V, D)), jnp.float32)},
-              "h": {"0": {"mlp": {"c_fc": jnp.asarray(rng.normal(size=(D, D)), jnp.float32)}}}}
+    params = {"wte": {"embedding": rng.normal(size=(V, D)).astype(np.float32)},
+              "h": {"0": {"mlp": {"c_fc": rng.normal(size=(D, D)).astype(np.float32)}}}}
     with pytest.raises(ValueError, match="tied"):
         rowgeom.lm_optimizer(LR).init(params)
     steps, _ = run_steps(rowgeom.lm_optimizer(LR, tied="head"), params, n=1)
@@ -318,14 +341,17 @@ def test_default_head_rates_come_from_group_options(params, head):
     tx = rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(optimizer=head, track=False),
                               weight_decay=0.0)
     grads = random_grads(params, seed=0)
-    updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
+    orth = rowgeom.muon_orthogonalize()
+    # The Muon reference of the first Nesterov momentum (1 + beta) g, in the same program as
+    # the step (one compile): the orthogonalisation of an input the recipe never sees.
+    momentum = ((1 + BETA) * grads["lm_head"]["kernel"]).astype(np.float32)
+    updates, want = jax.jit(lambda g, p, u: (
+        tx.update(g, tx.init(p), p)[0],
+        orth.update(u, orth.init(u))[0] if head == "muon" else None))(grads, params, momentum)
     step = np.asarray(updates["lm_head"]["kernel"], np.float64)
     if head == "adamw":  # first AdamW step: -lr * g / (|g| + eps), so max |step| = lr
         assert np.abs(step).max() == pytest.approx(rate, rel=1e-3)
     else:  # Muon of the first Nesterov momentum (1 + beta) g, times the rate
-        g = grads["lm_head"]["kernel"]
-        orth = rowgeom.muon_orthogonalize()
-        want, _ = jax.jit(lambda u: orth.update(u, orth.init(u)))((1 + BETA) * g)
         np.testing.assert_allclose(step, -rate * np.asarray(want), rtol=1e-4, atol=1e-8)
 
 
