@@ -6,6 +6,8 @@ each once (the suite is compile-bound: CONTRIBUTING.md).
 - `tinylm_params` / `tinylm_model`: the test model's parameters with values drawn on the host,
   and a model holding them: no initializer runs, so nothing compiles (``nnx.jit`` of the model's
   initializers is a program of its own, and eagerly every initializer's operations compile).
+- `default_lm_optimizer`: one default `lm_optimizer` per learning rate, whose jitted update
+  the tests stepping TinyLM with it share.
 
 Import this module as ``_geometry_shared`` (the test directory is on ``sys.path``), never by
 another name: a second module object would hold a second cache.
@@ -83,3 +85,12 @@ def tinylm_model(seed: int = 0) -> TinyLM:
     nnx.replace_by_pure_dict(state, tinylm_params(seed))
     nnx.update(model, state)
     return model
+
+
+@functools.cache
+def default_lm_optimizer(learning_rate: float):
+    """`rowgeom.lm_optimizer(learning_rate)` with every other option at its default, one object
+    per rate for the process: ``jax.jit(tx.update)`` of the same transform shares its compiles
+    (jit caches by function), so tests that step the same tree with it compile that update
+    once (test_recipe.py's default run and test_options_plan.py's nnx reference: TinyLM)."""
+    return rowgeom.lm_optimizer(learning_rate)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _geometry_shared import tinylm_params
+from _geometry_shared import default_lm_optimizer, tinylm_params
 from _nnx_models import D, TinyLM, V
 from flax import nnx
 
@@ -64,8 +64,9 @@ def run_steps(tx, params, n=2):
 
 @pytest.fixture(scope="module")
 def default_run(params):
-    """Two steps of the default recipe (one compile shared by the reference tests)."""
-    return run_steps(rowgeom.lm_optimizer(LR), params)
+    """Two steps of the default recipe (one compile shared by the reference tests, and by
+    test_options_plan.py's nnx reference in the same process)."""
+    return run_steps(default_lm_optimizer(LR), params)
 
 
 def np_rownorm(m, vocab_axis, center=True, eps=1e-8):
