@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _geometry_shared import tracker_hlo
+from _geometry_shared import shared_lm_optimizer, small_lm_tree, small_lm_values, tracker_hlo
 from flax import nnx
 
 import rowgeom
@@ -363,15 +363,16 @@ def test_a_nan_shows_in_the_stats_only_when_its_update_is_measured(rng):
             stats = read_row_diameter(state)
             finite = all(np.isfinite(float(f)) for f in stats[:3])
             assert finite == (not shows or i < nan_at), (nan_at, i)
-    params = {"mlp": {"kernel": np.ones((6, 6), np.float32)},
-              "lm_head": {"kernel": np.ones((6, 9), np.float32)}}
-    grads = {"mlp": {"kernel": np.ones((6, 6), np.float32)},
-             "lm_head": {"kernel": rng.normal(size=(6, 9)).astype(np.float32)}}
-    bad = {"mlp": grads["mlp"], "lm_head": {"kernel": grads["lm_head"]["kernel"].copy()}}
-    bad["lm_head"]["kernel"][0] = np.nan
-    opt = rowgeom.lm_optimizer(1e-3)  # measures updates 1, 10, 20, ... by default
-    # init jitted too: one small program (eagerly, an operation per leaf compiles on its own)
-    update, state = jax.jit(opt.update), jax.jit(opt.init)(params)
+    # The small LM tree and the default recipe (test_recipe.py's: in one process its jitted
+    # update compiles once for both), which measures updates 1, 10, 20, ... by default.
+    values = small_lm_values(0)
+    params = small_lm_tree({path: np.ones_like(x) for path, x in values.items()})
+    grads = small_lm_tree(values)
+    head = values["lm_head/kernel"].copy()
+    head[0] = np.nan
+    bad = small_lm_tree({**values, "lm_head/kernel": head})
+    opt = shared_lm_optimizer(1e-2)
+    update, state = jax.jit(opt.update), opt.init(params)
     for x in (grads, bad, grads):
         out, state = update(x, state, params)
     assert np.isnan(out["lm_head"]["kernel"]).any()  # the momentum carries the NaN on

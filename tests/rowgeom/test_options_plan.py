@@ -303,7 +303,7 @@ def test_per_leaf_options_nested_and_flat_mean_the_same():
 def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
     """nnx.Optimizer hands ``init`` Variables and ``update`` plain arrays: the same paths,
     shapes and dtypes, so the same plan object, and the update is the one a plain tree gets."""
-    from _geometry_shared import default_lm_optimizer, tinylm_model
+    from _geometry_shared import shared_lm_optimizer, small_lm_model, small_lm_values
     from flax import nnx
 
     from rowgeom import _recipe
@@ -311,14 +311,17 @@ def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
     seen = []
     real = _plan.plan_of
     monkeypatch.setattr(_recipe, "plan_of", lambda t, o: seen.append(real(t, o)) or seen[-1])
-    model = tinylm_model(0)  # parameters drawn on the host: no initializer compiles
+    # The small LM (an NNX model of _geometry_shared.SMALL_LM_PATHS), parameters drawn on the
+    # host: no initializer compiles.
+    model = small_lm_model(small_lm_values(0))
     params = nnx.state(model, nnx.Param)
     arrays = jax.tree.map(lambda x: x, nnx.to_pure_dict(params))
     ones = jax.tree.map(lambda x: jax.device_put(np.ones(x.shape, x.dtype)), arrays)
     grads = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(grads, ones)
-    # The default recipe (at test_recipe.py's rate: its jitted update is shared in a process)
-    tx = default_lm_optimizer(1e-2)
+    # The default recipe at test_recipe.py's rate: in one process the plain tree's jitted update
+    # below is the one test_recipe.py and test_recipe_defaults.py compile for this tree.
+    tx = shared_lm_optimizer(1e-2)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads)
     assert len(seen) == 2 and seen[0] is seen[1]

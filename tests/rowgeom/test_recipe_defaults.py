@@ -15,13 +15,18 @@ import functools
 import jax
 import numpy as np
 import pytest
-from _nnx_models import unflatten
+from _geometry_shared import SMALL_D, SMALL_FF, SMALL_LM_PATHS, SMALL_V, shared_lm_optimizer
+from _geometry_shared import small_lm_tree as tree
 
 import rowgeom
 
-V, D, FF = 32, 8, 16
+# The small LM tree (tests/rowgeom/_geometry_shared.py), which test_recipe.py steps too: in one
+# process the default recipe's update (and the AdamW and Muon heads') compiles once for both.
+V, D, FF = SMALL_V, SMALL_D, SMALL_FF
+assert (V, D, FF) == (32, 8, 16)
 LR = 1e-2
-PATHS = {
+PATHS = SMALL_LM_PATHS
+assert PATHS == {
     "embed/embedding": (V, D),
     "layers/0/attn/q_proj/kernel": (D, D),
     "layers/0/mlp/up_proj/kernel": (D, FF),
@@ -35,19 +40,13 @@ LABELS = {"embed/embedding": "embedding", "layers/0/attn/q_proj/kernel": "hidden
 HEAD = "lm_head/kernel"
 
 
-def tree(values):
-    """A nested dict of float32 device arrays from {"a/b": array}, converted on the host and
-    placed (`jax.device_put`: no compile; `jnp.asarray` compiles a conversion per shape)."""
-    return unflatten(values, lambda x: jax.device_put(np.asarray(x, np.float32)))
-
-
 def flat(t, prefix=""):
     out = {}
     for k, v in t.items():
         if isinstance(v, dict):
             out |= flat(v, f"{prefix}{k}/")
         else:
-            out[prefix + k] = np.asarray(v, np.float64)
+            out[f"{prefix}{k}"] = np.asarray(v, np.float64)
     return out
 
 
@@ -70,8 +69,9 @@ def steps(tx, grads_list, params, update=None):
     return out, state
 
 
-# One compiled step of the default recipe, shared by the tests of its defaults.
-DEFAULT = rowgeom.lm_optimizer(LR)
+# One compiled step of the default recipe, shared by the tests of its defaults (and, in one
+# process, by test_recipe.py's: the same transform object, so the same jit cache).
+DEFAULT = shared_lm_optimizer(LR)
 DEFAULT_UPDATE = jax.jit(DEFAULT.update)
 
 
@@ -226,7 +226,7 @@ def test_default_labels_and_describe():
 def flat_labels(t, prefix=""):
     out = {}
     for k, v in t.items():
-        out |= flat_labels(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v}
+        out |= flat_labels(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v}
     return out
 
 
@@ -310,9 +310,9 @@ def test_embedding_and_vector_steps_are_adamw_b1_09_b2_095_eps_1e8(two_steps, pa
 def test_adamw_and_muon_heads_use_three_times_the_rate():
     g1, g2 = random_tree(11), random_tree(12)
     grads = [flat(g1)[HEAD], flat(g2)[HEAD]]
-    (_, adam_step), _ = steps(rowgeom.lm_optimizer(LR, head="adamw"), [g1, g2], zeros())
+    (_, adam_step), _ = steps(shared_lm_optimizer(LR, head="adamw"), [g1, g2], zeros())
     np.testing.assert_allclose(adam_step[HEAD], -3 * LR * ref_adam(grads), rtol=1e-4, atol=1e-9)
-    (_, muon_step), _ = steps(rowgeom.lm_optimizer(LR, head="muon"), [g1, g2], zeros())
+    (_, muon_step), _ = steps(shared_lm_optimizer(LR, head="muon"), [g1, g2], zeros())
     np.testing.assert_allclose(muon_step[HEAD], -3 * LR * ref_muon(grads), rtol=1e-5, atol=1e-7)
 
 
