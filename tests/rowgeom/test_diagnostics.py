@@ -210,13 +210,20 @@ def _tracked_tree(rng, n):
 AXES = {"lm_head": 1, "w": None, "skip": None}
 
 
+@functools.cache
+def _tracker_step(k):
+    """The tracker of `_tracked_tree`'s head measuring every k-th update, and its jitted update
+    with the state donated (it can be: a fixed layout), shared by the tests below: one compile
+    per k whether a test runs it or reads its compiled HLO."""
+    tx = track_row_diameter(vocab_axis=AXES, every_k_steps=k)
+    return tx, jax.jit(tx.update, donate_argnums=1)
+
+
 def test_every_k_steps_measures_steps_1_k_2k_and_keeps_stats_between(rng):
     k, n = 3, 7  # 2k + 1 updates: measured 1, 3, 6; kept on 2, 4, 5, 7
     updates = _tracked_tree(rng, n)
-    every = track_row_diameter(vocab_axis=AXES, every_k_steps=k)
-    each = track_row_diameter(vocab_axis=AXES)
-    step = jax.jit(every.update, donate_argnums=1)  # the state can be donated: fixed layout
-    step_each = jax.jit(each.update, donate_argnums=1)  # k = 1 too
+    every, step = _tracker_step(k)
+    each, step_each = _tracker_step(1)  # k = 1 (the default) too
     state, state_each = every.init(updates[0]), each.init(updates[0])
     assert avals(jax.eval_shape(every.init, updates[0])) == avals(state)
     assert avals(state) == avals(state_each)  # every_k_steps changes no state layout
@@ -286,14 +293,13 @@ def _reduces_outside_conditionals(hlo: str) -> tuple[int, int]:
 def test_off_steps_run_no_reduction_in_the_compiled_step(rng):
     """The O(Vd) passes live only in the measuring branch of an XLA conditional (on CPU and GPU
     only the taken branch runs); with k = 1 they run unconditionally (the check can fail)."""
-    u = rng.normal(size=(6, 40)).astype(np.float32)
+    u = _tracked_tree(rng, 1)[0]  # a (d, V) head beside an untracked and a masked leaf
     counts = {}
-    for k in (1, 4):
-        tx = track_row_diameter(vocab_axis=1, every_k_steps=k)
-        hlo = jax.jit(tx.update).lower(u, tx.init(u)).compile().as_text()
-        counts[k] = _reduces_outside_conditionals(hlo)
+    for k in (1, 3):  # the every_k test's programs (one compile each for both tests)
+        tx, step = _tracker_step(k)
+        counts[k] = _reduces_outside_conditionals(step.lower(u, tx.init(u)).compile().as_text())
     assert counts[1][0] > 0  # k = 1: the reductions are in the step itself
-    assert counts[4][0] == 0 and counts[4][1] > 0, counts  # k > 1: only in a branch
+    assert counts[3][0] == 0 and counts[3][1] > 0, counts  # k > 1: only in a branch
 
 
 @pytest.mark.parametrize("vocab_axis", [0, 1])
