@@ -149,7 +149,7 @@ def np_adamw_updates(grads, params, *, lr, b1, b2, eps, weight_decay):
     return out
 
 
-def test_embeddings_and_vectors_get_adamw(params, default_run):
+def test_embeddings_and_vectors_get_adamw(default_run):
     steps, _ = default_run
     cases = {"embed/embedding": WD, "layers/0/mlp_norm/scale": 0.0}  # path: weight decay
     for path, weight_decay in cases.items():
