@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _geometry_shared import tinylm_model
 from _nnx_models import LAYERS, D, TinyLM, V
 from flax import linen as nn
 from flax import nnx
@@ -37,7 +38,9 @@ def flat(labels):
 
 @pytest.fixture(scope="module")
 def model():
-    return TinyLM(nnx.Rngs(0))
+    """TinyLM with parameters drawn on the host (eagerly, its initializers compile 16
+    programs; only the tree's paths, shapes and Variables matter to the labels)."""
+    return tinylm_model(0)
 
 
 def test_nnx_variables_pure_and_abstract_trees_get_the_same_labels(model):
@@ -87,7 +90,9 @@ def test_linen_params_with_partitioned_boxes():
             x = nn.Dense(D, kernel_init=init, name="mlp")(x)
             return nn.Dense(V, name="lm_head")(x)
 
-    variables = Lm().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+    # Flax builds the tree (traced: no compile); its leaves are then host zeros, placed.
+    abstract = jax.eval_shape(lambda: Lm().init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32)))
+    variables = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype)), abstract)
     assert isinstance(variables["params"]["mlp"]["kernel"], nn.Partitioned)
     assert flat(rowgeom.label_params(variables)) == {
         "params/wte/embedding": "embedding", "params/mlp/kernel": "hidden",
@@ -183,32 +188,49 @@ def _expected_new_params(state, labels):
     return {p: np.asarray(x) - ks[table[p]] for p, x in flat(pure(state)).items()}
 
 
-@pytest.mark.parametrize("form", ["prefix", "boxed", "dict", "callable", "partial"])
-def test_partition_by_label_in_nnx_optimizer(form):
-    model = TinyLM(nnx.Rngs(1))
-    state = nnx.state(model, nnx.Param)
-    labels = rowgeom.label_params(state)
-    expected = _expected_new_params(state, labels)
-    labels = {
-        "prefix": labels,  # strings at Variable positions
-        # strings inside Variables, as jax.tree.map over the state without is_leaf gives
-        "boxed": jax.tree.unflatten(jax.tree.structure(state), jax.tree.leaves(labels)),
-        "dict": nnx.to_pure_dict(labels),  # a plain dict, not an nnx.State
-        "callable": rowgeom.Labeler(),
-        "partial": functools.partial(rowgeom.label_params),
-    }[form]
-    if form == "boxed":
-        assert isinstance(labels["lm_head"]["kernel"], nnx.Variable)
-    optimizer = nnx.Optimizer(model, rowgeom.partition_by_label(_scales(), labels),
-                              wrt=nnx.Param)
+FORMS = ["prefix", "boxed", "dict", "callable", "partial"]
+
+
+@functools.cache
+def _partitioned_steps():
+    """``{form: (labels, expected new params, new params)}``: one step of
+    `partition_by_label` under nnx.Optimizer with the labels in each form, on its own TinyLM
+    (host-drawn parameters: no initializer compile), the five steps in one nnx.jit program
+    (a program per form would be five compiles)."""
+    cases = {}
+    for form in FORMS:
+        model = tinylm_model(1)
+        state = nnx.state(model, nnx.Param)
+        labels = rowgeom.label_params(state)
+        expected = _expected_new_params(state, labels)
+        labels = {
+            "prefix": labels,  # strings at Variable positions
+            # strings inside Variables, as jax.tree.map over the state without is_leaf gives
+            "boxed": jax.tree.unflatten(jax.tree.structure(state), jax.tree.leaves(labels)),
+            "dict": nnx.to_pure_dict(labels),  # a plain dict, not an nnx.State
+            "callable": rowgeom.Labeler(),
+            "partial": functools.partial(rowgeom.label_params),
+        }[form]
+        optimizer = nnx.Optimizer(model, rowgeom.partition_by_label(_scales(), labels),
+                                  wrt=nnx.Param)
+        cases[form] = model, optimizer, labels, expected
 
     @nnx.jit
-    def step(model, optimizer):
-        grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
-        optimizer.update(model, grads)
+    def step(pairs):
+        for model, optimizer in pairs:
+            grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+            optimizer.update(model, grads)
 
-    step(model, optimizer)
-    got = flat(pure(nnx.state(model, nnx.Param)))
+    step([(model, optimizer) for model, optimizer, _, _ in cases.values()])
+    return {form: (labels, expected, flat(pure(nnx.state(model, nnx.Param))))
+            for form, (model, _, labels, expected) in cases.items()}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_partition_by_label_in_nnx_optimizer(form):
+    labels, expected, got = _partitioned_steps()[form]
+    if form == "boxed":
+        assert isinstance(labels["lm_head"]["kernel"], nnx.Variable)
     assert got.keys() == expected.keys()
     for path in expected:
         np.testing.assert_allclose(got[path], expected[path], rtol=1e-6, err_msg=path)
@@ -216,7 +238,7 @@ def test_partition_by_label_in_nnx_optimizer(form):
 
 def test_plain_optax_partition_breaks_where_partition_by_label_does_not():
     """Why the wrapper exists: optax.partition matches labels by tree structure."""
-    model = TinyLM(nnx.Rngs(2))
+    model = tinylm_model(2)  # host-drawn parameters: no initializer compile
     state = nnx.state(model, nnx.Param)
     as_dict = nnx.to_pure_dict(rowgeom.label_params(state))
     tx = optax.partition(_scales(), as_dict)
@@ -224,9 +246,9 @@ def test_plain_optax_partition_breaks_where_partition_by_label_does_not():
         tx.init(state)  # dict labels vs nnx.State params
     tx = rowgeom.partition_by_label(_scales(), as_dict)
     opt_state = tx.init(state)
-    grads = jax.tree.map(jnp.ones_like, pure(state))
+    grads = jax.tree.map(lambda x: np.ones(x.shape, x.dtype), pure(state))  # host: no compile
     updates, _ = jax.jit(tx.update)(grads, pure(opt_state), pure(state))
-    assert float(updates["lm_head"]["kernel"][0, 0]) == -2.0  # "head" is label 2
+    assert float(np.asarray(updates["lm_head"]["kernel"])[0, 0]) == -2.0  # "head" is label 2
 
 
 def test_partition_by_label_reports_missing_transforms_and_labels():

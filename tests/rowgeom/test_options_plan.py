@@ -18,12 +18,13 @@ LR, V, D = 1e-3, 48, 16
 
 
 def tree(vocab=V, width=D, dtype=jnp.float32):
-    """A small LM tree of device arrays, drawn on the host (placing arrays compiles nothing)."""
+    """A small LM tree of device arrays, drawn on the host and placed with `jax.device_put`
+    (compiles nothing; `jnp.asarray` of a host array compiles a program per shape)."""
     rng = np.random.default_rng(0)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(dtype))
+    normal = lambda *shape: jax.device_put(rng.standard_normal(shape).astype(dtype))
     return {"embed": {"embedding": normal(vocab, width)},
             "layers": {"0": {"mlp": {"up": {"kernel": normal(width, 2 * width)}}}},
-            "norm": {"scale": jnp.asarray(np.ones(width, dtype))},
+            "norm": {"scale": jax.device_put(np.ones(width, dtype))},
             "lm_head": {"kernel": normal(width, vocab)}}
 
 
@@ -35,12 +36,12 @@ def abstract(params):
 def grads_of(params, seed=1):
     rng = np.random.default_rng(seed)
     return jax.tree.map(
-        lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(p.dtype)), params)
+        lambda p: jax.device_put(rng.standard_normal(p.shape).astype(p.dtype)), params)
 
 
-def step(tx, params, grads):
-    """The first update from a fresh state (init and update: one compile)."""
-    return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)[0])(grads, params)
+def first_update(tx, grads, params):
+    """The first update from a fresh state (traced inside a jitted function)."""
+    return tx.update(grads, tx.init(params), params)[0]
 
 
 def assert_trees_equal(a, b):
@@ -60,8 +61,8 @@ def test_a_misspelt_keyword_is_a_type_error_from_python():
 
 
 def test_the_tied_policy_is_said_once_and_reaches_labels_and_centring():
-    params = {"wte": {"embedding": jnp.zeros((V, D))},
-              "h": {"0": {"mlp": {"c_fc": {"kernel": jnp.zeros((D, 2 * D))}}}}}
+    params = {"wte": {"embedding": np.zeros((V, D), np.float32)},
+              "h": {"0": {"mlp": {"c_fc": {"kernel": np.zeros((D, 2 * D), np.float32)}}}}}
     table = lambda **kw: next(r for r in rowgeom.describe(params, LR, **kw) if r.path.startswith(
         "wte"))
     by_labeler, by_keyword = table(labels=rowgeom.Labeler(tied="head")), table(tied="head")
@@ -189,8 +190,9 @@ def test_a_group_momentum_override_reaches_its_chain():
     grads = grads_of(params)
     tx = rowgeom.lm_optimizer(LR, groups={"embedding": rowgeom.GroupOptions(momentum=0.5)})
     ref = optax.adamw(LR, b1=0.5, b2=0.95, weight_decay=0.1)
-    got = step(tx, params, grads)["embed"]
-    want = step(ref, params["embed"], grads["embed"])
+    got, want = jax.jit(lambda g, p: (  # both first updates in one program: one compile
+        first_update(tx, g, p)["embed"], first_update(ref, g["embed"], p["embed"])))(
+        grads, params)
     np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-6)
 
 
@@ -268,7 +270,7 @@ def test_no_state_between_calls_each_tree_gets_its_own_plan():
 def test_labeler_is_one_frozen_object():
     merged = rowgeom.Labeler(extra_hidden_names={"router"})
     assert merged == rowgeom.Labeler(hidden_names=rowgeom.DEFAULT_HIDDEN_NAMES | {"router"})
-    params = {**tree(), "router": {"kernel": jnp.zeros((D, 4))}}
+    params = {**tree(), "router": {"kernel": np.zeros((D, 4), np.float32)}}
     assert merged(params) == rowgeom.label_params(params, extra_hidden_names={"router"})
     assert dataclasses.replace(merged, tied="head") == rowgeom.Labeler(
         extra_hidden_names={"router"}, tied="head")
@@ -301,28 +303,32 @@ def test_per_leaf_options_nested_and_flat_mean_the_same():
 def test_nnx_optimizer_init_and_update_read_one_plan(monkeypatch):
     """nnx.Optimizer hands ``init`` Variables and ``update`` plain arrays: the same paths,
     shapes and dtypes, so the same plan object, and the update is the one a plain tree gets."""
+    from _geometry_shared import shared_lm_optimizer, small_lm_model, small_lm_values
     from flax import nnx
 
     from rowgeom import _recipe
-    from tests.rowgeom._nnx_models import TinyLM
 
     seen = []
     real = _plan.plan_of
     monkeypatch.setattr(_recipe, "plan_of", lambda t, o: seen.append(real(t, o)) or seen[-1])
-    model = nnx.jit(lambda: TinyLM(nnx.Rngs(0)))()  # one compile for every initializer
+    # The small LM (an NNX model of _geometry_shared.SMALL_LM_PATHS), parameters drawn on the
+    # host: no initializer compiles.
+    model = small_lm_model(small_lm_values(0))
     params = nnx.state(model, nnx.Param)
     arrays = jax.tree.map(lambda x: x, nnx.to_pure_dict(params))
-    ones = jax.tree.map(lambda x: jnp.asarray(np.ones(x.shape, x.dtype)), arrays)
+    ones = jax.tree.map(lambda x: jax.device_put(np.ones(x.shape, x.dtype)), arrays)
     grads = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(grads, ones)
-    optimizer = nnx.Optimizer(model, rowgeom.lm_optimizer(LR), wrt=nnx.Param)
+    # The default recipe at test_recipe.py's rate: in one process the plain tree's jitted update
+    # below is the one test_recipe.py and test_recipe_defaults.py compile for this tree.
+    tx = shared_lm_optimizer(1e-2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads)
     assert len(seen) == 2 and seen[0] is seen[1]
     assert rowgeom.make_plan(arrays) is seen[0]
     after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tx = rowgeom.lm_optimizer(LR)
-    want = jax.jit(lambda g, p: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))(
-        ones, arrays)
+    updates, _ = jax.jit(tx.update)(ones, tx.init(arrays), arrays)
+    want = jax.tree.map(lambda p, u: np.asarray(p) + np.asarray(u), arrays, updates)
     # Two compiled programs (nnx.jit's and jax.jit's): equal to float32 rounding.
     for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-9)

@@ -88,8 +88,8 @@ def lm1b(logits_via_embedding=False):
 
     with warnings.catch_warnings():  # upstream still uses nn.SelfAttention (deprecated)
         warnings.simplefilter("ignore", DeprecationWarning)
-        variables = jax.eval_shape(TransformerLM().init, jax.random.key(0),
-                                   jnp.zeros((1, 8), jnp.int32))
+        variables = jax.eval_shape(  # the key and ids traced too: nothing compiles
+            lambda: TransformerLM().init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     # Upstream the position table sits in its own module, AddPositionEmbs(name='posembed_output').
     dec = dict(variables["params"]["decoder"])
     dec["posembed_output"] = {"pos_embedding": dec.pop("pos_embedding")}
@@ -358,19 +358,23 @@ def test_describe_prints_the_scanned_maxtext_plan():
 def test_scanned_stack_is_orthogonalised_layer_by_layer():
     """lm_optimizer on MaxText's scanned layout: each layer's slice gets the Muon step of that
     layer's matrix alone (the layer axis is a batch axis), checked against a per-layer run."""
-    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), maxtext())
-    rng = np.random.default_rng(0)
-    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), maxtext())  # host arrays:
+    rng = np.random.default_rng(0)                                           # no compile
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
     tx = rowgeom.lm_optimizer(1e-2, weight_decay=0.0,
                               muon=rowgeom.MuonOptions(momentum=0.0, nesterov=False))
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     ref = rowgeom.muon_orthogonalize(dimension_numbers=rowgeom.MuonDimensionNumbers(0, (1, 2)))
     layers = grads["params"]["decoder"]["layers"]
     query = layers["self_attention"]["query"]["kernel"]          # (D, L, H, DH)
-    got = updates["params"]["decoder"]["layers"]["self_attention"]["query"]["kernel"]
-    for i in range(L):
-        want, _ = ref.update(query[:, i], ref.init(query[:, i]))
-        np.testing.assert_allclose(got[:, i], -1e-2 * want, rtol=2e-3, atol=1e-7)
+    # The step (init included) and the per-layer reference, each layer's slice orthogonalised
+    # alone, in one jitted program (eagerly, every operation compiles on its own).
+    updates, wants = jax.jit(lambda g, p, slices: (
+        tx.update(g, tx.init(p), p)[0], [ref.update(x, ref.init(x))[0] for x in slices]))(
+        grads, params, [query[:, i] for i in range(L)])
+    got = np.asarray(updates["params"]["decoder"]["layers"]["self_attention"]["query"]["kernel"])
+    for i, want in enumerate(wants):  # on the host: no slicing or scaling compiles
+        np.testing.assert_allclose(got[:, i], -1e-2 * np.asarray(want), rtol=2e-3, atol=1e-7,
+                                   err_msg=f"layer {i}")
     # Stacked norm scales went to AdamW (first step: -lr * sign(g) up to eps), not Muon.
     scale_g = layers["pre_self_attention_layer_norm"]["scale"]
     scale_u = updates["params"]["decoder"]["layers"]["pre_self_attention_layer_norm"]["scale"]

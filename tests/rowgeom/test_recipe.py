@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _geometry_shared import SMALL_LM_PATHS, shared_lm_optimizer, small_lm_tree, small_lm_values
 from _nnx_models import D, TinyLM, V
 from flax import nnx
 
@@ -29,14 +30,25 @@ def flat(tree):
 
 @pytest.fixture(scope="module")
 def params():
-    """The model's parameters as a plain dict of arrays."""
-    model = nnx.jit(lambda: TinyLM(nnx.Rngs(0)))()  # one compile for every initializer
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    """The small LM tree (_geometry_shared.SMALL_LM_PATHS: an embedding, one block, a final
+    norm, a (d, V) head; nnx.to_pure_dict's layout) of device arrays drawn on the host (no
+    initializer compile); test_recipe_defaults.py steps this tree with the same transforms,
+    so in one process each update compiles once."""
+    return small_lm_tree(small_lm_values(0))
 
 
 def random_grads(params, seed):
+    """Host arrays (a jitted update takes them as they are: no conversion compile)."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
+    return jax.tree.map(lambda x: rng.normal(size=x.shape).astype(x.dtype), params)
+
+
+def apply_updates(params, updates):
+    """optax.apply_updates on the host (float32 + float32, the same rounding; eagerly each
+    leaf's addition would compile on its own), placed back as device arrays like the first
+    step's params (`jax.device_put`: no compile)."""
+    return jax.device_put(jax.tree.map(lambda p, u: np.asarray(p) + np.asarray(u), params,
+                                       updates))
 
 
 def run_steps(tx, params, n=2):
@@ -47,15 +59,18 @@ def run_steps(tx, params, n=2):
         grads = random_grads(params, seed=i)
         updates, state = update(grads, state, params)
         out.append((params, grads, updates))
-        params = optax.apply_updates(params, updates)
-    assert update._cache_size() == 1  # the second step reuses the first step's compilation
+        params = apply_updates(params, updates)
+        if i == 0:  # jit's cache is the function's: another test may have filled it already
+            cached = update._cache_size()
+    assert update._cache_size() == cached  # the second step reuses the first step's compile
     return out, state
 
 
 @pytest.fixture(scope="module")
 def default_run(params):
-    """Two steps of the default recipe (one compile shared by the reference tests)."""
-    return run_steps(rowgeom.lm_optimizer(LR), params)
+    """Two steps of the default recipe (one compile shared by the reference tests, and in one
+    process by test_recipe_defaults.py's and test_options_plan.py's steps of this tree)."""
+    return run_steps(shared_lm_optimizer(LR), params)
 
 
 def np_rownorm(m, vocab_axis, center=True, eps=1e-8):
@@ -106,31 +121,44 @@ def test_rownorm_head_step_equals_the_fp64_reference(default_run):
 
 def test_hidden_step_is_muon_of_the_nesterov_momentum(default_run):
     steps, _ = default_run
-    orthogonalize = rowgeom.muon_orthogonalize().update
+    muon = rowgeom.muon_orthogonalize()
+    # Jitted: one compile for both steps (eagerly, every operation compiles on its own).
+    orthogonalize = jax.jit(lambda u: muon.update(u, optax.EmptyState())[0])
     buf = 0.0
     for before, grads, updates in steps:
-        path = "layers/1/mlp/gate_proj/kernel"
+        path = "layers/0/mlp/up_proj/kernel"
         w, g = flat(before)[path], flat(grads)[path]
         buf = BETA * buf + g  # optax.trace, Nesterov: g + beta * buf
-        polar, _ = orthogonalize({"w": jnp.asarray(g + BETA * buf, jnp.float32)},
-                                 optax.EmptyState())
+        polar = orthogonalize({"w": (g + BETA * buf).astype(np.float32)})
         expected = -LR * (np.asarray(polar["w"], np.float64) + WD * w)
         np.testing.assert_allclose(flat(updates)[path], expected, rtol=2e-5, atol=1e-7)
         # RMS-matched Muon: the direction has RMS 0.2 (up to Newton-Schulz's band).
         assert 0.1 < np.sqrt(np.mean(np.asarray(polar["w"]) ** 2)) < 0.3
 
 
-def test_embeddings_and_vectors_get_adamw(params, default_run):
+def np_adamw_updates(grads, params, *, lr, b1, b2, eps, weight_decay):
+    """AdamW's successive updates in float64 (Loshchilov & Hutter; optax.adamw's chain):
+    bias-corrected moments, then the decoupled decay, times -lr."""
+    m = v = 0.0
+    out = []
+    for t, (g, w) in enumerate(zip(grads, params, strict=True), start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        direction = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        out.append(-lr * (direction + weight_decay * w))
+    return out
+
+
+def test_embeddings_and_vectors_get_adamw(default_run):
     steps, _ = default_run
-    cases = {"embed/embedding": optax.adamw(LR, b1=0.9, b2=0.95, eps=1e-8, weight_decay=WD),
-             "layers/0/attn_norm/scale": optax.adamw(LR, b1=0.9, b2=0.95, eps=1e-8,
-                                                     weight_decay=0.0)}
-    for path, adamw in cases.items():
-        state = adamw.init({"p": jnp.asarray(flat(params)[path], jnp.float32)})
-        for before, grads, updates in steps:
-            ref, state = adamw.update({"p": jnp.asarray(flat(grads)[path], jnp.float32)}, state,
-                                      {"p": jnp.asarray(flat(before)[path], jnp.float32)})
-            np.testing.assert_allclose(flat(updates)[path], ref["p"], rtol=1e-5, atol=1e-8)
+    cases = {"embed/embedding": WD, "layers/0/mlp_norm/scale": 0.0}  # path: weight decay
+    for path, weight_decay in cases.items():
+        refs = np_adamw_updates([flat(grads)[path] for _, grads, _ in steps],
+                                [flat(before)[path] for before, _, _ in steps],
+                                lr=LR, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay)
+        for i, ((_, _, updates), ref) in enumerate(zip(steps, refs, strict=True)):
+            np.testing.assert_allclose(flat(updates)[path], ref, rtol=1e-5, atol=1e-8,
+                                       err_msg=f"{path} step {i}")
 
 
 def check_bracket(stats, head_update):
@@ -154,8 +182,8 @@ def test_diagnostics_record_the_first_head_step_then_every_tenth(params, default
 
 def test_tied_head_is_uncentred_rownorm_on_the_table_rows():
     rng = np.random.default_rng(3)
-    params = {"wte": {"embedding": jnp.asarray(rng.normal(size=(V, D)), jnp.float32)},
-              "h": {"0": {"mlp": {"c_fc": jnp.asarray(rng.normal(size=(D, D)), jnp.float32)}}}}
+    params = {"wte": {"embedding": rng.normal(size=(V, D)).astype(np.float32)},
+              "h": {"0": {"mlp": {"c_fc": rng.normal(size=(D, D)).astype(np.float32)}}}}
     with pytest.raises(ValueError, match="tied"):
         rowgeom.lm_optimizer(LR).init(params)
     steps, _ = run_steps(rowgeom.lm_optimizer(LR, tied="head"), params, n=1)
@@ -310,22 +338,24 @@ def test_empty_head_group_raises_unless_tied_is_said(params):
 
 
 @pytest.mark.parametrize("head", ["adamw", "muon"])
-def test_default_head_rates_come_from_group_options(params, head):
+def test_default_head_rates_come_from_group_options(head):
     """One source of truth: the head's step size is the rate group_options reports,
     HEAD_LR_MULTIPLIERS[head] (3) times the base rate, as the head study chose."""
     rate = rowgeom.group_options(LR, head=head)["head"].learning_rate
     assert rate == pytest.approx(3 * LR)
-    tx = rowgeom.lm_optimizer(LR, head=rowgeom.HeadOptions(optimizer=head, track=False),
-                              weight_decay=0.0)
-    grads = random_grads(params, seed=0)
-    updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
+    # The first step from zero params (no weight-decay term): the head's direction times its
+    # rate alone. test_recipe_defaults.py's transform and tree: in one process, one compile.
+    tx = shared_lm_optimizer(LR, head=head)
+    zeros = small_lm_tree({path: np.zeros(shape) for path, shape in SMALL_LM_PATHS.items()})
+    grads = random_grads(zeros, seed=0)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(zeros), zeros)
     step = np.asarray(updates["lm_head"]["kernel"], np.float64)
     if head == "adamw":  # first AdamW step: -lr * g / (|g| + eps), so max |step| = lr
         assert np.abs(step).max() == pytest.approx(rate, rel=1e-3)
     else:  # Muon of the first Nesterov momentum (1 + beta) g, times the rate
-        g = grads["lm_head"]["kernel"]
         orth = rowgeom.muon_orthogonalize()
-        want, _ = jax.jit(lambda u: orth.update(u, orth.init(u)))((1 + BETA) * g)
+        momentum = ((1 + BETA) * grads["lm_head"]["kernel"]).astype(np.float32)
+        want = jax.jit(lambda u: orth.update(u, orth.init(u))[0])(momentum)
         np.testing.assert_allclose(step, -rate * np.asarray(want), rtol=1e-4, atol=1e-8)
 
 

@@ -13,16 +13,20 @@ assertion on a value here, never only an exception further down.
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from _nnx_models import unflatten
+from _geometry_shared import SMALL_D, SMALL_FF, SMALL_LM_PATHS, SMALL_V, shared_lm_optimizer
+from _geometry_shared import small_lm_tree as tree
 
 import rowgeom
 
-V, D, FF = 32, 8, 16
+# The small LM tree (tests/rowgeom/_geometry_shared.py), which test_recipe.py steps too: in one
+# process the default recipe's update (and the AdamW and Muon heads') compiles once for both.
+V, D, FF = SMALL_V, SMALL_D, SMALL_FF
+assert (V, D, FF) == (32, 8, 16)
 LR = 1e-2
-PATHS = {
+PATHS = SMALL_LM_PATHS
+assert PATHS == {
     "embed/embedding": (V, D),
     "layers/0/attn/q_proj/kernel": (D, D),
     "layers/0/mlp/up_proj/kernel": (D, FF),
@@ -36,18 +40,13 @@ LABELS = {"embed/embedding": "embedding", "layers/0/attn/q_proj/kernel": "hidden
 HEAD = "lm_head/kernel"
 
 
-def tree(values):
-    """A nested dict of float32 arrays from {"a/b": array}."""
-    return unflatten(values, lambda x: jnp.asarray(x, jnp.float32))
-
-
 def flat(t, prefix=""):
     out = {}
     for k, v in t.items():
         if isinstance(v, dict):
             out |= flat(v, f"{prefix}{k}/")
         else:
-            out[prefix + k] = np.asarray(v, np.float64)
+            out[f"{prefix}{k}"] = np.asarray(v, np.float64)
     return out
 
 
@@ -70,8 +69,9 @@ def steps(tx, grads_list, params, update=None):
     return out, state
 
 
-# One compiled step of the default recipe, shared by the tests of its defaults.
-DEFAULT = rowgeom.lm_optimizer(LR)
+# One compiled step of the default recipe, shared by the tests of its defaults (and, in one
+# process, by test_recipe.py's: the same transform object, so the same jit cache).
+DEFAULT = shared_lm_optimizer(LR)
 DEFAULT_UPDATE = jax.jit(DEFAULT.update)
 
 
@@ -110,24 +110,35 @@ def ref_rownorm(x, vocab_axis):
 
 
 @functools.cache
-def _polar(steps, coeffs):
-    return jax.jit(functools.partial(rowgeom.newton_schulz, steps=steps, coeffs=coeffs))
+def _polars(options):
+    """One jitted program for the polar factors of a list of inputs, by `newton_schulz` with
+    one ``(steps, coeffs)`` each (eagerly, every operation of the iteration would compile on
+    its own; a program per option would be a compile each)."""
+    return jax.jit(lambda xs: [rowgeom.newton_schulz(x, steps=steps, coeffs=coeffs)
+                               for x, (steps, coeffs) in zip(xs, options, strict=True)])
 
 
-def ref_polar(x, *, steps=5, coeffs="keller"):
-    """The polar factor by `newton_schulz` (jitted once per options: eagerly, every operation
-    of the iteration would compile on its own)."""
-    return np.asarray(_polar(steps, coeffs)(jnp.asarray(x, jnp.float32)), np.float64)
+def ref_muons(grads, variants):
+    """For each variant (keywords momentum=0.95, nesterov=True, steps=5, coeffs="keller",
+    rms=0.2), the last of successive Muon directions: trace -> polar factor ->
+    rms * sqrt(max(m, n)); their polar factors from one program."""
+    directions, options = [], []
+    for variant in variants:
+        momentum, nesterov = variant.get("momentum", 0.95), variant.get("nesterov", True)
+        buf = 0.0
+        for g in grads:
+            buf = momentum * buf + g
+            direction = g + momentum * buf if nesterov else buf
+        directions.append(np.asarray(direction, np.float32))  # host: no conversion compile
+        options.append((variant.get("steps", 5), variant.get("coeffs", "keller")))
+    polars = _polars(tuple(options))(directions)
+    return [variant.get("rms", 0.2) * np.sqrt(max(direction.shape)) * np.asarray(p, np.float64)
+            for variant, direction, p in zip(variants, directions, polars, strict=True)]
 
 
-def ref_muon(grads, *, momentum=0.95, nesterov=True, steps=5, coeffs="keller", rms=0.2):
-    """The last of successive Muon directions: trace -> polar factor -> rms * sqrt(max(m, n))."""
-    buf = 0.0
-    for g in grads:
-        buf = momentum * buf + g
-        direction = g + momentum * buf if nesterov else buf
-    m, n = direction.shape
-    return rms * np.sqrt(max(m, n)) * ref_polar(direction, steps=steps, coeffs=coeffs)
+def ref_muon(grads, **variant):
+    """The last of successive Muon directions (see `ref_muons`)."""
+    return ref_muons(grads, [variant])[0]
 
 
 def ref_adam(grads, *, b1=0.9, b2=0.95, eps=1e-8):
@@ -138,6 +149,12 @@ def ref_adam(grads, *, b1=0.9, b2=0.95, eps=1e-8):
         v = b2 * v + (1 - b2) * g**2
         direction = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
     return direction
+
+
+def np_row_diameter(s, vocab_axis):
+    """Exact row diameter in float64, every pair (an independent reference: no compile)."""
+    x = np.moveaxis(np.asarray(s, np.float64), vocab_axis, 0).reshape(np.shape(s)[vocab_axis], -1)
+    return float(np.sqrt(((x[:, None] - x[None]) ** 2).sum(-1).max()))
 
 
 def far(a, b, tol):
@@ -209,7 +226,7 @@ def test_default_labels_and_describe():
 def flat_labels(t, prefix=""):
     out = {}
     for k, v in t.items():
-        out |= flat_labels(v, f"{prefix}{k}/") if isinstance(v, dict) else {prefix + k: v}
+        out |= flat_labels(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v}
     return out
 
 
@@ -221,7 +238,7 @@ def test_zero_gradients_leave_only_the_decoupled_decay_of_each_group():
     each update is ``-lr_group * wd_group * W``: 0.1 for matrices at their group's rate (the
     head at 5x), 0 for vectors."""
     params = random_tree(1)
-    grads = jax.tree.map(jnp.zeros_like, params)
+    grads = tree({p: np.zeros(s) for p, s in PATHS.items()})  # host zeros: no compile
     (updates,), _ = default_steps([grads], params)
     w = flat(params)
     expected_factor = {"embedding": LR * 0.1, "hidden": LR * 0.1, "head": 5 * LR * 0.1,
@@ -243,8 +260,8 @@ def test_rownorm_head_step_ema_rate_and_diameter(two_steps):
     for other in (0.05 * (0.9 * g1[HEAD] + g2[HEAD]),
                   g2[HEAD] + 0.95 * (g2[HEAD] + 0.95 * g1[HEAD])):
         assert far(-5 * LR * ref_rownorm(other, vocab_axis=1), want, 1e-5)
-    diameter = float(rowgeom.row_diameter(second[HEAD], vocab_axis=1))
-    ref_diameter = float(rowgeom.row_diameter(ref_rownorm(m, 1), vocab_axis=1))
+    diameter = np_row_diameter(second[HEAD], vocab_axis=1)
+    ref_diameter = np_row_diameter(ref_rownorm(m, 1), vocab_axis=1)
     assert diameter == pytest.approx(5 * LR * ref_diameter, rel=1e-5)
     assert diameter <= 2 * 5 * LR * (1 + 1e-5)
 
@@ -255,8 +272,7 @@ def test_rownorm_head_step_uses_the_whole_radius_on_antipodal_rows(two_steps):
     (last in the head chain, which after two steps still holds update 1's stats) records
     exactly that as both ends of its bracket."""
     _, _, (first, _), state = two_steps
-    assert float(rowgeom.row_diameter(first[HEAD], vocab_axis=1)) == pytest.approx(
-        2 * 5 * LR, rel=1e-5)
+    assert np_row_diameter(first[HEAD], vocab_axis=1) == pytest.approx(2 * 5 * LR, rel=1e-5)
     stats = rowgeom.read_row_diameter(state)
     assert stats.measured_at == {HEAD: 1} and stats.count == {HEAD: 2}
     assert float(stats.lower[HEAD]) == pytest.approx(2 * 5 * LR, rel=1e-5)
@@ -268,12 +284,14 @@ def test_rownorm_head_step_uses_the_whole_radius_on_antipodal_rows(two_steps):
 def test_hidden_step_is_nesterov_muon_with_five_keller_steps_at_rms_02(two_steps, path):
     g1, g2, (_, second), _ = two_steps
     grads = [g1[path], g2[path]]
-    want = -LR * ref_muon(grads)
+    others = (dict(nesterov=False), dict(momentum=0.9), dict(steps=4), dict(steps=6),
+              dict(coeffs="polar_express"), dict(rms=0.25))
+    default, *alternatives = ref_muons(grads, [{}, *others])  # one compile for all seven
+    want = -LR * default
     np.testing.assert_allclose(second[path], want, rtol=1e-5, atol=1e-7)
     # Each other default would be told apart by the comparison above.
-    for other in (dict(nesterov=False), dict(momentum=0.9), dict(steps=4), dict(steps=6),
-                  dict(coeffs="polar_express"), dict(rms=0.25)):
-        assert far(-LR * ref_muon(grads, **other), want, 1e-5), other
+    for other, alternative in zip(others, alternatives, strict=True):
+        assert far(-LR * alternative, want, 1e-5), other
     rms = np.sqrt(np.mean(np.square(second[path]))) / LR
     assert 0.15 < rms < 0.21  # step RMS about 0.2 lr (up to the Newton-Schulz band)
 
@@ -292,9 +310,9 @@ def test_embedding_and_vector_steps_are_adamw_b1_09_b2_095_eps_1e8(two_steps, pa
 def test_adamw_and_muon_heads_use_three_times_the_rate():
     g1, g2 = random_tree(11), random_tree(12)
     grads = [flat(g1)[HEAD], flat(g2)[HEAD]]
-    (_, adam_step), _ = steps(rowgeom.lm_optimizer(LR, head="adamw"), [g1, g2], zeros())
+    (_, adam_step), _ = steps(shared_lm_optimizer(LR, head="adamw"), [g1, g2], zeros())
     np.testing.assert_allclose(adam_step[HEAD], -3 * LR * ref_adam(grads), rtol=1e-4, atol=1e-9)
-    (_, muon_step), _ = steps(rowgeom.lm_optimizer(LR, head="muon"), [g1, g2], zeros())
+    (_, muon_step), _ = steps(shared_lm_optimizer(LR, head="muon"), [g1, g2], zeros())
     np.testing.assert_allclose(muon_step[HEAD], -3 * LR * ref_muon(grads), rtol=1e-5, atol=1e-7)
 
 
@@ -312,6 +330,6 @@ def test_head_tracker_measures_the_first_update_and_every_tenth():
         1: 1, 2: 1, 9: 1, 10: 10, 11: 10, 19: 10, 20: 20}
     # What it measured is that step's: here every step is the same, D = 5 lr * D(reference).
     stats = rowgeom.read_row_diameter(state)
-    d = float(rowgeom.row_diameter(ref_rownorm(0.05 * flat(grads)[HEAD], 1), vocab_axis=1))
+    d = np_row_diameter(ref_rownorm(0.05 * flat(grads)[HEAD], 1), vocab_axis=1)
     assert float(stats.lower[HEAD]) <= 5 * LR * d * (1 + 1e-5) <= float(stats.upper[HEAD]) * (
         1 + 1e-5)
