@@ -55,14 +55,18 @@ def test_sharded_on_8_simulated_devices_matches_one_device():
     logits, with activations constrained by the same table."""
     cfg = model_lib.ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, mlp_dim=64,
                                 max_seq_len=16)
-    tokens = jnp.arange(64, dtype=jnp.int32).reshape(4, 16) * 7 % 64
-    gd, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = np.arange(64, dtype=np.int32).reshape(4, 16) * 7 % 64
+    # The model built in one program (built eagerly, each of its ops would compile on its own).
+    build = lambda: nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    gd = jax.eval_shape(build)[0]
+    state = jax.jit(lambda: build()[1])()
     forward = jax.jit(lambda s, t: nnx.merge(gd, s)(t))
     expected = forward(state, tokens)
     mesh = _mesh_222()
     # flax's own logical partitioning reads the example's table (sharding.RULES).
     with nnx.logical_axis_rules(tuple(sharding.RULES.items())):
-        state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
+        # From the host: a device array's shards would be cut by programs of their own.
+        state = jax.device_put(jax.device_get(state), nnx.get_named_sharding(state, mesh))
     kernel = state["layers"][0]["attn"]["q_proj"]["kernel"][...]
     assert kernel.sharding.spec == P("fsdp", "tensor"), kernel.sharding
     assert len(kernel.addressable_shards) == 8
