@@ -181,10 +181,29 @@ CASES = [("unrolled, remat none", "data 2 x fsdp 4"),
          ("scanned, remat block, chunked loss", "fsdp 4 x tensor 2"),
          ("unrolled, remat dots, chunked loss", "fsdp 4 x tensor 2")]
 STEPS = 2
-# The test config with a vocabulary and widths that every mesh axis divides, so every axis is used.
-BASE = configs.override(configs.get_config("test"), {
-    "model.vocab_size": 256, "model.d_model": 32, "model.num_heads": 4, "model.mlp_dim": 64,
-    "model.max_seq_len": 32, "data.batch_size": 8})
+# The test config: every mesh axis divides its vocabulary and widths, so every axis is used.
+BASE = configs.get_config("test")
+MESH_FIELDS = ("mesh.data", "mesh.fsdp", "mesh.tensor")
+
+
+@pytest.fixture(scope="module")
+def lm_root(tmp_path_factory, small_corpus):
+    """A corpus and its token cache, for the run below; the cases train its config too (the
+    test config on this corpus), so that the run's steps are theirs."""
+    return small_corpus(tmp_path_factory.mktemp("lm"), tokenize=True)
+
+
+def case_config(root, variant, mesh):
+    """The test config on `root`'s corpus (`run_config`) with `variant`'s fields on `mesh`
+    (names of VARIANTS and MESHES)."""
+    return configs.override(run_config(root), {
+        **VARIANTS[variant], **dict(zip(MESH_FIELDS, MESHES[mesh], strict=True))})
+
+
+def run_config(root):
+    """The config of the run below: the test config on `root`'s corpus, saving every 3 steps
+    (fields a train step does not read)."""
+    return config_on(root, checkpoint__every=3)
 
 
 def _train_steps(cfg, mesh):
@@ -215,13 +234,13 @@ def _one_device(scan_layers: bool):
 
 
 @pytest.mark.parametrize("variant,mesh", CASES)
-def test_sharded_steps_match_one_device(variant, mesh):
-    sizes = MESHES[mesh]
-    fields = VARIANTS[variant]
-    cfg = configs.override(BASE, {**fields, **dict(zip(
-        ("mesh.data", "mesh.fsdp", "mesh.tensor"), sizes, strict=True))})
-    losses, params, split = _train_steps(cfg, sharding.make_mesh(*sizes))
-    ref_losses, ref_params, _ = _one_device(fields["model.scan_layers"])
+def test_sharded_steps_match_one_device(variant, mesh, lm_root, shared_trainers):
+    """Two steps on the mesh, from the sharded init, against one device. The module's run below
+    trains two of these cases' configs on their meshes: `shared_trainers` gives it their
+    trainers, whose init and train steps are then compiled already."""
+    cfg = case_config(lm_root, variant, mesh)
+    losses, params, split = _train_steps(cfg, sharding.make_mesh(*MESHES[mesh]))
+    ref_losses, ref_params, _ = _one_device(VARIANTS[variant]["model.scan_layers"])
     assert split, "the blocks' kernels were not split over the mesh"
     assert _relative(losses, ref_losses) < 1e-5  # two steps' losses
     param_diff = max(jax.tree.leaves(jax.tree.map(_relative, params, ref_params)))
@@ -279,26 +298,36 @@ def test_optimizer_state_is_sharded_like_its_parameters():
 # ----------------------------------------------------------------------------- a run
 
 
-def test_a_run_resumes_onto_another_mesh(tmp_path_factory, small_corpus):
-    """A run on 8 data-parallel devices, and the same run resumed at step 3 on (data 2, fsdp 2,
-    tensor 2) from its checkpoint: the same records (the train step itself is checked against
-    one device above)."""
-    root = small_corpus(tmp_path_factory.mktemp("lm"), tokenize=True)
+def test_a_run_resumes_onto_another_mesh(lm_root, shared_trainers):
+    """A run on (data 2, fsdp 4), and the same run resumed at step 3 from its checkpoint on
+    (fsdp 4, tensor 2), where the matrices, the embedding and the head are also split over the
+    tensor axis, with the recomputation and the loss chunking changed (runtime fields): the same
+    records (the train step itself is checked against one device above). The two runs are the
+    first and the last case of `test_sharded_steps_match_one_device` (`shared_trainers`: their
+    init and train steps are not compiled again)."""
+    root = lm_root
     quiet = lambda *a: None
-    base = config_on(root, checkpoint__every=3)
-    first = root / "data-parallel"
-    train.train(configs.override(base, {"mesh.data": 8}), first, progress=False, print_fn=quiet)
+    (first_variant, first_mesh), (moved_variant, moved_mesh) = CASES[0], CASES[-1]
+    first_cfg = case_config(root, first_variant, first_mesh)
+    moved_cfg = case_config(root, moved_variant, moved_mesh)
+    # Only runtime fields change: scan_layers (the checkpoint's layout) is the same.
+    assert first_cfg.model.scan_layers == moved_cfg.model.scan_layers
+    assert (first_cfg.model.remat, first_cfg.model.loss_chunk) != (
+        moved_cfg.model.remat, moved_cfg.model.loss_chunk)
+    first = root / "first"
+    train.train(first_cfg, first, progress=False, print_fn=quiet)
     moved = root / "moved"
     shutil.copytree(first, moved)
     for step in (6, 8):
         shutil.rmtree(moved / "checkpoints" / str(step))
     out = []
-    cube = configs.override(base, {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
-    train.train(cube, moved, progress=False, print_fn=out.append)
+    train.train(moved_cfg, moved, progress=False, print_fn=out.append)
+    sizes = lambda mesh: dict(zip(sharding.AXES, MESHES[mesh], strict=True))
     assert any("resumed from step 3" in line for line in out), out
-    assert any("mesh(data=2, fsdp=2, tensor=2)" in line for line in out), out
-    assert ("resuming on mesh {'data': 2, 'fsdp': 2, 'tensor': 2}, checkpoint 3 was saved from "
-            "mesh {'data': 8, 'fsdp': 1, 'tensor': 1}") in "\n".join(out), out
+    assert any("mesh({})".format(", ".join(f"{a}={n}" for a, n in sizes(moved_mesh).items()))
+               in line for line in out), out
+    assert (f"resuming on mesh {sizes(moved_mesh)}, checkpoint 3 was saved from "
+            f"mesh {sizes(first_mesh)}") in "\n".join(out), out
     expected, got = deterministic_records(first), deterministic_records(moved)
     assert [r.keys() for r in got] == [r.keys() for r in expected]
     for g, e in zip(got, expected, strict=True):
