@@ -170,7 +170,9 @@ def test_killed_and_resumed_run_is_bit_identical(root, final_checkpoint):
 
 def _tiny_checkpoint(directory):
     ckpt = checkpointing.Checkpointer(directory)
-    state = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(4, jnp.int32)}
+    # Placed from the host (built with jnp, each op would compile a program of its own).
+    state = jax.device_put({"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+                            "b": np.zeros(4, np.int32)})
     ckpt.save(1, state, {"step": 1, "config": {}})
     ckpt.close()
     return state
