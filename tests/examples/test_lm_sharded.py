@@ -186,24 +186,14 @@ BASE = configs.get_config("test")
 MESH_FIELDS = ("mesh.data", "mesh.fsdp", "mesh.tensor")
 
 
-@pytest.fixture(scope="module")
-def lm_root(tmp_path_factory, small_corpus):
-    """A corpus and its token cache, for the run below; the cases train its config too (the
-    test config on this corpus), so that the run's steps are theirs."""
-    return small_corpus(tmp_path_factory.mktemp("lm"), tokenize=True)
 
 
 def case_config(root, variant, mesh):
-    """The test config on `root`'s corpus (`run_config`) with `variant`'s fields on `mesh`
-    (names of VARIANTS and MESHES)."""
-    return configs.override(run_config(root), {
+    """The config of the run below (the test config on `root`'s corpus, saving every 3 steps:
+    fields a train step does not read) with `variant`'s fields on `mesh` (names of VARIANTS and
+    MESHES). The cases train it on conftest's `lm_corpus`, so that the run's steps are theirs."""
+    return configs.override(config_on(root, checkpoint__every=3), {
         **VARIANTS[variant], **dict(zip(MESH_FIELDS, MESHES[mesh], strict=True))})
-
-
-def run_config(root):
-    """The config of the run below: the test config on `root`'s corpus, saving every 3 steps
-    (fields a train step does not read)."""
-    return config_on(root, checkpoint__every=3)
 
 
 def _train_steps(cfg, mesh):
@@ -234,11 +224,11 @@ def _one_device(scan_layers: bool):
 
 
 @pytest.mark.parametrize("variant,mesh", CASES)
-def test_sharded_steps_match_one_device(variant, mesh, lm_root, shared_trainers):
+def test_sharded_steps_match_one_device(variant, mesh, lm_corpus, shared_trainers):
     """Two steps on the mesh, from the sharded init, against one device. The module's run below
     trains two of these cases' configs on their meshes: `shared_trainers` gives it their
     trainers, whose init and train steps are then compiled already."""
-    cfg = case_config(lm_root, variant, mesh)
+    cfg = case_config(lm_corpus, variant, mesh)
     losses, params, split = _train_steps(cfg, sharding.make_mesh(*MESHES[mesh]))
     ref_losses, ref_params, _ = _one_device(VARIANTS[variant]["model.scan_layers"])
     assert split, "the blocks' kernels were not split over the mesh"
@@ -298,25 +288,24 @@ def test_optimizer_state_is_sharded_like_its_parameters():
 # ----------------------------------------------------------------------------- a run
 
 
-def test_a_run_resumes_onto_another_mesh(lm_root, shared_trainers):
+def test_a_run_resumes_onto_another_mesh(lm_corpus, shared_trainers, no_plot, tmp_path):
     """A run on (data 2, fsdp 4), and the same run resumed at step 3 from its checkpoint on
     (fsdp 4, tensor 2), where the matrices, the embedding and the head are also split over the
     tensor axis, with the recomputation and the loss chunking changed (runtime fields): the same
     records (the train step itself is checked against one device above). The two runs are the
     first and the last case of `test_sharded_steps_match_one_device` (`shared_trainers`: their
     init and train steps are not compiled again)."""
-    root = lm_root
     quiet = lambda *a: None
     (first_variant, first_mesh), (moved_variant, moved_mesh) = CASES[0], CASES[-1]
-    first_cfg = case_config(root, first_variant, first_mesh)
-    moved_cfg = case_config(root, moved_variant, moved_mesh)
+    first_cfg = case_config(lm_corpus, first_variant, first_mesh)
+    moved_cfg = case_config(lm_corpus, moved_variant, moved_mesh)
     # Only runtime fields change: scan_layers (the checkpoint's layout) is the same.
     assert first_cfg.model.scan_layers == moved_cfg.model.scan_layers
     assert (first_cfg.model.remat, first_cfg.model.loss_chunk) != (
         moved_cfg.model.remat, moved_cfg.model.loss_chunk)
-    first = root / "first"
+    first = tmp_path / "first"
     train.train(first_cfg, first, progress=False, print_fn=quiet)
-    moved = root / "moved"
+    moved = tmp_path / "moved"
     shutil.copytree(first, moved)
     for step in (6, 8):
         shutil.rmtree(moved / "checkpoints" / str(step))
