@@ -72,16 +72,17 @@ def trainer_args(root, workdir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, small_corpus):
-    return small_corpus(tmp_path_factory.mktemp("crash"), tokenize=True)
+def root(lm_corpus):
+    """The session's tokenized corpus (conftest's `lm_corpus`, read-only: runs write elsewhere)."""
+    return lm_corpus
 
 
-def _env(root, kill=None):
+def _env(cache, kill=None):
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", _crash_trainer.KILL_ENV)}
     env |= {"JAX_PLATFORMS": "cpu",
             "PYTHONUNBUFFERED": "1",  # the resume message must reach the log before a kill
-            "JAX_COMPILATION_CACHE_DIR": str(root / "xla_cache"),
+            "JAX_COMPILATION_CACHE_DIR": str(cache),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     if kill is not None:
@@ -89,9 +90,9 @@ def _env(root, kill=None):
     return env
 
 
-def _launch(root, workdir, kill=None) -> subprocess.CompletedProcess:
+def _launch(root, workdir, cache, kill=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(WRAPPER), *trainer_args(root, workdir)],
-                          env=_env(root, kill), cwd=REPO, capture_output=True, text=True,
+                          env=_env(cache, kill), cwd=REPO, capture_output=True, text=True,
                           timeout=LAUNCH_TIMEOUT_S)
 
 
@@ -118,17 +119,18 @@ def _resume_line(restores, workdir) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 9 launches, each bounded by LAUNCH_TIMEOUT_S
-def test_killed_and_resumed_run_is_bit_identical(root, final_checkpoint):
-    clean = _launch(root, root / "baseline")
+def test_killed_and_resumed_run_is_bit_identical(root, tmp_path, final_checkpoint):
+    cache, baseline = tmp_path / "xla_cache", tmp_path / "baseline"
+    clean = _launch(root, baseline, cache)
     assert clean.returncode == 0, _tail(clean)
 
-    workdir = root / "killed"
+    workdir = tmp_path / "killed"
     ckdir = workdir / "checkpoints"
     half_written = []
     for i, (point, at, restores, finalized_after) in enumerate(KILLS):
         what = f"launch {i} ({point}:{at})"
         assert max(_finalized_steps(ckdir), default=None) == restores, what
-        proc = _launch(root, workdir, kill=f"{point}:{at}")
+        proc = _launch(root, workdir, cache, kill=f"{point}:{at}")
         if point == "sigterm":
             assert proc.returncode == 0, f"{what}: {_tail(proc)}"
             assert f"saved a checkpoint at step {at} in" in proc.stdout, f"{what}: {_tail(proc)}"
@@ -144,18 +146,18 @@ def test_killed_and_resumed_run_is_bit_identical(root, final_checkpoint):
             half_written.append(at)
     assert half_written == [2, 4, 8]
 
-    final = _launch(root, workdir)
+    final = _launch(root, workdir, cache)
     assert final.returncode == 0, _tail(final)
     assert _resume_line(KILLS[-1][2], workdir) in final.stdout, _tail(final)
     assert final.stdout.strip().splitlines()[-1] == clean.stdout.strip().splitlines()[-1]
 
     # Bit-identical metrics (full-precision floats; wall-clock throughput aside) and train state.
-    assert deterministic_records(workdir) == deterministic_records(root / "baseline")
+    assert deterministic_records(workdir) == deterministic_records(baseline)
     got = metrics.read_metrics(workdir)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert all("tokens_per_sec" in r for r in got)
     (got, _), (expected, _) = (final_checkpoint(workdir, STEPS),
-                                final_checkpoint(root / "baseline", STEPS))
+                                final_checkpoint(baseline, STEPS))
     paths_got = jax.tree_util.tree_flatten_with_path(got)[0]
     paths_exp = jax.tree_util.tree_flatten_with_path(expected)[0]
     assert [p for p, _ in paths_got] == [p for p, _ in paths_exp]
@@ -170,7 +172,9 @@ def test_killed_and_resumed_run_is_bit_identical(root, final_checkpoint):
 
 def _tiny_checkpoint(directory):
     ckpt = checkpointing.Checkpointer(directory)
-    state = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.zeros(4, jnp.int32)}
+    # Placed from the host (built with jnp, each op would compile a program of its own).
+    state = jax.device_put({"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+                            "b": np.zeros(4, np.int32)})
     ckpt.save(1, state, {"step": 1, "config": {}})
     ckpt.close()
     return state

@@ -55,14 +55,18 @@ def test_sharded_on_8_simulated_devices_matches_one_device():
     logits, with activations constrained by the same table."""
     cfg = model_lib.ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, mlp_dim=64,
                                 max_seq_len=16)
-    tokens = jnp.arange(64, dtype=jnp.int32).reshape(4, 16) * 7 % 64
-    gd, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = np.arange(64, dtype=np.int32).reshape(4, 16) * 7 % 64
+    # The model built in one program (built eagerly, each of its ops would compile on its own).
+    build = lambda: nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    gd = jax.eval_shape(build)[0]
+    state = jax.jit(lambda: build()[1])()
     forward = jax.jit(lambda s, t: nnx.merge(gd, s)(t))
     expected = forward(state, tokens)
     mesh = _mesh_222()
     # flax's own logical partitioning reads the example's table (sharding.RULES).
     with nnx.logical_axis_rules(tuple(sharding.RULES.items())):
-        state = jax.device_put(state, nnx.get_named_sharding(state, mesh))
+        # From the host: a device array's shards would be cut by programs of their own.
+        state = jax.device_put(jax.device_get(state), nnx.get_named_sharding(state, mesh))
     kernel = state["layers"][0]["attn"]["q_proj"]["kernel"][...]
     assert kernel.sharding.spec == P("fsdp", "tensor"), kernel.sharding
     assert len(kernel.addressable_shards) == 8
@@ -177,10 +181,19 @@ CASES = [("unrolled, remat none", "data 2 x fsdp 4"),
          ("scanned, remat block, chunked loss", "fsdp 4 x tensor 2"),
          ("unrolled, remat dots, chunked loss", "fsdp 4 x tensor 2")]
 STEPS = 2
-# The test config with a vocabulary and widths that every mesh axis divides, so every axis is used.
-BASE = configs.override(configs.get_config("test"), {
-    "model.vocab_size": 256, "model.d_model": 32, "model.num_heads": 4, "model.mlp_dim": 64,
-    "model.max_seq_len": 32, "data.batch_size": 8})
+# The test config: every mesh axis divides its vocabulary and widths, so every axis is used.
+BASE = configs.get_config("test")
+MESH_FIELDS = ("mesh.data", "mesh.fsdp", "mesh.tensor")
+
+
+
+
+def case_config(root, variant, mesh):
+    """The config of the run below (the test config on `root`'s corpus, saving every 3 steps:
+    fields a train step does not read) with `variant`'s fields on `mesh` (names of VARIANTS and
+    MESHES). The cases train it on conftest's `lm_corpus`, so that the run's steps are theirs."""
+    return configs.override(config_on(root, checkpoint__every=3), {
+        **VARIANTS[variant], **dict(zip(MESH_FIELDS, MESHES[mesh], strict=True))})
 
 
 def _train_steps(cfg, mesh):
@@ -211,13 +224,13 @@ def _one_device(scan_layers: bool):
 
 
 @pytest.mark.parametrize("variant,mesh", CASES)
-def test_sharded_steps_match_one_device(variant, mesh):
-    sizes = MESHES[mesh]
-    fields = VARIANTS[variant]
-    cfg = configs.override(BASE, {**fields, **dict(zip(
-        ("mesh.data", "mesh.fsdp", "mesh.tensor"), sizes, strict=True))})
-    losses, params, split = _train_steps(cfg, sharding.make_mesh(*sizes))
-    ref_losses, ref_params, _ = _one_device(fields["model.scan_layers"])
+def test_sharded_steps_match_one_device(variant, mesh, lm_corpus, shared_trainers):
+    """Two steps on the mesh, from the sharded init, against one device. The module's run below
+    trains two of these cases' configs on their meshes: `shared_trainers` gives it their
+    trainers, whose init and train steps are then compiled already."""
+    cfg = case_config(lm_corpus, variant, mesh)
+    losses, params, split = _train_steps(cfg, sharding.make_mesh(*MESHES[mesh]))
+    ref_losses, ref_params, _ = _one_device(VARIANTS[variant]["model.scan_layers"])
     assert split, "the blocks' kernels were not split over the mesh"
     assert _relative(losses, ref_losses) < 1e-5  # two steps' losses
     param_diff = max(jax.tree.leaves(jax.tree.map(_relative, params, ref_params)))
@@ -275,26 +288,35 @@ def test_optimizer_state_is_sharded_like_its_parameters():
 # ----------------------------------------------------------------------------- a run
 
 
-def test_a_run_resumes_onto_another_mesh(tmp_path_factory, small_corpus):
-    """A run on 8 data-parallel devices, and the same run resumed at step 3 on (data 2, fsdp 2,
-    tensor 2) from its checkpoint: the same records (the train step itself is checked against
-    one device above)."""
-    root = small_corpus(tmp_path_factory.mktemp("lm"), tokenize=True)
+def test_a_run_resumes_onto_another_mesh(lm_corpus, shared_trainers, no_plot, tmp_path):
+    """A run on (data 2, fsdp 4), and the same run resumed at step 3 from its checkpoint on
+    (fsdp 4, tensor 2), where the matrices, the embedding and the head are also split over the
+    tensor axis, with the recomputation and the loss chunking changed (runtime fields): the same
+    records (the train step itself is checked against one device above). The two runs are the
+    first and the last case of `test_sharded_steps_match_one_device` (`shared_trainers`: their
+    init and train steps are not compiled again)."""
     quiet = lambda *a: None
-    base = config_on(root, checkpoint__every=3)
-    first = root / "data-parallel"
-    train.train(configs.override(base, {"mesh.data": 8}), first, progress=False, print_fn=quiet)
-    moved = root / "moved"
+    (first_variant, first_mesh), (moved_variant, moved_mesh) = CASES[0], CASES[-1]
+    first_cfg = case_config(lm_corpus, first_variant, first_mesh)
+    moved_cfg = case_config(lm_corpus, moved_variant, moved_mesh)
+    # Only runtime fields change: scan_layers (the checkpoint's layout) is the same.
+    assert first_cfg.model.scan_layers == moved_cfg.model.scan_layers
+    assert (first_cfg.model.remat, first_cfg.model.loss_chunk) != (
+        moved_cfg.model.remat, moved_cfg.model.loss_chunk)
+    first = tmp_path / "first"
+    train.train(first_cfg, first, progress=False, print_fn=quiet)
+    moved = tmp_path / "moved"
     shutil.copytree(first, moved)
     for step in (6, 8):
         shutil.rmtree(moved / "checkpoints" / str(step))
     out = []
-    cube = configs.override(base, {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
-    train.train(cube, moved, progress=False, print_fn=out.append)
+    train.train(moved_cfg, moved, progress=False, print_fn=out.append)
+    sizes = lambda mesh: dict(zip(sharding.AXES, MESHES[mesh], strict=True))
     assert any("resumed from step 3" in line for line in out), out
-    assert any("mesh(data=2, fsdp=2, tensor=2)" in line for line in out), out
-    assert ("resuming on mesh {'data': 2, 'fsdp': 2, 'tensor': 2}, checkpoint 3 was saved from "
-            "mesh {'data': 8, 'fsdp': 1, 'tensor': 1}") in "\n".join(out), out
+    assert any("mesh({})".format(", ".join(f"{a}={n}" for a, n in sizes(moved_mesh).items()))
+               in line for line in out), out
+    assert (f"resuming on mesh {sizes(moved_mesh)}, checkpoint 3 was saved from "
+            f"mesh {sizes(first_mesh)}") in "\n".join(out), out
     expected, got = deterministic_records(first), deterministic_records(moved)
     assert [r.keys() for r in got] == [r.keys() for r in expected]
     for g, e in zip(got, expected, strict=True):

@@ -73,13 +73,13 @@ def _finish(procs, timeout_s=LAUNCH_TIMEOUT_S):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, small_corpus):
-    # Build the token cache once, here: the workers only read it.
-    return small_corpus(tmp_path_factory.mktemp("multiprocess"), tokenize=True)
+def corpus(lm_corpus):
+    # The session's corpus and token cache (conftest's `lm_corpus`): the workers only read it.
+    return lm_corpus
 
 
-def test_two_processes_equal_one(corpus, final_checkpoint):
-    multi, single = corpus / "two_processes", corpus / "one_process"
+def test_two_processes_equal_one(corpus, tmp_path, final_checkpoint):
+    multi, single = tmp_path / "two_processes", tmp_path / "one_process"
     port = _free_port()
     # The reference runs beside the two processes (independent runs: a core the two leave idle
     # while one of them compiles or waits for the other is used).

@@ -241,21 +241,25 @@ def test_tracker_every_k_steps_on_a_feature_sharded_kernel(axis_type):
     measured): the unsharded statistics, and the conditional adds no communication beyond the
     measuring branch's vectors."""
     mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
-    kernel = jnp.asarray(np.random.default_rng(1).normal(size=(D, V)), jnp.float32)
-    xs = jax.device_put(kernel, NamedSharding(mesh, P("x", None)))
+    sharding = NamedSharding(mesh, P("x", None))
+    kernel = np.random.default_rng(1).normal(size=(D, V)).astype(np.float32)
+    # The three steps' inputs, scaled on the host (scaled on the devices, each scaling would
+    # compile a program of its own), unsharded and sharded.
+    inputs = [kernel * np.float32(i + 1.0) for i in range(3)]
     tracker = rowgeom.track_row_diameter(vocab_axis=1, every_k_steps=3)
     tstep = jax.jit(tracker.update)
 
-    def three_steps(u, step):
-        state = tracker.init(u)
-        for i in range(3):
-            _, state = step(u * (i + 1.0), state)
+    def three_steps(us, step):
+        state = tracker.init(us[0])
+        for u in us:
+            _, state = step(u, state)
         return state
 
-    expected_state = three_steps(kernel, tstep)
+    expected_state = three_steps([jnp.asarray(u) for u in inputs], tstep)
+    xs = [jax.device_put(u, sharding) for u in inputs]
     with jax.set_mesh(mesh):
         # One compile: the steps run the program whose HLO is read.
-        compiled = tstep.lower(xs, tracker.init(xs)).compile()
+        compiled = tstep.lower(xs[0], tracker.init(xs[0])).compile()
         got_state = three_steps(xs, compiled)
         res = communication(compiled.as_text())
     diff = max(rel_diff(a, b) for a, b in zip(
@@ -273,8 +277,9 @@ def test_sharded_muon_matches_unsharded(axis_type):
     axis, and one (D, 4D) matrix sharded along its columns."""
     mesh = jax.make_mesh((8,), ("vocab",), axis_types=(axis_type,))
     rng = np.random.default_rng(2)
-    stack = jnp.asarray(rng.normal(size=(8, D, 4 * D)), jnp.float32)
-    mat = jnp.asarray(rng.normal(size=(D, 4 * D)), jnp.float32)
+    # Host arrays: placed from the host, nothing is compiled to convert or split them.
+    stack = rng.normal(size=(8, D, 4 * D)).astype(np.float32)
+    mat = rng.normal(size=(D, 4 * D)).astype(np.float32)
     dims = {"stack": rowgeom.MuonDimensionNumbers(reduction_axis=1, output_axis=2),
             "mat": rowgeom.MuonDimensionNumbers(reduction_axis=0, output_axis=1)}
     tx = rowgeom.muon_orthogonalize(dimension_numbers=dims)

@@ -1,6 +1,8 @@
 """rowgeom.testing assertions on a vocabulary-sharded head over 8 CPU devices (Auto and
 Explicit mesh axes; `sharded` tests: `python -m pytest -q -m sharded`, tests/conftest.py)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,10 @@ def test_assertions_on_a_vocab_sharded_head(axis_type):
     with jax.set_mesh(mesh):
         head = jax.device_put(kernel, NamedSharding(mesh, P(None, "vocab")))
         tree = {"lm_head": {"kernel": head}}
-        step = {"lm_head": {"kernel": rowgeom.rownorm_direction(head, vocab_axis=1)}}
+        # The step in one program (run eagerly, each of its ops would compile on its own); the
+        # assertions below run eagerly, as users call them.
+        direction = jax.jit(functools.partial(rowgeom.rownorm_direction, vocab_axis=1))
+        step = {"lm_head": {"kernel": direction(head)}}
         assert len(step["lm_head"]["kernel"].sharding.device_set) == 8
         rt.assert_row_diameter_at_most(step, 2.0, vocab_axis=1, method="exact")
         rt.assert_row_diameter_at_most(step, 4.001, vocab_axis=1, method="bounds")  # 2 r_c <= 4
