@@ -15,28 +15,21 @@ import functools
 import jax
 import numpy as np
 import pytest
-from _geometry_shared import SMALL_D, SMALL_FF, SMALL_LM_PATHS, SMALL_V, shared_lm_optimizer
+from _geometry_shared import SMALL_D, SMALL_LM_PATHS, SMALL_V, shared_lm_optimizer
 from _geometry_shared import small_lm_tree as tree
 
 import rowgeom
 
 # The small LM tree (tests/rowgeom/_geometry_shared.py), which test_recipe.py steps too: in one
 # process the default recipe's update (and the AdamW and Muon heads') compiles once for both.
-V, D, FF = SMALL_V, SMALL_D, SMALL_FF
-assert (V, D, FF) == (32, 8, 16)
+V, D = SMALL_V, SMALL_D
 LR = 1e-2
 PATHS = SMALL_LM_PATHS
-assert PATHS == {
-    "embed/embedding": (V, D),
-    "layers/0/attn/q_proj/kernel": (D, D),
-    "layers/0/mlp/up_proj/kernel": (D, FF),
-    "layers/0/mlp_norm/scale": (D,),
-    "final_norm/scale": (D,),
-    "lm_head/kernel": (D, V),
-}
+# The label each leaf of the shared tree must get: the expectations below read them by path.
 LABELS = {"embed/embedding": "embedding", "layers/0/attn/q_proj/kernel": "hidden",
           "layers/0/mlp/up_proj/kernel": "hidden", "layers/0/mlp_norm/scale": "vector",
           "final_norm/scale": "vector", "lm_head/kernel": "head"}
+assert LABELS.keys() == PATHS.keys(), "the shared small LM tree changed: update LABELS"
 HEAD = "lm_head/kernel"
 
 
