@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _nnx_models import TinyLM, V
+from _nnx_models import TinyLM, V, unflatten
 from flax import nnx
 
 import rowgeom
@@ -108,14 +108,8 @@ def small_lm_tree(values: dict) -> dict:
     """The nested dict of float32 device arrays from ``{"a/b": array}`` (converted on the host
     and placed: no compile), in `nnx.to_pure_dict`'s layout (a layer index is an int key), so
     that a plain tree and `SmallLM`'s pure dict have one tree structure and share programs."""
-    out: dict = {}
-    for path, value in values.items():
-        *parents, name = (int(p) if p.isdigit() else p for p in path.split("/"))
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[name] = jax.device_put(np.asarray(value, np.float32))
-    return out
+    return unflatten(values, lambda value: jax.device_put(np.asarray(value, np.float32)),
+                     key=lambda part: int(part) if part.isdigit() else part)
 
 
 def small_lm_values(seed: int, scale: float = 1.0) -> dict:

@@ -13,11 +13,12 @@ from flax import nnx
 V, D, LAYERS = 64, 16, 2
 
 
-def unflatten(flat: dict, leaf=lambda x: x) -> dict:
-    """A nested dict from ``{"a/b": value}``, each value passed through `leaf`."""
+def unflatten(flat: dict, leaf=lambda x: x, key=lambda part: part) -> dict:
+    """A nested dict from ``{"a/b": value}``, each value passed through `leaf` and each path
+    part through `key`."""
     out: dict = {}
     for path, value in flat.items():
-        *parents, name = path.split("/")
+        *parents, name = (key(part) for part in path.split("/"))
         node = out
         for p in parents:
             node = node.setdefault(p, {})
