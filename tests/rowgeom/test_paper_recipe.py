@@ -15,7 +15,6 @@ checked step by step, under jit, against float64 numpy written from the paper's 
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -54,11 +53,13 @@ def recipe(head: str) -> optax.GradientTransformation:
                                 weight_decay=0.1, groups=groups)
 
 
-def model(seed=0):
+def model(seed=0, scale=0.02):
     """Untied embedding and head, one block of bias-free linears, no vector parameters (the
-    paper's RMSNorms have no gain): Flax layouts, kernels (in, out), head (d, V)."""
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
-    normal = lambda *shape: 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
+    paper's RMSNorms have no gain): Flax layouts, kernels (in, out), head (d, V). Drawn on the
+    host as float32 (a tree of numpy arrays: the jitted update takes it as it is, and no eager
+    operation compiles a program of its own)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: (scale * rng.standard_normal(shape)).astype(np.float32)
     return {"embed": {"embedding": normal(V, D)},
             "layers": {"0": {"attn": {"query": {"kernel": normal(D, D)}},
                              "mlp": {"up": {"kernel": normal(D, F)},
@@ -119,8 +120,18 @@ class NpRowNorm:
         return -self.lr(t) * (y - y.mean(axis=0)).T
 
 
+def np_schedule(peak):
+    """`schedule(peak)` from its definition: linear from 0.1·peak to the peak over WARMUP steps,
+    then a half cosine from the peak to 0.1·peak at step T."""
+    def rate(t):
+        if t < WARMUP:
+            return 0.1 * peak + 0.9 * peak * t / WARMUP
+        return 0.1 * peak + 0.9 * peak * 0.5 * (1 + np.cos(np.pi * (t - WARMUP) / (T - WARMUP)))
+    return rate
+
+
 def references(head):
-    lr = lambda peak: (lambda t: float(schedule(peak)(t)))
+    lr = np_schedule
     hidden = lr(PEAKS["hidden"])
     refs = {("embed", "embedding"): NpAdamW(lr(PEAKS["embedding"]), 0.1),
             ("layers", "0", "attn", "query", "kernel"): NpMuon(hidden, 0.1),
@@ -150,18 +161,18 @@ def test_the_papers_recipe_matches_its_equations_step_by_step(head):
     step = jax.jit(tx.update)
     refs = references(head)
     for t in range(3):
-        grads = model(seed=t + 1)
-        grads = jax.tree.map(lambda g: 50.0 * g, grads)  # gradients of order 1
+        grads = model(seed=t + 1, scale=1.0)  # gradients of order 1
         updates, state = step(grads, state, params)
         for path, ref in refs.items():
             want = ref.step(t, get(grads, path), get(params, path))
             np.testing.assert_allclose(get(updates, path), want, rtol=2e-4,
                                        atol=2e-6 * np.abs(want).max(),
                                        err_msg=f"{'/'.join(path)} step {t + 1}")
-        params = optax.apply_updates(params, updates)
+        params = jax.tree.map(lambda p, u: (p + np.asarray(u)).astype(np.float32), params,
+                              updates)  # optax.apply_updates, on the host
     if head == "rownorm":  # the tracker sees the head's step: D <= 2·lr
         stats = rowgeom.read_row_diameter(state)
-        assert float(stats.upper["lm_head/kernel"]) <= 2 * schedule(PEAKS["rownorm_head"])(2) * (
+        assert float(stats.upper["lm_head/kernel"]) <= 2 * np_schedule(PEAKS["rownorm_head"])(2) * (
             1 + 1e-5)
 
 
