@@ -2,11 +2,8 @@
 
 Saves are asynchronous and complete-only (orbax renames a finished temporary directory), so a
 run killed mid-save resumes from the previous one. `restore` reads arrays straight into the
-*target* shardings (another mesh is fine) after comparing the stored tree, shapes and dtypes
-with the target (orbax would cast a dtype silently). An unreadable checkpoint raises
-`DamagedCheckpoint`; `set_aside` renames it `<step>.damaged`, out of orbax's sight, so the trainer
-falls back to the previous one and the files stay to inspect (only `delete_all` removes them).
-`workdir_lock` keeps a second run out of a local workdir while one trains in it.
+*target* shardings (another mesh is fine). An unreadable checkpoint raises `DamagedCheckpoint`,
+and the trainer sets it aside (`set_aside`) and falls back to the previous one.
 """
 
 from __future__ import annotations

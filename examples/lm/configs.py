@@ -103,7 +103,7 @@ class EvalConfig:
     exact_diameter_max_elements: int = 1 << 24  # V*d above this: report the O(Vd) bracket only
     probe_last_steps: int = 0  # also probe the head (no val loss) on each of the last K steps
     diameter_every: int = 0  # the head step's diameter alone every N updates and the last; 0: off
-    centring: bool = False  # evaluate.centring_diagnostics at evaluations (a RowNorm head)
+    centring: bool = False  # evaluate.centring_probe at evaluations (a RowNorm head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,10 +272,6 @@ def parse_value(name: str, text: str):
         raise ValueError(f"--{name} expects {typ.__name__}, got {text!r}") from None
 
 
-def _model(**fields) -> ModelConfig:
-    return dataclasses.replace(_cpu_tiny_model(), **fields)
-
-
 @dataclasses.dataclass(frozen=True)
 class PaperModel:
     """One of the paper's models (arXiv 2608.22253, Table 1) and its run (Table 2)."""
@@ -337,15 +333,15 @@ def paper_config(size: str, head: str = "rownorm") -> Config:
 
 CONFIGS: dict[str, Config] = {
     "test": Config(
-        model=_model(vocab_size=512, d_model=32, num_layers=2, num_heads=2, mlp_dim=64,
-                     max_seq_len=32),
+        model=dataclasses.replace(_cpu_tiny_model(), vocab_size=512, d_model=32, num_layers=2,
+                                  num_heads=2, mlp_dim=64, max_seq_len=32),
         data=DataConfig(batch_size=8), optim=OptimConfig(learning_rate=0.05, warmup_steps=2),
         eval=EvalConfig(every=4, batches=1, hilbert_sequences=2),
         checkpoint=CheckpointConfig(every=4), steps=8, log_every=1),
     "cpu-tiny": Config(),
     "cpu-small": Config(
-        model=_model(vocab_size=8192, d_model=256, num_layers=4, num_heads=4, mlp_dim=768,
-                     max_seq_len=256),
+        model=dataclasses.replace(_cpu_tiny_model(), vocab_size=8192, d_model=256, num_layers=4,
+                                  num_heads=4, mlp_dim=768, max_seq_len=256),
         data=DataConfig(batch_size=16), optim=OptimConfig(warmup_steps=100),
         eval=EvalConfig(every=250), checkpoint=CheckpointConfig(every=500), steps=2000),
     **{size: paper_config(size) for size in PAPER_MODELS},
@@ -399,16 +395,14 @@ def resolve_config(cfg: Config, meta: dict, *, explicit=None,
     explicit = set(now_flat) if explicit is None else set(explicit)
     merged, conflicts, changed = {}, {}, {}
     for name, now in now_flat.items():
-        was = saved_flat[name]
-        if name in _MACHINE_FIELDS or (name in explicit and now != was and (
-                name in RUNTIME_FIELDS or (name == "steps" and change_horizon))):
+        was = merged[name] = saved_flat[name]
+        if name in _MACHINE_FIELDS:
             merged[name] = now
-            if now != was and name not in _MACHINE_FIELDS:
-                changed[name] = (was, now)
         elif name in explicit and now != was:
-            conflicts[name] = (was, now)
-        else:
-            merged[name] = was
+            if name in RUNTIME_FIELDS or (name == "steps" and change_horizon):
+                merged[name], changed[name] = now, (was, now)
+            else:
+                conflicts[name] = (was, now)
     if conflicts:
         hint = " (or add --change_horizon to change --steps)" if "steps" in conflicts else ""
         if "model.scan_layers" in conflicts:

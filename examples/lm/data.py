@@ -1,17 +1,13 @@
 """The trainer's token data: memory-mapped token files and the batches the loop reads of them.
 
 `prepare_tokens(source=...)` gives the train and validation splits of token files (a directory,
-a glob or a `.bin` file, split by name) in one of three layouts, told apart by their first bytes:
-**rowgeom** (`tools/prepare.py`; a 32-byte `HEADER`: magic, version 1, dtype code 1 = uint16 /
-2 = uint32, token count, largest id), **llm.c / modded-nanogpt** (256 int32: magic, version,
-count; then the tokens: `LLMC_LAYOUTS`, GPT-2's uint16 or Llama 3's uint32) and **nanoGPT**
-(`train.bin` / `val.bin`, raw uint16). Text, or
-None (the standard library), is tokenized once by `tools/prepare.py` into cached rowgeom shards.
-Headers are checked against file sizes, and largest ids against the vocabulary, on opening.
-`BatchSampler` (epochs of aligned sequences, each shuffling the file order and, within a file,
-the sequences or, as the paper's loader does, whole updates of consecutive sequences) and
-`ValidationSet` (the split's first sequences) are pure functions of `(seed, index)`: a resumed
-run replays the same data, and each process reads only the rows its devices hold.
+a glob or a `.bin` file, split by name) in one of three layouts, told apart by their first bytes
+(`open_shard`): **rowgeom** (`HEADER`, written by `tools/prepare.py`), **llm.c / modded-nanogpt**
+(`LLMC_LAYOUTS`) and **nanoGPT** (`train.bin` / `val.bin`, raw uint16). Text, or None (the
+standard library), is tokenized once by `tools/prepare.py` into cached rowgeom shards.
+`BatchSampler` (the training epochs) and `ValidationSet` (the split's first sequences) are pure
+functions of `(seed, index)`: a resumed run replays the same data, and each process reads only
+the rows its devices hold.
 """
 
 from __future__ import annotations
@@ -27,9 +23,10 @@ from typing import NamedTuple
 import numpy as np
 
 ROWGEOM_MAGIC = b"RGTOKENS"
-HEADER = struct.Struct("<8sIIQQ")  # 32 bytes, little-endian
+# 32 bytes, little-endian: magic, version 1, dtype code (DTYPE_CODES), token count, largest id.
+HEADER = struct.Struct("<8sIIQQ")
 DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
-LLMC_HEADER_BYTES = 1024
+LLMC_HEADER_BYTES = 1024  # 256 int32: magic, version, token count, then zeros
 # llm.c's two shard layouts (its dev/data/data_common.py, HEADERS_INFO): int32 magic ->
 # (layout, version, token dtype). The tokenizers differ, so one source may not mix them.
 LLMC_LAYOUTS = {20240520: ("llmc", 1, np.dtype("<u2")),          # "gpt-2"
@@ -102,9 +99,8 @@ def _largest_id(path: Path, tokens: np.memmap) -> int:
     try:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
+        known = None
+    known = known if isinstance(known, dict) else {}
     if isinstance(known.get(key), int):
         return known[key]
     name = key.rsplit(":", 2)[0]  # entries of files gone, or of this one before, go

@@ -77,11 +77,13 @@ def head_ema(opt_state, head_shape: tuple[int, ...]):
     return found[0] if len(found) == 1 else None
 
 
-def centring_diagnostics(step, ema, count, head_lr, *, momentum: float, debias: bool,
-                         eps: float, vocab_axis: int, exact: bool) -> dict:
-    """How far projected RowNorm's step (`-step / head_lr`, real-token rows) is from the
-    uncentred one of arXiv 2608.22253's code: each (debiased) row of the head's EMA `ema` (all
-    rows; `count` updates) divided by its norm + eps."""
+def centring_probe(graphdef, params, rest, opt_state, head_old, head_lr, head_wd, *,
+                   head_shape, momentum: float, debias: bool, eps: float, exact: bool) -> dict:
+    """How far projected RowNorm's step of the update just applied (`-step / head_lr`,
+    real-token rows) is from the uncentred one of arXiv 2608.22253's code: each (debiased) row
+    of the head's EMA (`head_ema`, all rows) divided by its norm + eps."""
+    _, vocab_axis, _, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
+    ema, count = head_ema(opt_state, head_shape)
     num = step.shape[vocab_axis]
     b = jax.lax.slice_in_dim(ema.astype(jnp.float32), 0, num, axis=vocab_axis)
     if debias:  # optax.ema(debias=True): divide by 1 - momentum^count
@@ -96,14 +98,6 @@ def centring_diagnostics(step, ema, count, head_lr, *, momentum: float, debias: 
     d = _diameter(head_lr * uncentred, vocab_axis=vocab_axis, exact=exact)[0]
     return {"centring_ratio": ratio, "ema_mean_row_ratio": mean_row / rms_row,
             "uncentred_step_diameter": d}
-
-
-def centring_probe(graphdef, params, rest, opt_state, head_old, head_lr, head_wd, *,
-                   head_shape, **options):
-    """`centring_diagnostics` of the update just applied (`options`: its keywords)."""
-    _, vocab_axis, _, step = _change(graphdef, params, rest, head_old, head_lr, head_wd)
-    ema, count = head_ema(opt_state, head_shape)
-    return centring_diagnostics(step, ema, count, head_lr, vocab_axis=vocab_axis, **options)
 
 
 def tracked_head_stats(opt_state) -> dict:

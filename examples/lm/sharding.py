@@ -184,12 +184,6 @@ def state_shardings(abstract: dict, param_shardings, mesh: Mesh) -> dict:
     return out
 
 
-def describe(mesh: Mesh) -> str:
-    shape = ", ".join(f"{a}={mesh.shape[a]}" for a in AXES)
-    return (f"mesh({shape}) on {mesh.devices.size} {jax.devices()[0].platform} devices, "
-            f"{jax.process_count()} process(es)")
-
-
 # logical name -> mesh axes (None: not split). Every name the model uses must be here.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters

@@ -24,7 +24,6 @@ if __package__ in (None, ""):  # `python examples/lm/train.py`: the package is n
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import signal
 import threading
@@ -113,9 +112,7 @@ class Trainer:
         # A fresh copy of the head (jit outputs never alias donated inputs).
         head_of = lambda p, r: model_lib.head_matrix(nnx.merge(gd, p, r))[0] + 0
         self.head_of = jax.jit(head_of)
-        head_shape = jax.eval_shape(head_of, self.abstract_state["params"],
-                                    self.abstract_state["rest"]).shape
-        self.exact_diameter = math.prod(head_shape) <= self.cfg.eval.exact_diameter_max_elements
+        self.exact_diameter = mc.num_tokens * mc.d_model <= cfg.eval.exact_diameter_max_elements
         exact, jit = self.exact_diameter, functools.partial(jax.jit, out_shardings=repl)
         self.head_probe = jit(functools.partial(evaluate.head_probe, gd, exact=exact))
         self.step_diameter = jit(functools.partial(evaluate.step_diameter, gd, exact=exact))
@@ -189,8 +186,7 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
             cfg = configs.override(cfg, {"model.vocab_size": configs.padded_vocab(n),
                                          "model.valid_vocab_size": n})
         for flag, path in (("--workdir", workdir), ("--checkpoint.dir", cfg.checkpoint.dir)):
-            if (path is not None and not checkpointing.is_remote(path) and os.path.exists(path)
-                    and not os.path.isdir(path)):
+            if path is not None and os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"{flag} {path} is a file, not a directory: pass a directory "
                                  "(a missing one is created)")
         recorded = checkpointing.recorded_directory(workdir)
@@ -315,7 +311,9 @@ def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
     cfg, tokens = setup.cfg, setup.tokens
     head = ("tied head (trained as the embedding)" if cfg.model.tied_embeddings
             else f"{cfg.head} head")
-    out(f"{sharding.describe(setup.mesh)}; {head}; "
+    shape = ", ".join(f"{a}={n}" for a, n in setup.mesh.shape.items())
+    out(f"mesh({shape}) on {setup.mesh.devices.size} {jax.devices()[0].platform} devices, "
+        f"{jax.process_count()} process(es); {head}; "
         f"{sum(x.size for x in jax.tree.leaves(state['params'])):,} parameters; "
         f"{'exact' if trainer.exact_diameter else 'bracketed'} head diameter; data: "
         f"{tokens.format}, {len(tokens.train):,} train / {len(tokens.val):,} validation tokens, "
@@ -341,12 +339,9 @@ class PreemptionWatcher:
 
     def __init__(self, ckpt):
         self.ckpt, self.signalled, self._previous = ckpt, False, None
-        if (jax.process_count() == 1
-                and threading.current_thread() is threading.main_thread()):
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signalled = True
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM,
+                                           lambda *_: setattr(self, "signalled", True))
 
     def reached(self, step: int) -> bool:
         return (jax.process_count() > 1 and self.ckpt.reached_preemption(step)) or self.signalled
