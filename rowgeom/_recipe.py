@@ -37,7 +37,7 @@ import optax
 from rowgeom import _messages  # the text of a plan's errors
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import GivenLabels, Labeler, given_labels, partition_by_label
+from rowgeom._labels import GivenLabels, Labeler, given_labels
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
@@ -71,6 +71,7 @@ from rowgeom._tree import (
     flatten_with_paths,
     is_masked,
     leaf_shape,
+    map_with_paths,
     one_of,
     path_str,
     prefixed,
@@ -365,15 +366,14 @@ class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
 
     ``path``: ``"/"``-joined key path; ``label``: its group (its rate, decay and momentum are
-    the group's `GroupOptions`); ``geometry``: the update rule with its axes, as text;
-    ``optimizer``: ``"muon"``, ``"rownorm"`` or ``"adamw"`` (``""``: a custom label);
+    the group's `GroupOptions`); ``optimizer``: ``"muon"``, ``"rownorm"`` or ``"adamw"``;
     ``centred``: whether RowNorm centres the rows (None: no RowNorm leaf); ``muon_dims``:
     Muon's matrix axes (hidden leaves, a Muon head or router); ``vocab_axis``: the head's
     vocabulary axis (a RowNorm router's expert axis); ``batch_axes``: the axes Muon or a
     router's RowNorm takes as a batch of matrices; ``note``: what a reader should check (an
     expert stack's axes, a head that is probably unused); ``reason``: why the leaf has its
     label (``"name"``, ``"rule"``, ``"shape"``, ``"block"``, ``"tied"``, ...; ``"given"`` for
-    labels given as a tree or callable).
+    labels given as a tree or callable). ``geometry``: the update rule with its axes, as text.
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
@@ -386,14 +386,19 @@ class PlanRow(NamedTuple):
     path: str
     shape: tuple[int, ...]
     label: str
-    geometry: str
-    optimizer: str = ""
+    optimizer: str
     centred: bool | None = None
     muon_dims: MuonDimensionNumbers | None = None
     vocab_axis: int | None = None
     batch_axes: tuple[int, ...] = ()
     note: str = ""
     reason: str = ""
+
+    @property
+    def geometry(self) -> str:
+        from rowgeom._describe import geometry  # text for a reader: not on the optimizer's path
+
+        return geometry(self)
 
 
 class Plan(tuple):
@@ -429,7 +434,7 @@ class Plan(tuple):
 
     @property
     def labels(self) -> dict[str, str]:
-        """``{path: label}`` of every leaf (`rowgeom.partition_by_label`'s labels)."""
+        """``{path: label}`` of every leaf (the labels ``optax.partition`` reads)."""
         return {row.path: row.label for row in self}
 
     def __str__(self) -> str:
@@ -449,10 +454,6 @@ class PlanOptions(NamedTuple):
     tied: str | None
 
 
-def _axes_text(axes) -> str:
-    return ",".join(map(str, (axes,) if isinstance(axes, int) else tuple(axes)))
-
-
 def _unwrap(axes: tuple[int, ...]):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
@@ -460,7 +461,7 @@ def _unwrap(axes: tuple[int, ...]):
 def optimizer_of(label: str, hp: PlanOptions) -> str:
     """The optimizer of a label's leaves."""
     return {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer,
-            "embedding": "adamw", "vector": "adamw"}.get(label, "")
+            "embedding": "adamw", "vector": "adamw"}[label]
 
 
 def centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
@@ -469,24 +470,6 @@ def centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
     if optimizer != "rownorm":
         return None
     return label == "router" or hp.tied != "head"
-
-
-def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
-    """A leaf's update rule as `describe` prints it."""
-    with_batch = f" batch {_axes_text(batch)}" if batch else ""
-    if label == "head":
-        name = {"rownorm": "RowNorm", "adamw": "AdamW", "muon": "Muon"}[optimizer]
-        return f"{name}{'' if centred in (None, True) else ' uncentred'}, vocab axis {axis}"
-    if optimizer == "rownorm":
-        return f"RowNorm over experts, expert axis {axis}{with_batch}"
-    if optimizer == "adamw":
-        return "AdamW"
-    if optimizer == "muon" and dims is None:
-        return "momentum only (dimension_numbers None)"
-    if optimizer == "muon":
-        return (f"Muon, in {_axes_text(dims.reduction_axis)} out {_axes_text(dims.output_axis)}"
-                + with_batch)
-    return "custom label"
 
 
 def _labelled(tree: Any, hp: PlanOptions):
@@ -591,14 +574,15 @@ def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) ->
     elif label == "head":
         dims, axis = _head_axes(path, shape, structure, hp)
     centre = centred(label, optimizer, hp)
-    return PlanRow(path_str(path), tuple(shape), label,
-                   _geometry(label, optimizer, centre, dims, axis, batch), optimizer, centre,
-                   dims, axis, batch, _note(path, shape, label, structure, reason), reason or "")
+    return PlanRow(path_str(path), tuple(shape), label, optimizer, centre, dims, axis, batch,
+                   _note(path, shape, label, structure, reason), reason or "")
 
 
 def _plan(tree: Any, hp: PlanOptions) -> Plan:
     """The plan of `tree` (module docstring); raises naming every undecided leaf."""
     labelled, reasons, router_names = _labelled(tree, hp)
+    if any(label not in LABELS for _, _, label in labelled):  # a rule's or a given tree's
+        raise ValueError(_messages.not_a_group(labelled))
     # A model has a head unless its head is tied and trained as the embedding.
     if hp.tied != "embedding" and not any(label == "head" for _, _, label in labelled):
         raise ValueError(_messages.no_head_group(labelled, hp.head.optimizer, hp.tied))
@@ -823,11 +807,15 @@ def lm_optimizer(
                              router=hp.router, weight_decay=weight_decay, groups=groups)
 
     transforms = {label: _group_chain(label, resolved[label], hp, adam) for label in LABELS}
-    labels = lambda tree: view_plan(tree, hp).labels
+
+    def plan_labels(tree: Any) -> Any:  # on the tree's own paths, Flax boxes as leaves
+        by_path = view_plan(tree, hp).labels
+        return map_with_paths(lambda path, _: by_path[path_str(path)], tree)
+
     # The router group only where the tree has routers: a dense model's state (so its
     # checkpoints) has none.
-    dense = partition_by_label({k: v for k, v in transforms.items() if k != "router"}, labels)
-    routed = partition_by_label(transforms, labels)
+    dense = optax.partition({k: v for k, v in transforms.items() if k != "router"}, plan_labels)
+    routed = optax.partition(transforms, plan_labels)
 
     def partition(tree: Any) -> optax.GradientTransformationExtraArgs:
         return routed if plan_of(tree, hp).by_label("router") else dense
