@@ -21,6 +21,8 @@ import re
 from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
+import jax
+
 from rowgeom._messages import (
     label_problems,
     several_tied_tables,
@@ -355,3 +357,36 @@ def given_labels(labels: Any, tree: Any) -> list[tuple[Path, tuple[int, ...], st
         raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
     return [(p, leaf_shape(x), str(label))
             for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
+
+
+def labels_option(labels: Any, tied: str | None) -> tuple[Any, str | None]:
+    """`lm_optimizer`'s ``labels`` and ``tied`` as the plan reads them: a `Labeler` holding the
+    tied policy (said once: here or in the `Labeler` given), a `GivenLabels` or a callable."""
+    one_of(tied, TIED_POLICIES, "tied")
+    if isinstance(labels, (str, jax.Array)):
+        # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
+        raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
+                        "under optax.inject_hyperparams list it in static_args "
+                        "(rowgeom.STATIC_ARGS)")
+    if labels is None:
+        labels = Labeler(tied=tied)
+    elif isinstance(labels, Labeler):
+        if labels.tied is not None and tied is not None:
+            raise ValueError(f"lm_optimizer: tied={tied!r} and labels=Labeler(tied="
+                             f"{labels.tied!r}) both set the tied policy; give it once")
+        tied = labels.tied if tied is None else tied
+        labels = dataclasses.replace(labels, tied=tied)
+    elif not callable(labels):  # a tree of labels
+        labels = GivenLabels(labels)
+    return labels, tied
+
+
+def labelled_leaves(labels: Any, tree: Any):
+    """``([(path, shape, label)], {path: reason}, router names)`` of every leaf, by a `Labeler`
+    or by labels given as a tree, `GivenLabels` or callable (reason ``"given"``)."""
+    if isinstance(labels, Labeler):
+        leaves = labels.label_leaves(tree)
+        return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
+                {lf.path: lf.source for lf in leaves}, labels.router_names)
+    labelled = given_labels(labels, tree)
+    return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
