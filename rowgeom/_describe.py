@@ -131,6 +131,7 @@ def describe(params: Any, learning_rate: Any = None, *, head: str | HeadOptions 
       lm_head/kernel            (16, 100)      head       RowNorm, vocab axis 1       0.005  0.1
     """
     options = plan_options(head=head, muon=muon, router=router, labels=labels, tied=tied)
-    return plan_of(params, options).with_groups(group_options(
+    plan = plan_of(params, options)  # the same rows, printed with the groups' rates and decays
+    return Plan(plan, plan.structure, group_options(
         learning_rate, head=options.head, muon=options.muon, adam=adam, router=options.router,
         weight_decay=weight_decay, groups=groups))

@@ -36,7 +36,6 @@ from rowgeom._names import (
     DEFAULT_ROUTER_NAMES,
     DEFAULT_VECTOR_NAMES,
     TIED_POLICIES,
-    TOKEN_EMBEDDING_NAMES,
 )
 from rowgeom._structure import (
     ModelStructure,
@@ -197,9 +196,8 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
     if tied == "embedding" or heads:  # a head labelled by a user rule is the tied table
         return None, unused
     if len(embeds) > 1:
-        tokens = [lf for lf in embeds if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in lf.path)]
-        if len(tokens) != 1:  # the table V and d were read from (position tables excluded)
-            tokens = [lf for lf in embeds if lf.path == layout.source]
+        # the table V and d were read from (a token table's name first, position tables never)
+        tokens = [lf for lf in embeds if lf.path == layout.source]
         if len(tokens) != 1:
             raise ValueError(several_tied_tables(embeds))
         embeds = tokens

@@ -415,10 +415,6 @@ class Plan(tuple):
         plan.structure, plan.groups = structure, dict(groups or {})
         return plan
 
-    def with_groups(self, groups: Mapping[str, Any]) -> Plan:
-        """The same rows, printed with these groups' rates and decays."""
-        return Plan(self, self.structure, groups)
-
     def by_label(self, label: str) -> dict[str, PlanRow]:
         """``{path: PlanRow}`` of the leaves with this label."""
         return {row.path: row for row in self if row.label == label}
