@@ -349,9 +349,9 @@ def group_options(
     })
 
 
-# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree. The
-# rules decided here, and only here: `optimizer_of`, `centred`, a Muon head is one matrix, a
-# model has a head unless tied. The build (the last section) decides nothing.
+# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree (labels:
+# `_labels`; axes: `_structure`). Decided here only: `optimizer_of`, `centred`, every label is a
+# group's, a model has a head unless tied. The build (the last section) decides nothing.
 
 class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
