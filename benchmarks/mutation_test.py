@@ -351,7 +351,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "shape[-2:] == (3 * width, width)", "shape[-2:] == (width, 3 * width)",
            "HF Flax GPT-2's (3d, d) c_attn is not told from a Dense port's (d, 3d)",
            ("tests/rowgeom/test_structure.py",)),
-    Mutant("muon-head-fan-in-on-vocab", "rowgeom/_recipe.py",
+    Mutant("muon-head-fan-in-on-vocab", "rowgeom/_structure.py",
            "return MuonDimensionNumbers(1 - vocab, vocab), axis",
            "return MuonDimensionNumbers(0, 1), axis",
            "a (V, d) Muon head takes V as its fan-in", ("tests/rowgeom/test_options_plan.py",)),

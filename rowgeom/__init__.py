@@ -10,7 +10,7 @@ from rowgeom._describe import describe, make_plan
 from rowgeom._diagnostics import RowDiameterStats, read_row_diameter, track_row_diameter
 from rowgeom._geometry import row_diameter, row_diameter_bounds
 from rowgeom._hilbert import hilbert_distance, hilbert_perturbation
-from rowgeom._labels import Labeler, label_params, partition_by_label
+from rowgeom._labels import Labeler, label_params
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
@@ -27,6 +27,7 @@ from rowgeom._names import (
     LABELS,
     TOKEN_EMBEDDING_NAMES,
 )
+from rowgeom._partition import partition_by_label
 from rowgeom._recipe import (
     HEAD_LR_MULTIPLIERS,
     STATIC_ARGS,

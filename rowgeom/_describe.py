@@ -1,4 +1,5 @@
-"""The public views of the plan: `make_plan`, `describe` and the table ``str(Plan)`` prints.
+"""The public views of the plan: `make_plan`, `describe`, the table ``str(Plan)`` prints and
+each row's `PlanRow.geometry` text.
 
 None of this runs when `lm_optimizer` builds or steps: it reads the same memoised plan
 (`rowgeom._recipe.plan_of`) the chains read, so what it prints is what runs.
@@ -13,11 +14,34 @@ from rowgeom._muon import MuonOptions
 from rowgeom._recipe import (
     HeadOptions,
     Plan,
+    PlanRow,
     RouterOptions,
     group_options,
     plan_of,
     plan_options,
 )
+
+
+def _axes_text(axes) -> str:
+    return ",".join(map(str, (axes,) if isinstance(axes, int) else tuple(axes)))
+
+
+def geometry(row: PlanRow) -> str:
+    """`PlanRow.geometry`: a leaf's update rule with its axes, as `describe` prints it."""
+    with_batch = f" batch {_axes_text(row.batch_axes)}" if row.batch_axes else ""
+    if row.label == "head":
+        name = {"rownorm": "RowNorm", "adamw": "AdamW", "muon": "Muon"}[row.optimizer]
+        return (f"{name}{'' if row.centred in (None, True) else ' uncentred'}, vocab axis "
+                f"{row.vocab_axis}")
+    if row.optimizer == "rownorm":
+        return f"RowNorm over experts, expert axis {row.vocab_axis}{with_batch}"
+    if row.optimizer == "adamw":
+        return "AdamW"
+    dims = row.muon_dims
+    if dims is None:
+        return "momentum only (dimension_numbers None)"
+    return (f"Muon, in {_axes_text(dims.reduction_axis)} out {_axes_text(dims.output_axis)}"
+            + with_batch)
 
 
 def _cell(x) -> str:
@@ -107,6 +131,7 @@ def describe(params: Any, learning_rate: Any = None, *, head: str | HeadOptions 
       lm_head/kernel            (16, 100)      head       RowNorm, vocab axis 1       0.005  0.1
     """
     options = plan_options(head=head, muon=muon, router=router, labels=labels, tied=tied)
-    return plan_of(params, options).with_groups(group_options(
+    plan = plan_of(params, options)  # the same rows, printed with the groups' rates and decays
+    return Plan(plan, plan.structure, group_options(
         learning_rate, head=options.head, muon=options.muon, adam=adam, router=options.router,
         weight_decay=weight_decay, groups=groups))

@@ -1,5 +1,5 @@
-"""Parameter labels for per-block update geometry: `Labeler`, `label_params` and
-`partition_by_label` (``optax.partition`` with labels matched by path).
+"""Parameter labels for per-block update geometry: `Labeler` and `label_params`, and labels
+given as a tree or callable matched to the leaves by path (`given_labels`).
 
 Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
 (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW), ``"router"`` (a mixture-of-experts
@@ -17,16 +17,14 @@ The rules with examples, public layouts and tied embeddings: docs/guides/labels.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
-import optax
+import jax
 
 from rowgeom._messages import (
     label_problems,
-    no_label_or_transform,
     several_tied_tables,
     tied_without_head,
     untied_head,
@@ -38,7 +36,6 @@ from rowgeom._names import (
     DEFAULT_ROUTER_NAMES,
     DEFAULT_VECTOR_NAMES,
     TIED_POLICIES,
-    TOKEN_EMBEDDING_NAMES,
 )
 from rowgeom._structure import (
     ModelStructure,
@@ -53,7 +50,6 @@ from rowgeom._structure import (
 from rowgeom._tree import (
     Path,
     leaf_shape,
-    lookup_prefix,
     map_with_paths,
     one_of,
     path_str,
@@ -200,9 +196,8 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
     if tied == "embedding" or heads:  # a head labelled by a user rule is the tied table
         return None, unused
     if len(embeds) > 1:
-        tokens = [lf for lf in embeds if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in lf.path)]
-        if len(tokens) != 1:  # the table V and d were read from (position tables excluded)
-            tokens = [lf for lf in embeds if lf.path == layout.source]
+        # the table V and d were read from (a token table's name first, position tables never)
+        tokens = [lf for lf in embeds if lf.path == layout.source]
         if len(tokens) != 1:
             raise ValueError(several_tied_tables(embeds))
         embeds = tokens
@@ -362,59 +357,34 @@ def given_labels(labels: Any, tree: Any) -> list[tuple[Path, tuple[int, ...], st
             for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
 
 
-# --- `optax.partition` with labels matched by path.
+def labels_option(labels: Any, tied: str | None) -> tuple[Any, str | None]:
+    """`lm_optimizer`'s ``labels`` and ``tied`` as the plan reads them: a `Labeler` holding the
+    tied policy (said once: here or in the `Labeler` given), a `GivenLabels` or a callable."""
+    one_of(tied, TIED_POLICIES, "tied")
+    if isinstance(labels, (str, jax.Array)):
+        # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
+        raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
+                        "under optax.inject_hyperparams list it in static_args "
+                        "(rowgeom.STATIC_ARGS)")
+    if labels is None:
+        labels = Labeler(tied=tied)
+    elif isinstance(labels, Labeler):
+        if labels.tied is not None and tied is not None:
+            raise ValueError(f"lm_optimizer: tied={tied!r} and labels=Labeler(tied="
+                             f"{labels.tied!r}) both set the tied policy; give it once")
+        tied = labels.tied if tied is None else tied
+        labels = dataclasses.replace(labels, tied=tied)
+    elif not callable(labels):  # a tree of labels
+        labels = GivenLabels(labels)
+    return labels, tied
 
 
-def partition_by_label(
-    transforms: Mapping[str, optax.GradientTransformation], labels: Any,
-) -> optax.GradientTransformationExtraArgs:
-    """``optax.partition`` with labels checked and matched to the tree by path.
-
-    `labels` is a tree of label strings (the same structure as the params or a prefix of
-    it) or a callable ``params -> such a tree``. Labels are looked up by normalised key
-    path, not by tree structure, so one labels tree serves both calls ``nnx.Optimizer``
-    makes: ``tx.init`` with an ``nnx.State`` of ``nnx.Variable`` and ``tx.update`` with the
-    plain arrays. (Plain ``optax.partition`` fails on the update when the labels tree still
-    holds Variables, e.g. ``jax.tree.map(f, state)`` without ``is_leaf``, or when the labels
-    are a dict but the params an ``nnx.State``.)
-
-    Every parameter needs a label and every label a transform; otherwise a ValueError at
-    init (and update) lists the missing labels and their paths.
-
-    Returns:
-      The ``optax.partition`` transformation.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, optax, rowgeom
-      >>> params = {"mlp": {"kernel": jnp.zeros((8, 8))}, "lm_head": {"kernel": jnp.zeros((8, 32))}}
-      >>> head = optax.chain(rowgeom.projected_rownorm(vocab_axis=1),
-      ...                    optax.scale_by_learning_rate(1e-2))
-      >>> tx = rowgeom.partition_by_label({"hidden": optax.sgd(1e-2), "head": head},
-      ...                                 rowgeom.label_params)
-      >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
-      >>> rowgeom.partition_by_label({"hidden": optax.sgd(1e-2)}, rowgeom.label_params).init(params)
-      Traceback (most recent call last):
-      ...
-      ValueError: partition_by_label: no transform for label(s) 'head' (used by lm_head/kernel). ...
-    """
-    if not isinstance(transforms, Mapping):
-        raise TypeError(f"transforms must be a mapping label -> transformation, got "
-                        f"{type(transforms).__name__}")
-    for name, tx in transforms.items():
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise TypeError(f"transforms[{name!r}] must be an optax GradientTransformation, "
-                            f"got {type(tx).__name__}")
-
-    return optax.partition(dict(transforms),
-                           functools.partial(_checked_labels, labels, transforms))
-
-
-def _checked_labels(labels: Any, transforms: Mapping, params: Any) -> Any:
-    """The labels tree of `params` (labels unboxed, matched by path prefix), or a ValueError
-    listing the parameters without a label and the labels without a transform."""
-    table = prefix_entries(labels(params) if callable(labels) else labels)
-    found = [(path, lookup_prefix(table, path)) for path, _ in tree_paths(params)]
-    if not all(ok and label in transforms for _, (ok, label) in found):
-        raise ValueError(no_label_or_transform(found, transforms))
-    by_path = {path: label for path, (_, label) in found}
-    return map_with_paths(lambda path, _: by_path[path], params)
+def labelled_leaves(labels: Any, tree: Any):
+    """``([(path, shape, label)], {path: reason}, router names)`` of every leaf, by a `Labeler`
+    or by labels given as a tree, `GivenLabels` or callable (reason ``"given"``)."""
+    if isinstance(labels, Labeler):
+        leaves = labels.label_leaves(tree)
+        return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
+                {lf.path: lf.source for lf in leaves}, labels.router_names)
+    labelled = given_labels(labels, tree)
+    return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from rowgeom._names import LABELS
 from rowgeom._structure import (
     StructureError,
     in_blocks,
@@ -181,6 +182,18 @@ def tied_without_head(embeds) -> str:
 
 
 # --- The plan's problems ------------------------------------------------------------------------
+
+
+def not_a_group(leaves) -> str:
+    """Labels (a rule's, a given tree's) that are none of `LABELS`: no group trains them."""
+    wrong: dict[str, list[str]] = {}
+    for path, _, label in leaves:
+        if label not in LABELS:
+            wrong.setdefault(label, []).append(path_str(path))
+    detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in wrong.items())
+    return (f"lm_optimizer: no group for label(s) {detail}; its groups are {LABELS}: label "
+            "these parameters with one of them (or build your own optax.partition with "
+            "rowgeom.partition_by_label)")
 
 
 def no_head_group(leaves, head: str, tied: str | None) -> str:

@@ -30,38 +30,32 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from rowgeom import _messages  # the text of a plan's errors
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
-from rowgeom._labels import GivenLabels, Labeler, given_labels, partition_by_label
+from rowgeom._labels import labelled_leaves, labels_option
 from rowgeom._muon import (
     MuonDimensionNumbers,
     MuonOptions,
-    as_dimension_numbers,
-    is_dimension_numbers,
 )
 from rowgeom._names import (
-    DEFAULT_ROUTER_NAMES,
     HEAD_OPTIMIZERS,
     LABELS,
     ROUTER_OPTIMIZERS,
-    TIED_POLICIES,
 )
 from rowgeom._router import rownorm_per_matrix
 from rowgeom._rownorm import _RESCALE_MODES, EPS, _check_eps, projected_rownorm
 from rowgeom._structure import (
     ModelStructure,
-    StructureError,
     batch_axes,
     batch_roles,
-    head_vocab_axis,
+    head_leaf_axes,
+    hidden_muon_dims,
     model_structure,
-    muon_axes,
-    router_axes,
+    router_leaf_axes,
 )
 from rowgeom._tree import (
     check_bool,
@@ -69,13 +63,11 @@ from rowgeom._tree import (
     check_momentum,
     check_real,
     flatten_with_paths,
-    is_masked,
     leaf_shape,
+    map_with_paths,
     one_of,
     path_str,
     prefixed,
-    resolve_per_leaf,
-    tree_paths,
     unbox,
 )
 
@@ -357,23 +349,22 @@ def group_options(
     })
 
 
-# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree. The
-# rules decided here, and only here: `optimizer_of`, `centred`, a Muon head is one matrix, a
-# model has a head unless tied. The build (the last section) decides nothing.
+# --- The plan: every per-leaf fact `lm_optimizer` builds from, read from the whole tree (labels:
+# `_labels`; axes: `_structure`). Decided here only: `optimizer_of`, `centred`, every label is a
+# group's, a model has a head unless tied. The build (the last section) decides nothing.
 
 class PlanRow(NamedTuple):
     """One parameter as `lm_optimizer` trains it (a row of `describe`): every per-leaf fact.
 
     ``path``: ``"/"``-joined key path; ``label``: its group (its rate, decay and momentum are
-    the group's `GroupOptions`); ``geometry``: the update rule with its axes, as text;
-    ``optimizer``: ``"muon"``, ``"rownorm"`` or ``"adamw"`` (``""``: a custom label);
+    the group's `GroupOptions`); ``optimizer``: ``"muon"``, ``"rownorm"`` or ``"adamw"``;
     ``centred``: whether RowNorm centres the rows (None: no RowNorm leaf); ``muon_dims``:
     Muon's matrix axes (hidden leaves, a Muon head or router); ``vocab_axis``: the head's
     vocabulary axis (a RowNorm router's expert axis); ``batch_axes``: the axes Muon or a
     router's RowNorm takes as a batch of matrices; ``note``: what a reader should check (an
     expert stack's axes, a head that is probably unused); ``reason``: why the leaf has its
     label (``"name"``, ``"rule"``, ``"shape"``, ``"block"``, ``"tied"``, ...; ``"given"`` for
-    labels given as a tree or callable).
+    labels given as a tree or callable). ``geometry``: the update rule with its axes, as text.
 
     Examples:
       >>> import jax.numpy as jnp, rowgeom
@@ -386,14 +377,19 @@ class PlanRow(NamedTuple):
     path: str
     shape: tuple[int, ...]
     label: str
-    geometry: str
-    optimizer: str = ""
+    optimizer: str
     centred: bool | None = None
     muon_dims: MuonDimensionNumbers | None = None
     vocab_axis: int | None = None
     batch_axes: tuple[int, ...] = ()
     note: str = ""
     reason: str = ""
+
+    @property
+    def geometry(self) -> str:
+        from rowgeom._describe import geometry  # text for a reader: not on the optimizer's path
+
+        return geometry(self)
 
 
 class Plan(tuple):
@@ -419,17 +415,13 @@ class Plan(tuple):
         plan.structure, plan.groups = structure, dict(groups or {})
         return plan
 
-    def with_groups(self, groups: Mapping[str, Any]) -> Plan:
-        """The same rows, printed with these groups' rates and decays."""
-        return Plan(self, self.structure, groups)
-
     def by_label(self, label: str) -> dict[str, PlanRow]:
         """``{path: PlanRow}`` of the leaves with this label."""
         return {row.path: row for row in self if row.label == label}
 
     @property
     def labels(self) -> dict[str, str]:
-        """``{path: label}`` of every leaf (`rowgeom.partition_by_label`'s labels)."""
+        """``{path: label}`` of every leaf (the labels ``optax.partition`` reads)."""
         return {row.path: row.label for row in self}
 
     def __str__(self) -> str:
@@ -449,18 +441,10 @@ class PlanOptions(NamedTuple):
     tied: str | None
 
 
-def _axes_text(axes) -> str:
-    return ",".join(map(str, (axes,) if isinstance(axes, int) else tuple(axes)))
-
-
-def _unwrap(axes: tuple[int, ...]):
-    return axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def optimizer_of(label: str, hp: PlanOptions) -> str:
     """The optimizer of a label's leaves."""
     return {"hidden": "muon", "head": hp.head.optimizer, "router": hp.router.optimizer,
-            "embedding": "adamw", "vector": "adamw"}.get(label, "")
+            "embedding": "adamw", "vector": "adamw"}[label]
 
 
 def centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
@@ -469,100 +453,6 @@ def centred(label: str, optimizer: str, hp: PlanOptions) -> bool | None:
     if optimizer != "rownorm":
         return None
     return label == "router" or hp.tied != "head"
-
-
-def _geometry(label, optimizer, centred, dims, axis, batch) -> str:
-    """A leaf's update rule as `describe` prints it."""
-    with_batch = f" batch {_axes_text(batch)}" if batch else ""
-    if label == "head":
-        name = {"rownorm": "RowNorm", "adamw": "AdamW", "muon": "Muon"}[optimizer]
-        return f"{name}{'' if centred in (None, True) else ' uncentred'}, vocab axis {axis}"
-    if optimizer == "rownorm":
-        return f"RowNorm over experts, expert axis {axis}{with_batch}"
-    if optimizer == "adamw":
-        return "AdamW"
-    if optimizer == "muon" and dims is None:
-        return "momentum only (dimension_numbers None)"
-    if optimizer == "muon":
-        return (f"Muon, in {_axes_text(dims.reduction_axis)} out {_axes_text(dims.output_axis)}"
-                + with_batch)
-    return "custom label"
-
-
-def _labelled(tree: Any, hp: PlanOptions):
-    """``([(path, shape, label)], {path: reason}, router names)`` of every leaf."""
-    if isinstance(hp.labels, Labeler):
-        leaves = hp.labels.label_leaves(tree)
-        return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
-                {lf.path: lf.source for lf in leaves}, hp.labels.router_names)
-    labelled = given_labels(hp.labels, tree)
-    return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
-
-
-def _hidden_dims(labelled, structure: ModelStructure, hp: PlanOptions, tree: Any):
-    """``({path: MuonDimensionNumbers or None}, undecided)`` of the hidden leaves: inferred
-    (`muon_axes`) unless `MuonOptions.dimension_numbers` overrides them ({"/"-joined path: dims})
-    or gives them outright (anything else: every hidden leaf covered, None passes one through)."""
-    option = hp.muon.dimension_numbers
-    hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
-    overrides = [(False, None)] * len(hidden)
-    flat = isinstance(option, Mapping) and bool(option) and all(isinstance(k, str) for k in option)
-    if flat and all(is_dimension_numbers(v) for v in option.values()):  # the rest inferred
-        overrides = resolve_per_leaf(
-            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
-            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
-    elif option is not None:  # given outright: nothing is inferred
-        option = option(tree) if callable(option) else option
-        paths = [p for p, _ in tree_paths(tree)]
-        given = dict(zip(paths, resolve_per_leaf(
-            option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
-            argname="MuonOptions.dimension_numbers"), strict=True))
-        overrides = [given[p] for p, _ in hidden]
-        missing = [path_str(p) for p, _ in hidden if not given[p][0]]
-        if missing:
-            raise ValueError(_messages.no_dimension_numbers(missing))
-    dims, undecided = {}, []
-    for (path, shape), (found, value) in zip(hidden, overrides, strict=True):
-        if found:
-            dims[path] = as_dimension_numbers(value)
-            continue
-        try:
-            red, out = muon_axes(path, shape, structure)
-        except StructureError as err:
-            undecided.append((path, shape, err, batch_roles(path, shape, structure)))
-            continue
-        dims[path] = MuonDimensionNumbers(_unwrap(red), _unwrap(out))
-    return dims, undecided
-
-
-def _router_axes(path, shape, structure: ModelStructure, optimizer: str):
-    """``(muon dims or None, expert axis or None, batch axes)`` of a router leaf."""
-    try:
-        feature, expert = router_axes(path, shape, structure, any_order=optimizer != "rownorm")
-    except StructureError as err:
-        raise ValueError(_messages.undecided_router_axes(optimizer, err)) from None
-    batch = tuple(a for a in range(len(shape)) if a not in (feature, expert))
-    if optimizer == "muon":
-        return MuonDimensionNumbers(feature, expert), None, batch
-    return None, (expert if optimizer == "rownorm" else None), batch
-
-
-def _head_axes(path, shape, structure: ModelStructure, hp: PlanOptions):
-    """``(muon dims or None, vocabulary axis)`` of a head leaf."""
-    if hp.head.optimizer == "muon" and len(shape) != 2:
-        raise ValueError(_messages.muon_head_not_a_matrix(path, shape))
-    axis = hp.head.vocab_axis
-    if axis is None:
-        try:
-            axis = head_vocab_axis(path, shape, structure.vocab_size)
-        except StructureError as err:
-            raise ValueError(str(err)) from None
-    if hp.head.optimizer != "muon":
-        return None, axis
-    if not -2 <= axis < 2:
-        raise ValueError(_messages.not_an_axis_of_the_head(axis, path, shape))
-    vocab = axis % 2  # fan-out; the other axis, d, is fan-in
-    return MuonDimensionNumbers(1 - vocab, vocab), axis
 
 
 def _note(path, shape, label, structure, reason) -> str:
@@ -587,25 +477,25 @@ def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) ->
         dims = hidden_dims[path]
         batch = () if dims is None else batch_axes(dims, len(shape))
     elif label == "router":
-        dims, axis, batch = _router_axes(path, shape, structure, optimizer)
+        dims, axis, batch = router_leaf_axes(path, shape, structure, optimizer)
     elif label == "head":
-        dims, axis = _head_axes(path, shape, structure, hp)
+        dims, axis = head_leaf_axes(path, shape, structure, hp.head.optimizer,
+                                    hp.head.vocab_axis)
     centre = centred(label, optimizer, hp)
-    return PlanRow(path_str(path), tuple(shape), label,
-                   _geometry(label, optimizer, centre, dims, axis, batch), optimizer, centre,
-                   dims, axis, batch, _note(path, shape, label, structure, reason), reason or "")
+    return PlanRow(path_str(path), tuple(shape), label, optimizer, centre, dims, axis, batch,
+                   _note(path, shape, label, structure, reason), reason or "")
 
 
 def _plan(tree: Any, hp: PlanOptions) -> Plan:
     """The plan of `tree` (module docstring); raises naming every undecided leaf."""
-    labelled, reasons, router_names = _labelled(tree, hp)
+    labelled, reasons, router_names = labelled_leaves(hp.labels, tree)
+    if any(label not in LABELS for _, _, label in labelled):  # a rule's or a given tree's
+        raise ValueError(_messages.not_a_group(labelled))
     # A model has a head unless its head is tied and trained as the embedding.
     if hp.tied != "embedding" and not any(label == "head" for _, _, label in labelled):
         raise ValueError(_messages.no_head_group(labelled, hp.head.optimizer, hp.tied))
     structure = model_structure(labelled, router_names=router_names)
-    hidden_dims, undecided = _hidden_dims(labelled, structure, hp, tree)
-    if undecided:
-        raise ValueError(_messages.undecided_muon_axes(undecided))
+    hidden_dims = hidden_muon_dims(labelled, structure, hp.muon.dimension_numbers, tree)
     return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
                  for p, s, label in labelled], structure)
 
@@ -637,22 +527,7 @@ def plan_options(*, head: Any = "rownorm", muon: MuonOptions | None = None,
                  ) -> PlanOptions:
     """The options objects a plan depends on, from `lm_optimizer`'s keywords; the tied policy
     said once (here or in the `Labeler` given as `labels`)."""
-    one_of(tied, TIED_POLICIES, "tied")
-    if isinstance(labels, (str, jax.Array)):
-        # A callable `labels` passed to inject_hyperparams arrives here evaluated as a schedule.
-        raise TypeError(f"labels must be None, a tree of labels or a callable, got {labels!r}; "
-                        "under optax.inject_hyperparams list it in static_args "
-                        "(rowgeom.STATIC_ARGS)")
-    if labels is None:
-        labels = Labeler(tied=tied)
-    elif isinstance(labels, Labeler):
-        if labels.tied is not None and tied is not None:
-            raise ValueError(f"lm_optimizer: tied={tied!r} and labels=Labeler(tied="
-                             f"{labels.tied!r}) both set the tied policy; give it once")
-        tied = labels.tied if tied is None else tied
-        labels = dataclasses.replace(labels, tied=tied)
-    elif not callable(labels):  # a tree of labels
-        labels = GivenLabels(labels)
+    labels, tied = labels_option(labels, tied)
     return PlanOptions(as_options(head, HeadOptions, HEAD_OPTIMIZERS, "head"),
                        as_options(muon, MuonOptions, (), "muon"),
                        as_options(router, RouterOptions, ROUTER_OPTIMIZERS, "router"),
@@ -823,11 +698,15 @@ def lm_optimizer(
                              router=hp.router, weight_decay=weight_decay, groups=groups)
 
     transforms = {label: _group_chain(label, resolved[label], hp, adam) for label in LABELS}
-    labels = lambda tree: view_plan(tree, hp).labels
+
+    def plan_labels(tree: Any) -> Any:  # on the tree's own paths, Flax boxes as leaves
+        by_path = view_plan(tree, hp).labels
+        return map_with_paths(lambda path, _: by_path[path_str(path)], tree)
+
     # The router group only where the tree has routers: a dense model's state (so its
     # checkpoints) has none.
-    dense = partition_by_label({k: v for k, v in transforms.items() if k != "router"}, labels)
-    routed = partition_by_label(transforms, labels)
+    dense = optax.partition({k: v for k, v in transforms.items() if k != "router"}, plan_labels)
+    routed = optax.partition(transforms, plan_labels)
 
     def partition(tree: Any) -> optax.GradientTransformationExtraArgs:
         return routed if plan_of(tree, hp).by_label("router") else dense

@@ -15,6 +15,7 @@ import types
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from rowgeom._muon import MuonDimensionNumbers, as_dimension_numbers, is_dimension_numbers
 from rowgeom._names import (
     BIAS_LEAF,
     BLOCK_CONTAINER_NAMES,
@@ -32,7 +33,7 @@ from rowgeom._names import (
     VOCAB_AXIS_BY_LEAF_NAME,
     WRAPPER_SUFFIXES,
 )
-from rowgeom._tree import Path
+from rowgeom._tree import Path, is_masked, path_str, resolve_per_leaf, tree_paths
 
 # --- What the names in a parameter path say: wrappers, blocks, position tables, experts, routers,
 # biases (the name sets of `rowgeom._names`). Whole components only, case-insensitive; shapes are
@@ -604,3 +605,88 @@ def router_axes(path, shape, structure: ModelStructure, *, any_order: bool = Fal
     raise StructureError(f"cannot tell the expert axis of router {'/'.join(path)} {shape} (no "
                          "expert count, no model width, a leaf name that says no layout)")
 
+
+# --- Each planned leaf's axes: a hidden leaf's Muon matrix axes, a router's and a head's --------
+
+
+def _one(axes: tuple[int, ...]):
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def hidden_muon_dims(labelled, structure: ModelStructure, option: Any, tree: Any) -> dict:
+    """``{path: MuonDimensionNumbers or None}`` of the ``"hidden"`` leaves of ``(path, shape,
+    label)``: inferred (`muon_axes`) unless `MuonOptions.dimension_numbers` (`option`)
+    overrides them (``{"/"-joined path: dims}``) or gives them outright (anything else: every
+    hidden leaf covered, None passes one through); every undecided leaf in one ValueError."""
+    hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
+    overrides = [(False, None)] * len(hidden)
+    flat = isinstance(option, Mapping) and bool(option) and all(isinstance(k, str) for k in option)
+    if flat and all(is_dimension_numbers(v) for v in option.values()):  # the rest inferred
+        overrides = resolve_per_leaf(
+            option, [p for p, _ in hidden], is_value=is_dimension_numbers,
+            argname="MuonOptions.dimension_numbers (matched to the hidden parameters)")
+    elif option is not None:  # given outright: nothing is inferred
+        option = option(tree) if callable(option) else option
+        paths = [p for p, _ in tree_paths(tree)]
+        given = dict(zip(paths, resolve_per_leaf(
+            option, paths, is_value=lambda d: is_masked(d) or is_dimension_numbers(d),
+            argname="MuonOptions.dimension_numbers"), strict=True))
+        overrides = [given[p] for p, _ in hidden]
+        missing = [path_str(p) for p, _ in hidden if not given[p][0]]
+        if missing:
+            from rowgeom._messages import no_dimension_numbers  # error text: not on the path
+
+            raise ValueError(no_dimension_numbers(missing))
+    dims, undecided = {}, []
+    for (path, shape), (found, value) in zip(hidden, overrides, strict=True):
+        if found:
+            dims[path] = as_dimension_numbers(value)
+            continue
+        try:
+            red, out = muon_axes(path, shape, structure)
+        except StructureError as err:
+            undecided.append((path, shape, err, batch_roles(path, shape, structure)))
+            continue
+        dims[path] = MuonDimensionNumbers(_one(red), _one(out))
+    if undecided:
+        from rowgeom._messages import undecided_muon_axes  # error text: not on the path
+
+        raise ValueError(undecided_muon_axes(undecided))
+    return dims
+
+
+def router_leaf_axes(path, shape, structure: ModelStructure, optimizer: str):
+    """``(muon dims or None, expert axis or None, batch axes)`` of a router leaf trained by
+    `optimizer` (`router_axes`; the expert axis is RowNorm's vocabulary axis)."""
+    try:
+        feature, expert = router_axes(path, shape, structure, any_order=optimizer != "rownorm")
+    except StructureError as err:
+        from rowgeom._messages import undecided_router_axes  # error text: not on the path
+
+        raise ValueError(undecided_router_axes(optimizer, err)) from None
+    batch = tuple(a for a in range(len(shape)) if a not in (feature, expert))
+    if optimizer == "muon":
+        return MuonDimensionNumbers(feature, expert), None, batch
+    return None, (expert if optimizer == "rownorm" else None), batch
+
+
+def head_leaf_axes(path, shape, structure: ModelStructure, optimizer: str,
+                   vocab_axis: int | None):
+    """``(muon dims or None, vocabulary axis)`` of a head leaf trained by `optimizer`: the given
+    `vocab_axis`, else `head_vocab_axis`; a Muon head is one ``(d, V)`` or ``(V, d)`` matrix."""
+    from rowgeom import _messages  # error text only (imported here: it imports this module)
+
+    if optimizer == "muon" and len(shape) != 2:
+        raise ValueError(_messages.muon_head_not_a_matrix(path, shape))
+    axis = vocab_axis
+    if axis is None:
+        try:
+            axis = head_vocab_axis(path, shape, structure.vocab_size)
+        except StructureError as err:
+            raise ValueError(str(err)) from None
+    if optimizer != "muon":
+        return None, axis
+    if not -2 <= axis < 2:
+        raise ValueError(_messages.not_an_axis_of_the_head(axis, path, shape))
+    vocab = axis % 2  # fan-out; the other axis, d, is fan-in
+    return MuonDimensionNumbers(1 - vocab, vocab), axis

@@ -1,4 +1,4 @@
-"""Labels by path and the checked partition (rowgeom._labels)."""
+"""Labels by path (rowgeom._labels) and the checked partition (rowgeom._partition)."""
 
 import functools
 
