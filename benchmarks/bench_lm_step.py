@@ -51,7 +51,8 @@ class _Step:
     def time(self) -> None:
         with jax.set_mesh(self.mesh):
             start = time.perf_counter()
-            self.state, loss = self.trainer.train_step(self.state, self.inputs, self.targets)
+            self.state, loss = self.trainer.train_step(self.state, self.inputs, self.targets,
+                                                          self.trainer.rates)
             loss.block_until_ready()
         self.times.append(time.perf_counter() - start)
 

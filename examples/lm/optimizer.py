@@ -9,28 +9,31 @@ import math
 from collections.abc import Mapping
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import rowgeom
 from examples.lm import configs
 
 
-def lr_schedule(peak: float, cfg: configs.Config):
+def lr_schedule(peak, cfg: configs.Config):
     """Learning rate by the number of updates already applied: linear warmup to `peak` over
     `cfg.effective_warmup()` updates, then a cosine ("cosine") or a constant phase and a linear
-    decay over the last `decay_fraction` ("wsd"), both ending at `min_lr_ratio·peak`."""
+    decay over the last `decay_fraction` ("wsd"), both ending at `min_lr_ratio·peak`. The peak
+    (a float or a traced scalar) multiplies the schedule of peak one: nothing is decided by its
+    value, so a train step can take it as an argument."""
     o = cfg.optim
-    warm, total, end = cfg.effective_warmup(), cfg.steps, peak * o.min_lr_ratio
+    warm, total = cfg.effective_warmup(), cfg.steps
     if o.schedule == "cosine":
-        base = optax.warmup_cosine_decay_schedule(0.0, peak, warm, total, end)
+        base = optax.warmup_cosine_decay_schedule(0.0, 1.0, warm, total, o.min_lr_ratio)
     else:
         stable_end = max(total - max(round(total * o.decay_fraction), 1), warm)
         base = optax.join_schedules(
-            [optax.linear_schedule(0.0, peak, warm), optax.constant_schedule(peak),
-             optax.linear_schedule(peak, end, total - stable_end)], [warm, stable_end])
+            [optax.linear_schedule(0.0, 1.0, warm), optax.constant_schedule(1.0),
+             optax.linear_schedule(1.0, o.min_lr_ratio, total - stable_end)], [warm, stable_end])
     # optax counts from 0 = "at the start of the warmup"; update t (0-based) uses the value at
     # t + 1, so that the first update is not wasted with a zero learning rate.
-    return lambda count: base(jnp.asarray(count) + 1)
+    return lambda count: peak * base(jnp.asarray(count) + 1)
 
 
 def optimizer_options(cfg: configs.Config) -> dict:
@@ -77,11 +80,26 @@ def track_every_k_steps(cfg: configs.Config) -> int:
     return math.gcd(cfg.eval.every, cfg.steps)
 
 
-def build_optimizer(cfg: configs.Config) -> optax.GradientTransformation:
+def group_rates(cfg: configs.Config) -> dict[str, dict[str, np.float32]]:
+    """Each group's peak learning rate and weight decay, as float32 scalars: the train step's
+    argument (`build_optimizer`'s `rates`)."""
+    return {group: {"learning_rate": np.float32(o.learning_rate),
+                    "weight_decay": np.float32(o.weight_decay)}
+            for group, o in group_hparams(cfg).items()}
+
+
+def build_optimizer(cfg: configs.Config, rates=None) -> optax.GradientTransformation:
     """Global-norm clipping -> rowgeom.lm_optimizer (each group on `lr_schedule` of its peak),
-    in optax.MultiSteps to accumulate."""
-    groups = {group: dataclasses.replace(o, learning_rate=lr_schedule(o.learning_rate, cfg))
-              for group, o in group_hparams(cfg).items()}
+    in optax.MultiSteps to accumulate.
+
+    `rates` (`group_rates`' structure, default `group_rates(cfg)`) may be traced: the train step
+    takes them as an argument, so runs that differ only in their rates and decays (a rate sweep,
+    the paper's tuned and matched runs) lower to one program. The state's structure does not
+    depend on them."""
+    rates = group_rates(cfg) if rates is None else rates
+    groups = {group: dataclasses.replace(
+        o, learning_rate=lr_schedule(rates[group]["learning_rate"], cfg),
+        weight_decay=rates[group]["weight_decay"]) for group, o in group_hparams(cfg).items()}
     tx = rowgeom.lm_optimizer(cfg.optim.learning_rate, **{**optimizer_options(cfg),
                                                           "groups": groups})
     if cfg.optim.grad_clip is not None:

@@ -39,24 +39,24 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import rowgeom
-from examples.lm import checkpointing, configs, data, evaluate, metrics, sharding
+from examples.lm import checkpointing, configs, data, evaluate, metrics, optimizer, sharding
 from examples.lm import model as model_lib
-from examples.lm.optimizer import build_optimizer, head_group, lr_schedule, optimizer_options
 from examples.lm.tools import tokenizer as bpe
 
 
 class Trainer:
     """Model, optimizer, jitted functions and shardings for one config on one mesh: `init()`
     builds the state `{params, rest, opt_state, micro_step, rng}` in place, `abstract_state` is
-    what a checkpoint restores onto, `train_step` applies one micro-batch, `grad_step` is its
-    forward and backward pass alone (for timing)."""
+    what a checkpoint restores onto, `train_step(state, inputs, targets, rates)` applies one
+    micro-batch at the groups' peak rates and decays `rates` (`self.rates`: the config's, on the
+    mesh), `grad_step` is its forward and backward pass alone (for timing)."""
 
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.tx = build_optimizer(cfg)
+        self.tx = optimizer.build_optimizer(cfg)
         # The group that trains the head ("embedding" for a tied table), for the probes.
-        self.head_group = head_group(cfg)
-        self.head_lr = lr_schedule(self.head_group.learning_rate, cfg)
+        self.head_group = optimizer.head_group(cfg)
+        self.head_lr = optimizer.lr_schedule(self.head_group.learning_rate, cfg)
         mc, tx, seed = cfg.model, self.tx, cfg.seed
 
         # The seed is an argument, not a constant: runs that differ only in it (a seed study)
@@ -91,9 +91,12 @@ class Trainer:
         def loss_fn(params, rest, inputs, targets):
             return nnx.merge(gd, compute(params), rest).loss(inputs, targets)
 
-        def train_step(state, inputs, targets):
+        # The groups' peak rates and decays are an argument, not constants: runs that differ
+        # only in them (a rate sweep) lower to one program, compiled once.
+        def train_step(state, inputs, targets, rates):
             loss, grads = jax.value_and_grad(loss_fn)(state["params"], state["rest"], inputs,
                                                       targets)
+            tx = optimizer.build_optimizer(cfg, rates)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
             return {**state, "params": params, "opt_state": opt_state,
@@ -102,8 +105,10 @@ class Trainer:
         def grad_step(state, inputs, targets):  # for timing: the step without the optimizer
             return jax.value_and_grad(loss_fn)(state["params"], state["rest"], inputs, targets)
 
+        self.rates = jax.tree.map(lambda x: jax.make_array_from_process_local_data(repl, x),
+                                  optimizer.group_rates(cfg))
         self.train_step = jax.jit(
-            train_step, in_shardings=(self.shardings, batch, batch),
+            train_step, in_shardings=(self.shardings, batch, batch, repl),
             out_shardings=(self.shardings, repl), donate_argnums=0)
         self.grad_step = jax.jit(
             grad_step, in_shardings=(self.shardings, batch, batch),
@@ -120,7 +125,7 @@ class Trainer:
         # optimizer state holds the head's EMA moment.
         self.centring_probe = None
         full_head = self.abstract_state["params"].get("lm_head", {}).get("kernel")
-        rownorm = optimizer_options(self.cfg)["head"].optimizer == "rownorm"
+        rownorm = optimizer.optimizer_options(self.cfg)["head"].optimizer == "rownorm"
         if (self.cfg.eval.centring and rownorm and full_head is not None
                 and evaluate.head_ema(self.abstract_state["opt_state"], full_head.shape)):
             o = self.cfg.optim
@@ -218,8 +223,8 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
             step = meta["step"]
             if "steps" in changed:
                 old = dataclasses.replace(cfg, steps=changed["steps"][0])
-                before = _scalar(lr_schedule(cfg.optim.learning_rate, old)(step))
-                after = _scalar(lr_schedule(cfg.optim.learning_rate, cfg)(step))
+                before = _scalar(optimizer.lr_schedule(cfg.optim.learning_rate, old)(step))
+                after = _scalar(optimizer.lr_schedule(cfg.optim.learning_rate, cfg)(step))
                 out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; "
                     f"the learning rate of update {step + 1} changes from {before:.6g} to "
                     f"{after:.6g}")
@@ -320,7 +325,7 @@ def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
         f"{setup.val_set.num_tokens:,} evaluated, "
         f"{cfg.steps / setup.train_set.updates_per_epoch:.3g} training epochs")
     out(str(rowgeom.describe(state["params"], cfg.optim.learning_rate,
-                             **optimizer_options(cfg))))
+                             **optimizer.optimizer_options(cfg))))
 
 
 def checkpoint_meta(cfg: configs.Config, step: int, mesh, tokens: data.TokenSplits) -> dict:
@@ -544,7 +549,7 @@ class _Loop:
         self.tokens_per_step = cfg.data.batch_size * cfg.seq_len * self.accum
         self.flops_per_token = model_lib.flops_per_token(cfg.model)
         self.peak_flops = metrics.peak_flops()  # None for an unknown device: no MFU
-        self.lr = lr_schedule(cfg.optim.learning_rate, cfg)
+        self.lr = optimizer.lr_schedule(cfg.optim.learning_rate, cfg)
         self.last_eval: dict = {}
         self.window_start, self.window_steps = time.perf_counter(), 0
 
@@ -562,7 +567,7 @@ class _Loop:
         losses = []
         for micro in range(self.accum):
             inputs, targets = self.train_batches.get((step - 1) * self.accum + micro)
-            state, loss = trainer.train_step(state, inputs, targets)
+            state, loss = trainer.train_step(state, inputs, targets, trainer.rates)
             losses.append(loss)
         self.window_steps += 1
         if not (is_eval or is_probe or is_diameter or step % cfg.log_every == 0):

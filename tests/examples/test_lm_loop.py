@@ -199,12 +199,13 @@ def test_accumulation_trains_like_the_larger_batch(root, shared_trainers, clean)
         for _ in range(2):
             micro = [_tokens(rng, cfg, MICRO_BATCH, placed) for _ in range(ACCUM)]
             before = jax.device_get(state["params"])
-            state, first = one.train_step(state, *micro[0])
+            state, first = one.train_step(state, *micro[0], one.rates)
             jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), before)
-            state, second = one.train_step(state, *micro[1])
+            state, second = one.train_step(state, *micro[1], one.rates)
             batch = (np.concatenate([np.asarray(x) for x in parts])
                      for parts in zip(*micro, strict=True))
-            ref, loss = big.train_step(ref, *(jax.device_put(x, placed) for x in batch))
+            ref, loss = big.train_step(ref, *(jax.device_put(x, placed) for x in batch),
+                                       big.rates)
             np.testing.assert_allclose((float(first) + float(second)) / 2, float(loss),
                                        rtol=1e-6)
             after = jax.device_get(state["params"])
@@ -234,7 +235,8 @@ def test_head_probe_step_without_decay_adds_the_decay_back(root, shared_trainers
         old = trainer.head_of(state["params"], state["rest"])
         for _ in range(ACCUM):
             placed = mesh_lib.batch_sharding(mesh)
-            state, _ = trainer.train_step(state, *_tokens(rng, cfg, MICRO_BATCH, placed))
+            state, _ = trainer.train_step(state, *_tokens(rng, cfg, MICRO_BATCH, placed),
+                                          trainer.rates)
         new = trainer.head_of(state["params"], state["rest"])
         inputs = _tokens(rng, cfg, cfg.eval.hilbert_sequences, mesh_lib.replicated(mesh))[0]
         # Typed as the loop passes them: the schedule's weak float32, the decay a float32.
@@ -251,3 +253,36 @@ def test_head_probe_step_without_decay_adds_the_decay_back(root, shared_trainers
     # The sign matters: with the decay subtracted the diameter is another number.
     wrong = _np_diameter(new - old - lr * wd * old, vocab_axis)
     assert abs(wrong - probe["head_step_diameter"]) > 1e-2 * wrong
+
+
+def test_the_groups_rates_are_the_steps_argument(root, shared_trainers, clean):
+    """Configs that differ only in their groups' rates and decays lower to one train step (a
+    rate sweep compiles it once), and the step reads each group's rate from its argument: with
+    the head's rate doubled, the head's update doubles and every other parameter's is the same,
+    bit for bit."""
+    cfg, mesh = short_run(root), _one_device()
+    trainer = shared_trainers(cfg, mesh)
+    swept = configs.override(cfg, {"optim.learning_rate": 0.031, "optim.weight_decay": 0.2,
+                                   "optim.head_learning_rate": 0.7,
+                                   "optim.embedding_learning_rate": 0.011})
+    other = train.Trainer(swept, mesh)
+    rng, placed = np.random.default_rng(2), mesh_lib.batch_sharding(mesh)
+    batch = _tokens(rng, cfg, cfg.data.batch_size, placed)
+    lowered = [t.train_step.lower(t.abstract_state, *batch, t.rates).as_text()
+               for t in (trainer, other)]
+    assert lowered[0] == lowered[1]
+    assert jax.device_get(other.rates) != jax.device_get(trainer.rates)
+    head = trainer.rates["head"]
+    doubled = {**trainer.rates, "head": {**head, "learning_rate": 2 * head["learning_rate"]}}
+    with jax.set_mesh(mesh):
+        before = jax.device_get(trainer.init()["params"])
+        after = [jax.device_get(trainer.train_step(trainer.init(), *batch, rates)[0]["params"])
+                 for rates in (trainer.rates, doubled)]
+    flat = [dict(jax.tree_util.tree_leaves_with_path(p)) for p in (before, *after)]
+    for path, old in flat[0].items():
+        once, twice = flat[1][path] - old, flat[2][path] - old
+        if "lm_head" in jax.tree_util.keystr(path):
+            np.testing.assert_allclose(twice, 2 * once, rtol=1e-4, atol=1e-7)
+            assert np.abs(once).max() > 0
+        else:
+            np.testing.assert_array_equal(flat[2][path], flat[1][path])

@@ -114,7 +114,9 @@ class _Trainer:
     """What `_Loop.step` calls of a Trainer: a jitted step whose loss is the micro-batch's id."""
 
     head_lr = staticmethod(lambda step: jnp.float32(0.0))
-    train_step = staticmethod(jax.jit(lambda state, inputs, targets: (state + 1, inputs * 1.0)))
+    rates = None
+    train_step = staticmethod(jax.jit(
+        lambda state, inputs, targets, rates: (state + 1, inputs * 1.0)))
 
 
 class _Batches:

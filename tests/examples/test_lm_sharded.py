@@ -207,7 +207,7 @@ def _train_steps(cfg, mesh):
         for batch in tokens.astype(np.int32):
             inputs, targets = (sharding.global_batch(x, mesh, batch_size=len(x))
                                for x in (batch[:, :-1], batch[:, 1:]))
-            state, loss = trainer.train_step(state, inputs, targets)
+            state, loss = trainer.train_step(state, inputs, targets, trainer.rates)
             losses.append(float(loss))
     kernel = jax.tree.leaves(state["params"]["layers"])[0]
     split = kernel.addressable_shards[0].data.size < kernel.size

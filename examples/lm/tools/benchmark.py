@@ -32,7 +32,7 @@ def benchmark(cfg: configs.Config, *, steps: int = 20, print_fn=print) -> dict:
         full, grad_only = [], []
         for i in range(steps + 2):
             t0 = time.perf_counter()
-            state, loss = trainer.train_step(state, inputs, targets)
+            state, loss = trainer.train_step(state, inputs, targets, trainer.rates)
             loss.block_until_ready()
             t1 = time.perf_counter()
             jax.block_until_ready(trainer.grad_step(state, inputs, targets))

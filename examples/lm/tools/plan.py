@@ -114,8 +114,9 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
                                   sharding=mesh_lib.batch_sharding(mesh))
     try:
         with jax.set_mesh(mesh):
-            compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens,
-                                                    tokens).compile(compiler_options=dump)
+            rates = (trainer.rates,) if step == "train_step" else ()
+            compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens,
+                                                    *rates).compile(compiler_options=dump)
         partitioned = _partitioned(dump_dir)
     finally:
         # The dump also holds the compiler's object files and LLVM IR (about 10 MB a step):
