@@ -435,6 +435,7 @@ def write_report(runs, *, cfg, out: Path, heads, sweep, seeds, sweep_seed, sessi
 
 
 def main(argv=None) -> dict:
+    train.use_compilation_cache()  # the runs' steps, compiled once (by shape, not rate)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="one seed, the `test` model, 8 steps, a 2-point sweep (for CI)")

@@ -70,7 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
-from examples.lm import configs, metrics
+from examples.lm import configs, metrics, train
 from studies import compare_heads, ladder_fit, ladder_report
 
 
@@ -676,6 +676,7 @@ def _shown(path: Path) -> str:
 
 
 def main(argv=None):
+    train.use_compilation_cache()  # the runs' steps, compiled once (by shape, not rate)
     parser = argparse.ArgumentParser(prog="python -m studies.scale_ladder",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",

@@ -622,8 +622,22 @@ def summary_line(record: dict) -> str:
             f"(step without decay {record['head_step_hilbert_rms']:.4g})")
 
 
+COMPILATION_CACHE = "~/.cache/rowgeom/jax"
+
+
+def use_compilation_cache() -> None:
+    """Keep compiled programs in JAX's persistent cache, `COMPILATION_CACHE` unless
+    `JAX_COMPILATION_CACHE_DIR` names another (`JAX_ENABLE_COMPILATION_CACHE=false`: none), so
+    that a relaunched run (after a preemption) and runs that differ only in their seed or rates
+    load the compiled step instead of compiling it again. Call it before anything compiles:
+    JAX decides once per process whether it uses the cache."""
+    if jax.config.jax_enable_compilation_cache and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(COMPILATION_CACHE))
+
+
 def main(argv=None) -> dict:
     """The command line (configs.py); a user error prints `train.py: error: ...`, exit status 2."""
+    use_compilation_cache()
     parser = configs.parser(description=__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
     try:

@@ -1,7 +1,7 @@
 """End-to-end tests of the example LM trainer (examples/lm/train.py) on the tiny `test` config.
 
 The corpus is a copy of a few small standard-library files, so the BPE trains in well under a
-second; XLA's optimizations are turned off for these tests because compile time dominates.
+second.
 """
 
 import contextlib
@@ -415,3 +415,22 @@ def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
                      cut(up_padded), up_real)
     assert np.all(np.asarray(params["lm_head"]["kernel"])[:, 300:] == 0)
+
+
+@pytest.mark.parametrize("given", ["none", "a directory", "disabled"])
+def test_the_command_keeps_compiled_steps_in_a_persistent_cache(given, tmp_path, monkeypatch):
+    """`use_compilation_cache` (the first thing `main` does) names `COMPILATION_CACHE` as JAX's
+    persistent cache unless the environment named one, or turned caching off."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    old = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine") if given ==
+                          "a directory" else None)
+        jax.config.update("jax_enable_compilation_cache", given != "disabled")
+        train.use_compilation_cache()
+        want = {"none": str(tmp_path / ".cache/rowgeom/jax"), "a directory": str(tmp_path / "mine"),
+                "disabled": None}[given]
+        assert jax.config.jax_compilation_cache_dir == want
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old[0])
+        jax.config.update("jax_enable_compilation_cache", old[1])
