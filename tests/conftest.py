@@ -17,8 +17,8 @@
 - One JAX persistent compilation cache per pytest invocation (a fresh temporary directory,
   shared by xdist's workers and every subprocess a test starts, removed at the end): a program
   compiled once is not compiled again when a test relaunches the same command (a killed and
-  resumed run, two hosts, a rerun). It changes no compile option; a test that sets
-  `JAX_COMPILATION_CACHE_DIR` itself keeps its own.
+  resumed run, two hosts, a rerun), whatever its compile time. It changes no compile option; a
+  test that sets `JAX_COMPILATION_CACHE_DIR` itself keeps its own.
 - Fixtures for the example trainer's tests: per process, one tokenized corpus (`lm_corpus`) and
   one Trainer per (config, mesh) for the modules that ask for `shared_trainers` (a program
   compiled for one module's run is not compiled again for another's run of an equal config);
@@ -39,6 +39,9 @@ from hypothesis import HealthCheck, settings
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="rowgeom-test-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    # Every program, not only those that took a second to compile (JAX's default): the example's
+    # init, loss and probe programs, which every relaunched run and study run compiles again.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import jax  # noqa: E402  (after the cache's directory)
