@@ -418,8 +418,9 @@ def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
 
 
 @pytest.mark.parametrize("given", ["none", "a directory", "disabled"])
-def test_the_command_keeps_compiled_steps_in_a_persistent_cache(given, tmp_path, monkeypatch):
-    """`use_compilation_cache` (the first thing `main` does) names `COMPILATION_CACHE` as JAX's
+def test_the_command_keeps_compiled_steps_in_a_persistent_cache(given, tmp_path, monkeypatch,
+                                                                capsys):
+    """The command (`main`, before it parses its flags) names `COMPILATION_CACHE` as JAX's
     persistent cache unless the environment named one, or turned caching off."""
     monkeypatch.setenv("HOME", str(tmp_path))
     old = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
@@ -427,7 +428,8 @@ def test_the_command_keeps_compiled_steps_in_a_persistent_cache(given, tmp_path,
         jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine") if given ==
                           "a directory" else None)
         jax.config.update("jax_enable_compilation_cache", given != "disabled")
-        train.use_compilation_cache()
+        with pytest.raises(SystemExit):
+            train.main(["--help"])
         want = {"none": str(tmp_path / ".cache/rowgeom/jax"), "a directory": str(tmp_path / "mine"),
                 "disabled": None}[given]
         assert jax.config.jax_compilation_cache_dir == want
