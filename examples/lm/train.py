@@ -49,7 +49,8 @@ class Trainer:
     builds the state `{params, rest, opt_state, micro_step, rng}` in place, `abstract_state` is
     what a checkpoint restores onto, `train_step(state, inputs, targets, rates)` applies one
     micro-batch at the groups' peak rates and decays `rates` (`self.rates`: the config's, on the
-    mesh), `grad_step` is its forward and backward pass alone (for timing)."""
+    mesh; `abstract_rates` to lower it), `grad_step` is its forward and backward pass alone (for
+    timing)."""
 
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
@@ -105,8 +106,9 @@ class Trainer:
         def grad_step(state, inputs, targets):  # for timing: the step without the optimizer
             return jax.value_and_grad(loss_fn)(state["params"], state["rest"], inputs, targets)
 
-        self.rates = jax.tree.map(lambda x: jax.make_array_from_process_local_data(repl, x),
-                                  optimizer.group_rates(cfg))
+        self.abstract_rates = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=repl),
+            optimizer.group_rates(cfg))
         self.train_step = jax.jit(
             train_step, in_shardings=(self.shardings, batch, batch, repl),
             out_shardings=(self.shardings, repl), donate_argnums=0)
@@ -142,6 +144,15 @@ class Trainer:
             return params
         return jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p.astype(dtype), s),
                             params, self.shardings["params"])
+
+    @functools.cached_property
+    def rates(self):
+        """The config's rates (`optimizer.group_rates`) on the mesh: `train_step`'s last
+        argument. Made when first asked for: a Trainer for a compile-only target has no device
+        to hold them (`abstract_rates` is what such a step lowers with)."""
+        repl = sharding.replicated(self.mesh)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(repl, x),
+                            optimizer.group_rates(self.cfg))
 
     def init(self):
         """A fresh train state, created in place with its shardings."""

@@ -268,7 +268,7 @@ def test_the_groups_rates_are_the_steps_argument(root, shared_trainers, clean):
     other = train.Trainer(swept, mesh)
     rng, placed = np.random.default_rng(2), mesh_lib.batch_sharding(mesh)
     batch = _tokens(rng, cfg, cfg.data.batch_size, placed)
-    lowered = [t.train_step.lower(t.abstract_state, *batch, t.rates).as_text()
+    lowered = [t.train_step.lower(t.abstract_state, *batch, t.abstract_rates).as_text()
                for t in (trainer, other)]
     assert lowered[0] == lowered[1]
     assert jax.device_get(other.rates) != jax.device_get(trainer.rates)

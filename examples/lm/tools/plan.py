@@ -114,7 +114,7 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
                                   sharding=mesh_lib.batch_sharding(mesh))
     try:
         with jax.set_mesh(mesh):
-            rates = (trainer.rates,) if step == "train_step" else ()
+            rates = (trainer.abstract_rates,) if step == "train_step" else ()
             compiled = getattr(trainer, step).lower(trainer.abstract_state, tokens, tokens,
                                                     *rates).compile(compiler_options=dump)
         partitioned = _partitioned(dump_dir)
