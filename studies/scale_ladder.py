@@ -398,9 +398,13 @@ class Driver:
         self.kw = dict(data_source=data_source, steps=steps, report_only=report_only, log=log)
         self.runs: dict[str, list[dict]] = {p: [] for p in (*PROTOCOLS, "sweep")}
         self.rules: dict[str, dict] = {}
+        self.trained = 0  # runs this session trained (not loaded from their records)
 
     def get(self, protocol, point, head, lr, seed):
+        rundir = run_dir(self.workdir, point, head, _lr(lr), seed)
+        done = (rundir / "ladder.json").exists()
         r = run_point(self.ladder, self.workdir, point, head, lr, seed, **self.kw)
+        self.trained += r is not None and not done
         if r is not None:
             self.runs[protocol].append({**r, "protocol": protocol})
         return r
@@ -480,7 +484,9 @@ class Driver:
                         self.runs["robust"][-1]["multiplier"] = m
 
     def run(self, report):
-        """Run every protocol in order, calling `report()` after each stage."""
+        """Run every protocol in order, calling `report()` after each stage that trained a run
+        (the page follows a long study as it goes; a stage that only read finished records
+        changes nothing a rerun's final report would not show)."""
         stages = [("equal", self.equal), ("sweep", self.sweep), ("tuned", self.tuned),
                   ("matched", self.matched), ("robust", self.robust)]
         for name, stage in stages:
@@ -488,8 +494,10 @@ class Driver:
                 continue
             if name in PROTOCOLS and name not in self.ladder.protocols:
                 continue
+            trained = self.trained
             stage()
-            report()
+            if self.trained > trained:
+                report()
 
 
 # ----------------------------------------------------------------------------- plan and costs
