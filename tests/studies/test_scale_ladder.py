@@ -129,9 +129,14 @@ def test_empty_report_says_nothing_was_measured(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # trains the example at several scales
-def test_quick_ladder_end_to_end(tmp_path, small_corpus):
+def test_quick_ladder_end_to_end(tmp_path, small_corpus, monkeypatch):
     """Two points, two heads, every protocol: records, the matched-rate rescale, resumption and
-    the report (measured numbers equal the run records)."""
+    the report (measured numbers equal the run records), written after each stage that trained
+    and once at the end."""
+    written = []
+    write_report = ladder_report.write_report
+    monkeypatch.setattr(ladder_report, "write_report",
+                        lambda *a, **k: written.append(1) or write_report(*a, **k))
     root = small_corpus(tmp_path)
     ladder = dataclasses.replace(
         scale_ladder.quick_ladder(heads=("muon-spectral", "rownorm")),
@@ -142,6 +147,7 @@ def test_quick_ladder_end_to_end(tmp_path, small_corpus):
         protocols_by_point={Point(64, 512): ("equal", "tuned")})  # 5 runs train in all
     kw = dict(workdir=root / "runs", out=root / "out", data_source=str(root / "corpus"))
     result = scale_ladder.ladder_study(ladder, **kw, log=lambda *a: None)
+    assert len(written) == 3  # after "equal" and "matched" (the others reuse their runs), end
     runs = result["runs"]
     assert len(runs["equal"]) == 4 and len(runs["tuned"]) == 4 and len(runs["matched"]) == 2
     for r in runs["equal"]:
@@ -176,6 +182,7 @@ def test_quick_ladder_end_to_end(tmp_path, small_corpus):
     assert "| equal | d32-V512-L2 |  | 1 / 1 | 1 / 1 |" in md  # seeds: finished / planned
     # resumption: a rerun trains nothing and rebuilds the same report
     again = scale_ladder.ladder_study(ladder, **kw, log=lambda *a: pytest.fail(f"trained {a}"))
+    assert len(written) == 4  # a study that trains nothing writes its page once
     assert json.dumps(again["protocols"]) == json.dumps(result["protocols"])
     # run names do not carry the horizon: another --steps on the same workdir is refused
     with pytest.raises(ValueError, match="8-step run but this ladder trains 9 steps"):
