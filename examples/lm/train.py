@@ -634,16 +634,22 @@ def summary_line(record: dict) -> str:
 
 
 COMPILATION_CACHE = "~/.cache/rowgeom/jax"
+# The default cache's bound: past it, JAX deletes the least recently used programs (a program
+# is kept however long it took to compile, and every config and jax version adds its own).
+COMPILATION_CACHE_MAX_BYTES = 4 << 30
 
 
 def use_compilation_cache() -> None:
-    """Keep compiled programs in JAX's persistent cache, `COMPILATION_CACHE` unless
+    """Keep compiled programs in JAX's persistent cache, `COMPILATION_CACHE` (at most
+    `COMPILATION_CACHE_MAX_BYTES`, unless `JAX_COMPILATION_CACHE_MAX_SIZE` says otherwise) unless
     `JAX_COMPILATION_CACHE_DIR` names another (`JAX_ENABLE_COMPILATION_CACHE=false`: none), so
     that a relaunched run (after a preemption) and runs that differ only in their seed or rates
     load the compiled step instead of compiling it again. Call it before anything compiles:
     JAX decides once per process whether it uses the cache."""
     if jax.config.jax_enable_compilation_cache and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(COMPILATION_CACHE))
+        if jax.config.jax_compilation_cache_max_size == -1:  # -1: JAX's default, no bound
+            jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
 def main(argv=None) -> dict:

@@ -417,22 +417,29 @@ def test_padded_vocabulary_optimizer_matches_the_recipe_on_the_real_rows():
     assert np.all(np.asarray(params["lm_head"]["kernel"])[:, 300:] == 0)
 
 
-@pytest.mark.parametrize("given", ["none", "a directory", "disabled"])
+@pytest.mark.parametrize("given", ["none", "a bound", "a directory", "disabled"])
 def test_the_command_keeps_compiled_steps_in_a_persistent_cache(given, tmp_path, monkeypatch,
                                                                 capsys):
     """The command (`main`, before it parses its flags) names `COMPILATION_CACHE` as JAX's
-    persistent cache unless the environment named one, or turned caching off."""
+    persistent cache, bounded by `COMPILATION_CACHE_MAX_BYTES` unless the environment gave a
+    bound, unless the environment named a cache, or turned caching off."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    old = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
+    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache",
+             "jax_compilation_cache_max_size")
+    old = {name: getattr(jax.config, name) for name in names}
     try:
         jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine") if given ==
                           "a directory" else None)
         jax.config.update("jax_enable_compilation_cache", given != "disabled")
+        jax.config.update("jax_compilation_cache_max_size", 1 << 20 if given == "a bound" else -1)
         with pytest.raises(SystemExit):
             train.main(["--help"])
-        want = {"none": str(tmp_path / ".cache/rowgeom/jax"), "a directory": str(tmp_path / "mine"),
-                "disabled": None}[given]
-        assert jax.config.jax_compilation_cache_dir == want
+        default = str(tmp_path / ".cache/rowgeom/jax")
+        want = {"none": (default, train.COMPILATION_CACHE_MAX_BYTES),
+                "a bound": (default, 1 << 20), "a directory": (str(tmp_path / "mine"), -1),
+                "disabled": (None, -1)}[given]
+        assert (jax.config.jax_compilation_cache_dir,
+                jax.config.jax_compilation_cache_max_size) == want
     finally:
-        jax.config.update("jax_compilation_cache_dir", old[0])
-        jax.config.update("jax_enable_compilation_cache", old[1])
+        for name, value in old.items():
+            jax.config.update(name, value)
