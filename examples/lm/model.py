@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from examples.lm import loss as loss_lib
 from examples.lm.sharding import constrain, num_shards
@@ -26,6 +27,7 @@ _BTV = ("activation_batch", "activation_length", "activation_vocab")
 # recomputes the block from its input (jax.checkpoint, nothing saved); "dots" saves the outputs
 # of its weight matmuls and recomputes the rest (attention scores, norms, activations).
 REMAT_POLICIES = ("none", "block", "dots")
+WEIGHT_MATMUL = "weight_matmul"  # the checkpoint name of the Linear layers' outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +144,63 @@ def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, *, theta: float) -> ja
     return out.astype(x_BTNH.dtype)
 
 
+# Gradients are reduced across devices in float32, as PyTorch's DDP reduces the float32 gradients
+# of float32 parameters under autocast (the paper's setup). Each device's share of a weight
+# gradient is a sum over its part of the batch; formed by the matmul (or the scatter) in
+# compute dtype, it would be summed across the data-parallel devices in bf16 (an all-reduce or
+# FSDP's reduce-scatter of bf16 partial sums). Formed in float32 instead, the sum across devices
+# is float32 too, and the result is rounded to the compute dtype once, after it. Twice the
+# bytes of a bf16 reduction; the forward pass and the activations' gradients are unchanged.
+@jax.custom_vjp
+def _matmul(x, kernel):
+    """`x (..., d_in) @ kernel (d_in, d_out)` whose kernel gradient is formed in float32."""
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _matmul_fwd(x, kernel):
+    return _matmul(x, kernel), (x, kernel)
+
+
+def _matmul_bwd(residuals, dy):
+    x, kernel = residuals
+    batch = tuple(range(x.ndim - 1))
+    dkernel = jax.lax.dot_general(x, dy, ((batch, batch), ((), ())),
+                                  preferred_element_type=jnp.float32)
+    dx = jax.lax.dot_general(dy, kernel, (((dy.ndim - 1,), (1,)), ((), ())))
+    return dx, dkernel.astype(kernel.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _linear_dot(lhs, rhs, dimension_numbers, precision=None, **kwargs):
+    """nnx.Linear's `dot_general`: its one contraction (inputs' last axis with the kernel's
+    first) by `_matmul`."""
+    del precision  # the default, as nnx.Linear passes it
+    assert dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and not any(kwargs.values())
+    # Named: remat's "dots" saves it (its policy sees a custom_vjp whole, not the matmul inside).
+    return checkpoint_name(_matmul(lhs, rhs), WEIGHT_MATMUL)
+
+
+@jax.custom_vjp
+def _lookup(table_VD, ids):
+    """`table_VD[ids]` whose table gradient (a scatter-add of rows) is formed in float32."""
+    return jnp.take(table_VD, ids, axis=0)
+
+
+def _lookup_fwd(table_VD, ids):
+    return _lookup(table_VD, ids), (table_VD, ids)
+
+
+def _lookup_bwd(residuals, d_rows):
+    table_VD, ids = residuals
+    dtable = jnp.zeros(table_VD.shape, jnp.float32).at[ids].add(d_rows.astype(jnp.float32))
+    return dtable.astype(table_VD.dtype), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
 def _linear(d_in, d_out, names, cfg, rngs, *, std=None):
     """A bias-free Linear, kernel (d_in, d_out) named `names`; LeCun normal init (activations
     O(1) after a pre-norm) unless `std`, and `cfg.init_std` (the paper's 0.02) over both."""
@@ -151,7 +210,8 @@ def _linear(d_in, d_out, names, cfg, rngs, *, std=None):
         std = 1.0 / math.sqrt(d_in)
     return nnx.Linear(
         d_in, d_out, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
-        kernel_init=nnx.initializers.normal(std), kernel_metadata=_sharded(names), rngs=rngs)
+        dot_general=_linear_dot, kernel_init=nnx.initializers.normal(std),
+        kernel_metadata=_sharded(names), rngs=rngs)
 
 
 def _rmsnorm(cfg, rngs, features=None):
@@ -243,7 +303,7 @@ def _rematted(policy: str, *, in_scan: bool):
     recomputation from being merged with the forward pass, so CSE prevention is not needed."""
     if policy == "none":
         return _apply_block
-    saved = {"block": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+    saved = {"block": None, "dots": jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL)}
     return nnx.remat(_apply_block, policy=saved[policy], prevent_cse=not in_scan)
 
 
@@ -299,7 +359,8 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"sequence length {tokens_BT.shape[1]} exceeds --model.max_seq_len "
                 f"{self.cfg.max_seq_len}")
-        x_BTD = constrain(self.embed(tokens_BT), *_BTD)
+        table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
+        x_BTD = constrain(_lookup(table_VD, tokens_BT), *_BTD)
         apply = _rematted(self.cfg.remat, in_scan=self.cfg.scan_layers)
         if self.cfg.scan_layers:
             run = nnx.scan(apply, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)

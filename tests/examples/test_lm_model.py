@@ -318,3 +318,31 @@ def test_param_count_and_flops(cfg):
     # tied table is also the head matmul.
     matmul = n - norms - (0 if cfg.tied_embeddings else V * d)
     assert model_lib.flops_per_token(cfg) == 6 * matmul + 12 * L * d * cfg.max_seq_len
+
+
+def test_weight_gradients_match_float64_and_are_formed_in_float32():
+    """`model._matmul` (the Linear layers' matmul) and `model._lookup` (the embedding's rows):
+    their gradients against numpy float64, and with bf16 operands, the weight gradients' matmul
+    and scatter-add in float32 (the sum over the batch, which devices complete with a
+    collective, stays float32 until one rounding to bf16)."""
+    rng = np.random.default_rng(0)
+    x, kernel = rng.normal(size=(3, 5, 8)), rng.normal(size=(8, 4))
+    table, ids = rng.normal(size=(6, 8)), rng.integers(0, 6, (3, 5)).astype(np.int32)
+
+    def loss(x, kernel, table):
+        return (jnp.sum(jnp.sin(model_lib._matmul(x, kernel)))
+                + jnp.sum(jnp.cos(model_lib._lookup(table, ids))))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    got = jax.jit(grads)(*(a.astype(np.float32) for a in (x, kernel, table)))
+    dy = np.cos(x @ kernel)  # float64 reference
+    dtable = np.zeros_like(table)
+    np.add.at(dtable, ids, -np.sin(table[ids]))
+    for g, want in zip(got, (dy @ kernel.T, np.einsum("btd,btf->df", x, dy), dtable),
+                       strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=1e-5, atol=1e-5)
+    bf16 = [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in (x, kernel, table)]
+    jaxpr = str(jax.make_jaxpr(grads)(*bf16))
+    assert "preferred_element_type=float32" in jaxpr, jaxpr  # the kernel's gradient
+    assert "scatter-add" in jaxpr and "f32[6,8]" in jaxpr, jaxpr  # the table's, in float32
+    assert all(v.dtype == jnp.bfloat16 for v in jax.eval_shape(grads, *bf16))

@@ -365,6 +365,11 @@ def test_190m_fits_a_16_gib_chip_at_4_sequences_per_chip_on_fsdp_8(paper_190m):
     gathers = {c["shape"].split("[")[0] for c in partitioned["largest_collectives"]
                if c["kind"] == "all-gather" and c["shape"].count(",") >= 1}
     assert "bf16" in gathers, gathers  # the blocks' weights gather in bf16
+    # ... and their gradients are summed across devices in float32, as the paper's DDP sums the
+    # float32 gradients of its float32 parameters (model.py, `_matmul`).
+    reductions = {c["shape"].split("[")[0] for c in partitioned["largest_collectives"]
+                  if c["kind"] in ("all-reduce", "reduce-scatter") and c["shape"].count(",")}
+    assert reductions == {"f32"}, partitioned["largest_collectives"]
 
 
 def test_plan_command_says_when_the_step_does_not_fit(tmp_path, capsys):
