@@ -3,7 +3,8 @@ RoPE, RMSNorm -> SwiGLU MLP), a final RMSNorm and an LM head (kernel (d, V)) or 
 table (V, d). Shape suffixes: B batch, T sequence, D width, N heads, H head width, F MLP width,
 V vocabulary, L layers. Every parameter and activation is named by logical axes, which
 sharding.py maps onto the mesh (inside `jax.set_mesh` only). Norm statistics, RoPE, the softmax
-and the logits are float32 whatever `compute_dtype`.
+and the logits are float32 whatever `compute_dtype`, and so are the weight gradients' sums across
+devices (`_matmul`, `_lookup`).
 """
 
 import dataclasses
