@@ -19,7 +19,7 @@ import math
 import numbers
 import operator
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -91,12 +91,10 @@ def unbox(x: Any) -> Any:
     """The array (or ShapeDtypeStruct, or label) inside a Flax box; `x` itself otherwise."""
     if not is_box(x):
         return x
-    box: Any = x  # a Variable (get_value), a Linen box (unbox) or an older Variable (value)
-    if hasattr(box, "get_value"):
-        return box.get_value()
-    if hasattr(box, "unbox"):
-        return box.unbox()
-    return box.value
+    for method in ("get_value", "unbox"):  # a Variable, a Linen box (an older Variable: value)
+        if hasattr(x, method):
+            return getattr(x, method)()
+    return x.value
 
 
 def leaf_shape(x) -> tuple[int, ...]:
@@ -160,12 +158,6 @@ def lookup_prefix(table: Mapping[Path, Any], path: Path) -> tuple[bool, Any]:
     return False, None
 
 
-def unmatched(entries: Iterable[Path], paths: Iterable[Path]) -> list[str]:
-    """The entries (``"/"``-joined) that are no prefix of any of `paths`: a typo, not a no-op."""
-    paths = list(paths)
-    return [path_str(k) for k in entries if not any(p[:len(k)] == k for p in paths)]
-
-
 def resolve_per_leaf(option, paths: list[Path], *, is_value: Callable[[Any], bool],
                      argname: str) -> list[tuple[bool, Any]]:
     """``(found, value)`` of a per-leaf option for each of `paths` (the module docstring).
@@ -177,7 +169,8 @@ def resolve_per_leaf(option, paths: list[Path], *, is_value: Callable[[Any], boo
     if is_value(option):
         return [(True, option)] * len(paths)
     entries = prefix_entries(option, is_entry=is_value)
-    unknown = unmatched(entries, paths)
+    # An entry that is no prefix of any path: a typo, not a no-op.
+    unknown = [path_str(k) for k in entries if not any(p[:len(k)] == k for p in paths)]
     if unknown:
         leaves = sorted(path_str(p) for p in paths)
         more = f" and {len(leaves) - 8} more" if len(leaves) > 8 else ""
@@ -209,9 +202,8 @@ def canonical_axis(axis: Any, ndim: int, *, argname: str = "vocab_axis") -> int:
     except TypeError:
         raise TypeError(f"{argname} must be an int, got {axis!r}") from None
     if not -ndim <= axis < ndim:
-        raise ValueError(
-                f"{argname}={axis} is out of range for an array of rank {ndim} "
-                f"(expected {-ndim} <= {argname} < {ndim})")
+        raise ValueError(f"{argname}={axis} is out of range for an array of rank {ndim} "
+                         f"(expected {-ndim} <= {argname} < {ndim})")
     return axis % ndim
 
 
@@ -219,17 +211,15 @@ def check_floating(x: ArrayLike, *, argname: str) -> None:
     """Raises TypeError unless `x` has a real floating dtype."""
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-                f"{argname} must have a real floating dtype (float32, bfloat16, ...), got {dtype}")
+        raise TypeError(f"{argname} must have a real floating dtype (float32, bfloat16, ...), "
+                        f"got {dtype}")
 
 
 def check_min_rank(x: ArrayLike, min_rank: int, *, argname: str, what: str = "") -> None:
     """Raises ValueError if `x` has fewer than `min_rank` dimensions."""
-    ndim = jnp.ndim(x)
-    if ndim < min_rank:
+    if jnp.ndim(x) < min_rank:
         extra = f" ({what})" if what else ""
-        raise ValueError(
-                f"{argname} must have rank >= {min_rank}{extra}, got shape {jnp.shape(x)}")
+        raise ValueError(f"{argname} must have rank >= {min_rank}{extra}, got shape {jnp.shape(x)}")
 
 
 def check_matrix_like(x: ArrayLike, *, argname: str, vocab_axis: Any) -> int:
