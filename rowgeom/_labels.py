@@ -1,5 +1,5 @@
 """Parameter labels for per-block update geometry: `Labeler` and `label_params`, and labels
-given as a tree or callable matched to the leaves by path (`given_labels`).
+given as a tree or callable matched to the leaves by path (`labelled_leaves`).
 
 Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
 (projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW), ``"router"`` (a mixture-of-experts
@@ -48,7 +48,6 @@ from rowgeom._structure import (
     naming_path,
 )
 from rowgeom._tree import (
-    Path,
     leaf_shape,
     map_with_paths,
     one_of,
@@ -87,7 +86,7 @@ class _Leaf(NamedTuple):
     shape: tuple[int, ...]
     label: str | None
     source: str | None  # rank, rule, vector name, name, block, stack, router, shape, default,
-    #                     tied, unused head
+    #                     tied, unused head; "given" for labels given as a tree or callable
 
 
 def _by_name(path, cfg: Labeler) -> str | None:
@@ -340,23 +339,6 @@ class GivenLabels(tuple):
                                            for p, label in prefix_entries(labels).items()))
 
 
-def given_labels(labels: Any, tree: Any) -> list[tuple[Path, tuple[int, ...], str]]:
-    """``[(path, shape, label)]`` of every leaf of `tree`, from labels given as a tree (matched
-    by path: `rowgeom._tree.resolve_per_leaf`), a `GivenLabels` or a callable ``tree ->
-    labels``; a leaf no label covers is an error naming it."""
-    entries = tree_paths(tree)
-    given = labels(tree) if callable(labels) else labels
-    given = dict(given) if isinstance(given, GivenLabels) else given
-    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
-                                is_value=lambda v: isinstance(v, str), argname="labels")
-    missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
-               if not found]
-    if missing:
-        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
-    return [(p, leaf_shape(x), str(label))
-            for (p, x), (_, label) in zip(entries, per_leaf, strict=True)]
-
-
 def labels_option(labels: Any, tied: str | None) -> tuple[Any, str | None]:
     """`lm_optimizer`'s ``labels`` and ``tied`` as the plan reads them: a `Labeler` holding the
     tied policy (said once: here or in the `Labeler` given), a `GivenLabels` or a callable."""
@@ -379,12 +361,20 @@ def labels_option(labels: Any, tied: str | None) -> tuple[Any, str | None]:
     return labels, tied
 
 
-def labelled_leaves(labels: Any, tree: Any):
-    """``([(path, shape, label)], {path: reason}, router names)`` of every leaf, by a `Labeler`
-    or by labels given as a tree, `GivenLabels` or callable (reason ``"given"``)."""
+def labelled_leaves(labels: Any, tree: Any) -> tuple[list[_Leaf], frozenset[str]]:
+    """Every leaf's label with its reason, and the router names: by a `Labeler`, or by labels
+    given as a tree (matched by path: `rowgeom._tree.resolve_per_leaf`), a `GivenLabels` or a
+    callable ``tree -> labels`` (reason ``"given"``; a leaf no label covers is an error)."""
     if isinstance(labels, Labeler):
-        leaves = labels.label_leaves(tree)
-        return ([(lf.path, lf.shape, str(lf.label)) for lf in leaves],
-                {lf.path: lf.source for lf in leaves}, labels.router_names)
-    labelled = given_labels(labels, tree)
-    return labelled, dict.fromkeys((p for p, _, _ in labelled), "given"), DEFAULT_ROUTER_NAMES
+        return labels.label_leaves(tree), frozenset(labels.router_names)
+    entries = tree_paths(tree)
+    given = labels(tree) if callable(labels) else labels
+    given = dict(given) if isinstance(given, GivenLabels) else given
+    per_leaf = resolve_per_leaf(given, [p for p, _ in entries],
+                                is_value=lambda v: isinstance(v, str), argname="labels")
+    missing = [path_str(p) for (p, _), (found, _) in zip(entries, per_leaf, strict=True)
+               if not found]
+    if missing:
+        raise ValueError(f"lm_optimizer: no label for parameter(s) {', '.join(missing)}")
+    return [_Leaf(p, leaf_shape(x), str(label), "given")
+            for (p, x), (_, label) in zip(entries, per_leaf, strict=True)], DEFAULT_ROUTER_NAMES

@@ -187,7 +187,7 @@ def tied_without_head(embeds) -> str:
 def not_a_group(leaves) -> str:
     """Labels (a rule's, a given tree's) that are none of `LABELS`: no group trains them."""
     wrong: dict[str, list[str]] = {}
-    for path, _, label in leaves:
+    for path, _, label, _ in leaves:
         if label not in LABELS:
             wrong.setdefault(label, []).append(path_str(path))
     detail = "; ".join(f"{lab!r} (used by {', '.join(paths)})" for lab, paths in wrong.items())
@@ -197,8 +197,8 @@ def not_a_group(leaves) -> str:
 
 
 def no_head_group(leaves, head: str, tied: str | None) -> str:
-    """Labels given as a tree or callable name no head (``leaves``: ``(path, shape, label)``)."""
-    matrices = [(p, s, lab) for p, s, lab in leaves if len(s) == 2]
+    """Labels given as a tree or callable name no head (``leaves``: `labelled_leaves`')."""
+    matrices = [(p, s, lab) for p, s, lab, _ in leaves if len(s) == 2]
     largest = max((max(s) for _, s, _ in matrices), default=None)
     candidates = ", ".join(f"{path_str(p)} {tuple(s)} (labelled {lab!r})"
                            for p, s, lab in matrices if max(s) == largest)

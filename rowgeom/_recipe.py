@@ -16,11 +16,9 @@ label          chain (each group's step is ``-lr · (direction + wd · W)``, dec
                ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
 =============  =========================================================================
 
-Three sections, data flowing one way (docs/architecture.md): the **options** (frozen, checked on
-creation) and every group's resolved rate, decay and momentum (`group_options`); the **plan**,
-every per-leaf fact as a pure function of the tree's paths, shapes and dtypes (`plan_of`,
-memoised); the **build**: `lm_optimizer` writes the ``optax.partition`` of the group chains when
-called, each chain reading the plan through per-leaf callables (`per_leaf`).
+Three sections, data flowing one way (docs/architecture.md): the options and every group's
+`GroupOptions` (`group_options`); the plan (`plan_of`, pure and memoised); `lm_optimizer`, which
+writes the group chains, reading the plan through `per_leaf`, and their ``optax.partition``.
 """
 
 from __future__ import annotations
@@ -37,15 +35,8 @@ from rowgeom import _messages  # the text of a plan's errors
 from rowgeom._cpu import IMPLS
 from rowgeom._diagnostics import track_row_diameter
 from rowgeom._labels import labelled_leaves, labels_option
-from rowgeom._muon import (
-    MuonDimensionNumbers,
-    MuonOptions,
-)
-from rowgeom._names import (
-    HEAD_OPTIMIZERS,
-    LABELS,
-    ROUTER_OPTIMIZERS,
-)
+from rowgeom._muon import MuonDimensionNumbers, MuonOptions
+from rowgeom._names import HEAD_OPTIMIZERS, LABELS, ROUTER_OPTIMIZERS
 from rowgeom._router import rownorm_per_matrix
 from rowgeom._rownorm import _RESCALE_MODES, EPS, _check_eps, projected_rownorm
 from rowgeom._structure import (
@@ -488,16 +479,15 @@ def _row(path, shape, label, reason, hp: PlanOptions, structure, hidden_dims) ->
 
 def _plan(tree: Any, hp: PlanOptions) -> Plan:
     """The plan of `tree` (module docstring); raises naming every undecided leaf."""
-    labelled, reasons, router_names = labelled_leaves(hp.labels, tree)
-    if any(label not in LABELS for _, _, label in labelled):  # a rule's or a given tree's
+    labelled, router_names = labelled_leaves(hp.labels, tree)
+    if any(leaf.label not in LABELS for leaf in labelled):  # a rule's or a given tree's
         raise ValueError(_messages.not_a_group(labelled))
     # A model has a head unless its head is tied and trained as the embedding.
-    if hp.tied != "embedding" and not any(label == "head" for _, _, label in labelled):
+    if hp.tied != "embedding" and not any(leaf.label == "head" for leaf in labelled):
         raise ValueError(_messages.no_head_group(labelled, hp.head.optimizer, hp.tied))
     structure = model_structure(labelled, router_names=router_names)
     hidden_dims = hidden_muon_dims(labelled, structure, hp.muon.dimension_numbers, tree)
-    return Plan([_row(p, s, label, reasons.get(p), hp, structure, hidden_dims)
-                 for p, s, label in labelled], structure)
+    return Plan([_row(*leaf, hp, structure, hidden_dims) for leaf in labelled], structure)
 
 
 _MASKED = ("masked",)  # a partition's MaskedNode in a key: a leaf of another group

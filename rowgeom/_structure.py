@@ -10,6 +10,7 @@ the likely reading (`rowgeom._messages` writes it). The rules with examples: doc
 
 from __future__ import annotations
 
+import itertools
 import re
 import types
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -145,12 +146,8 @@ def is_vector_name(path: Sequence[str], vector_names: Collection[str]) -> bool:
 
 def _numbered_experts(paths, module: Path) -> int | None:
     """The number of numbered experts (``experts/0``, ``experts/1``, ...) under a module."""
-    indices = set()
-    for path in paths:
-        rest = path[len(module):]
-        for i, c in enumerate(rest[:-1]):
-            if c.lower() in ("experts", "expert") and rest[i + 1].isdigit():
-                indices.add(int(rest[i + 1]))
+    indices = {int(i) for path in paths for name, i in itertools.pairwise(path[len(module):])
+               if name.lower() in ("experts", "expert") and i.isdigit()}
     return len(indices) if indices and indices == set(range(len(indices))) else None
 
 
@@ -615,10 +612,10 @@ def _one(axes: tuple[int, ...]):
 
 def hidden_muon_dims(labelled, structure: ModelStructure, option: Any, tree: Any) -> dict:
     """``{path: MuonDimensionNumbers or None}`` of the ``"hidden"`` leaves of ``(path, shape,
-    label)``: inferred (`muon_axes`) unless `MuonOptions.dimension_numbers` (`option`)
+    label, reason)``: inferred (`muon_axes`) unless `MuonOptions.dimension_numbers` (`option`)
     overrides them (``{"/"-joined path: dims}``) or gives them outright (anything else: every
     hidden leaf covered, None passes one through); every undecided leaf in one ValueError."""
-    hidden = [(p, s) for p, s, label in labelled if label == "hidden"]
+    hidden = [(p, s) for p, s, label, _ in labelled if label == "hidden"]
     overrides = [(False, None)] * len(hidden)
     flat = isinstance(option, Mapping) and bool(option) and all(isinstance(k, str) for k in option)
     if flat and all(is_dimension_numbers(v) for v in option.values()):  # the rest inferred
