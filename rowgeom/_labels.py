@@ -1,17 +1,12 @@
 """Parameter labels for per-block update geometry: `Labeler` and `label_params`, and labels
 given as a tree or callable matched to the leaves by path (`labelled_leaves`).
 
-Contract: `label_params` gives every leaf one of `LABELS` — ``"hidden"`` (Muon), ``"head"``
-(projected RowNorm), ``"embedding"`` and ``"vector"`` (AdamW), ``"router"`` (a mixture-of-experts
-router the expert stacks beside it confirm) — by path names first, with shapes as a cross-check,
-never by shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default
-silently sends the embedding table and the head to Muon); a matrix nothing names is an error
-naming it, unless the caller opts into a fallback. Boxed trees (Flax NNX Variables, Linen
-``nn.Partitioned``) and abstract trees are labelled alike (only paths and shapes are read).
-Every problem of a tree is reported in one error, each leaf with the labels that fit it and a
-fix to paste (written by `rowgeom._messages`).
-
-The rules with examples, public layouts and tied embeddings: docs/guides/labels.md.
+Every leaf gets one of `LABELS` by its path's names first, its shapes a cross-check, never by
+shape alone (a rank-2 rule such as ``optax.contrib.muon``'s default silently sends the embedding
+table and the head to Muon); a matrix nothing names is an error naming it, unless the caller opts
+into a fallback. Only paths and shapes are read (Flax boxes and abstract trees alike). Every
+problem of a tree is one error, each leaf with the labels that fit it and a fix to paste (written
+by `rowgeom._messages`). The rules with examples: docs/guides/labels.md.
 """
 
 from __future__ import annotations
@@ -194,13 +189,12 @@ def _tied_table(leaves: list[_Leaf], layout: ModelStructure, tied):
         raise ValueError(f"label_params: tied={tied!r} but no embedding table was found")
     if tied == "embedding" or heads:  # a head labelled by a user rule is the tied table
         return None, unused
-    if len(embeds) > 1:
-        # the table V and d were read from (a token table's name first, position tables never)
-        tokens = [lf for lf in embeds if lf.path == layout.source]
-        if len(tokens) != 1:
-            raise ValueError(several_tied_tables(embeds))
-        embeds = tokens
-    return embeds[0].path, unused
+    # Of several tables, the one V and d were read from (a token table's name first, position
+    # tables never).
+    paths = [lf.path for lf in embeds]
+    if len(paths) > 1 and layout.source not in paths:
+        raise ValueError(several_tied_tables(embeds))
+    return (paths[0] if len(paths) == 1 else layout.source), unused
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from rowgeom._structure import (
     stack_of,
     vector_layers,
     width_split,
+    written_axes,
 )
 from rowgeom._tree import path_name, path_str
 
@@ -233,11 +234,6 @@ def not_an_axis_of_the_head(axis: int, path, shape) -> str:
     return f"HeadOptions.vocab_axis={axis} is not an axis of the head {path_str(path)} {shape}"
 
 
-def _axes(axes: tuple[int, ...]):
-    """Axes as `MuonDimensionNumbers` is written: one axis an int."""
-    return axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def undecided_muon_axes(errors) -> str:
     """One message for every leaf whose Muon axes the shapes do not decide (``(path, shape,
     StructureError, batch roles)``), with the mapping to pass (the likely reading where there
@@ -249,7 +245,7 @@ def undecided_muon_axes(errors) -> str:
         dims, comment = "reduction_axis=..., output_axis=...", ""
         if err.suggestion is not None:
             red, out = err.suggestion
-            dims = f"reduction_axis={_axes(red)!r}, output_axis={_axes(out)!r}"
+            dims = f"reduction_axis={written_axes(red)!r}, output_axis={written_axes(out)!r}"
             batch = [f"{a} ({roles.get(a, 'batch')})" for a in range(len(shape))
                      if a not in set(red) | set(out)]
             comment = f"  # batch axes {', '.join(batch)}" if batch else ""
@@ -273,9 +269,9 @@ def no_layer_axis(where: str, prefix, info) -> StructureError:
                           f"like the rest of the stack {'/'.join(prefix)}")
 
 
-def unknown_vocab_axis(path, shape, vocab_size) -> StructureError:
+def unknown_vocab_axis(path, shape, vocab_size) -> ValueError:
     """A head leaf with not exactly one axis of size V and no name that says its layout."""
-    return StructureError(
+    return ValueError(
         f"cannot infer the vocabulary axis of head parameter {path_name(tuple(path))!r} "
         f"(shape {tuple(shape)}): it has not exactly one axis of the vocabulary size "
         f"(V={vocab_size}), and only rank-2 leaves named 'kernel' ((d, V) -> 1), 'embedding' "

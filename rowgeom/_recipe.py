@@ -1,20 +1,10 @@
 """`lm_optimizer`: one call for a language model, each parameter block in its own geometry.
 
-=============  =========================================================================
-label          chain (each group's step is ``-lr · (direction + wd · W)``, decoupled decay)
-=============  =========================================================================
-``hidden``     ``trace(momentum, nesterov)`` → ``muon_orthogonalize`` (RMS-matched) →
-               ``add_decayed_weights`` → ``scale_by_learning_rate``
-``head``       ``"rownorm"``: ``ema(momentum)`` → ``projected_rownorm`` →
-               ``add_decayed_weights`` → ``scale_by_learning_rate`` → ``track_row_diameter``;
-               ``"adamw"``: ``adamw`` → ``track_row_diameter``;
-               ``"muon"``: the hidden chain with the head's momentum → ``track_row_diameter``
-``embedding``  ``adamw``
-``vector``     ``adamw`` (no weight decay by default)
-``router``     ``"muon"`` (default): the hidden chain, per layer; ``"rownorm"``:
-               ``ema(momentum)`` → projected RowNorm over the expert axis, per layer →
-               ``add_decayed_weights`` → ``scale_by_learning_rate``; ``"adamw"``: ``adamw``
-=============  =========================================================================
+Each group's step is ``-lr · (direction + wd · W)``, decoupled decay: Muon (``trace`` →
+``muon_orthogonalize``) for ``hidden`` and, by default, ``router``; for the ``head``, ``ema`` →
+``projected_rownorm`` (or AdamW, or the Muon chain), then ``track_row_diameter``; AdamW for
+``embedding`` and ``vector``. `_group_chain` writes each chain; docs/guides/learning-rates.md
+tabulates them with their rates.
 
 Three sections, data flowing one way (docs/architecture.md): the options and every group's
 `GroupOptions` (`group_options`); the plan (`plan_of`, pure and memoised); `lm_optimizer`, which
@@ -581,8 +571,8 @@ Examples:
 
 def _group_chain(label: str, group: GroupOptions, hp: PlanOptions, adam: AdamOptions
                  ) -> optax.GradientTransformation:
-    """One group's chain (the table of the module docstring), by the optimizer the plan gives
-    its leaves; every per-leaf fact a callable of the tree (`per_leaf`)."""
+    """One group's chain (the module docstring), by the optimizer the plan gives its leaves;
+    every per-leaf fact a callable of the tree (`per_leaf`)."""
     optimizer = optimizer_of(label, hp)
     if optimizer == "adamw":
         chain = optax.adamw(group.learning_rate, b1=group.momentum, b2=adam.b2, eps=adam.eps,

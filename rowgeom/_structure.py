@@ -560,7 +560,7 @@ def head_vocab_axis(path: Sequence[str], shape: Sequence[int], vocab_size: int |
     """The vocabulary axis of a head leaf: its one axis of size ``V``, else by its name.
 
     A rank-2 leaf named ``kernel`` is a Flax ``(d, V)`` kernel (axis 1), ``embedding`` or
-    ``weight`` a ``(V, d)`` table (axis 0). Anything else raises `StructureError` naming it.
+    ``weight`` a ``(V, d)`` table (axis 0). Anything else raises a ValueError naming it.
     """
     shape = tuple(shape)
     if vocab_size is not None and len(shape) == 2:
@@ -606,7 +606,8 @@ def router_axes(path, shape, structure: ModelStructure, *, any_order: bool = Fal
 # --- Each planned leaf's axes: a hidden leaf's Muon matrix axes, a router's and a head's --------
 
 
-def _one(axes: tuple[int, ...]):
+def written_axes(axes: tuple[int, ...]):
+    """Axes as `MuonDimensionNumbers` is written: one axis an int."""
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
@@ -644,7 +645,7 @@ def hidden_muon_dims(labelled, structure: ModelStructure, option: Any, tree: Any
         except StructureError as err:
             undecided.append((path, shape, err, batch_roles(path, shape, structure)))
             continue
-        dims[path] = MuonDimensionNumbers(_one(red), _one(out))
+        dims[path] = MuonDimensionNumbers(written_axes(red), written_axes(out))
     if undecided:
         from rowgeom._messages import undecided_muon_axes  # error text: not on the path
 
@@ -675,12 +676,7 @@ def head_leaf_axes(path, shape, structure: ModelStructure, optimizer: str,
 
     if optimizer == "muon" and len(shape) != 2:
         raise ValueError(_messages.muon_head_not_a_matrix(path, shape))
-    axis = vocab_axis
-    if axis is None:
-        try:
-            axis = head_vocab_axis(path, shape, structure.vocab_size)
-        except StructureError as err:
-            raise ValueError(str(err)) from None
+    axis = head_vocab_axis(path, shape, structure.vocab_size) if vocab_axis is None else vocab_axis
     if optimizer != "muon":
         return None, axis
     if not -2 <= axis < 2:
