@@ -294,9 +294,8 @@ class ModelStructure(NamedTuple):
 def find_vocab(embeddings, heads) -> tuple[int | None, int | None, tuple | None]:
     """``(V, d, path)`` from the token embedding ``(V, d)``, else a head matrix (larger axis V),
     of the ``(path, shape)`` of rank-2 leaves."""
-    tokens = [(p, s) for p, s in embeddings if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in p)]
-    if not tokens:
-        tokens = [(p, s) for p, s in embeddings if not is_position_embedding(p)]
+    tokens = ([(p, s) for p, s in embeddings if any(c.lower() in TOKEN_EMBEDDING_NAMES for c in p)]
+              or [(p, s) for p, s in embeddings if not is_position_embedding(p)])
     if tokens:
         path, shape = max(tokens, key=lambda e: e[1][0])
         if sum(s[0] == shape[0] for _, s in tokens) > 1:
@@ -528,9 +527,7 @@ def _without_expert_axis(path, shape, rest, structure, features, where) -> list[
 def out_in(path: Sequence[str], structure: ModelStructure) -> bool:
     """Whether a matrix leaf is stored ``(out, in)``: a ``weight`` (`OUT_IN_LEAF_NAMES`), or a
     ``kernel`` of a module the tree stores that way (``structure.out_in_modules``)."""
-    names = [c.lower() for c in naming_path(path)]
-    if not names:
-        return False
+    names = [c.lower() for c in naming_path(path)] or [""]
     return names[-1] in OUT_IN_LEAF_NAMES or (
         names[-1] == "kernel" and len(names) > 1 and names[-2] in structure.out_in_modules)
 
