@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +29,6 @@ import optax
 # The logit of a padding id: far below any real logit, yet finite, so that exp(floor - lse) is
 # exactly 0 and no inf - inf appears in the softmax or its gradient.
 PADDING_LOGIT = float(jnp.finfo(jnp.float32).min) / 2
-
-Constrain = Callable[[jax.Array], jax.Array]
-
-
-def _contracting(vocab_axis: int) -> int:
-    """The head's model-width axis: the one the hidden state's last axis contracts with."""
-    return 1 - vocab_axis
 
 
 def _valid_mask(num_valid: int | None, vocab_size: int) -> jax.Array | None:
@@ -51,7 +43,7 @@ def logits(hidden_BcD: jax.Array, head: jax.Array, *, vocab_axis: int,
     """Float32 logits `(B, c, V)` of hidden states `(B, c, D)` against `head`, a `(D, V)` kernel
     (`vocab_axis` 1) or a tied `(V, D)` table (0), accumulated in float32; ids `>= num_valid`
     get `PADDING_LOGIT`."""
-    dims = (((2,), (_contracting(vocab_axis),)), ((), ()))
+    dims = (((2,), (1 - vocab_axis,)), ((), ()))  # the head's model-width axis: 1 - vocab_axis
     z_BcV = jax.lax.dot_general(hidden_BcD, head, dims, preferred_element_type=jnp.float32)
     z_BcV = z_BcV.astype(jnp.float32)
     valid_11V = _valid_mask(num_valid, head.shape[vocab_axis])
@@ -73,11 +65,11 @@ def _check(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batc
     if getattr(head, "ndim", None) != 2:
         raise ValueError("head must be a matrix ((D, V) with vocab_axis=1, (V, D) with "
                          f"vocab_axis=0), got shape {shape(head)}")
-    d, width = hidden_BTD.shape[-1], head.shape[_contracting(vocab_axis)]
+    d, width = hidden_BTD.shape[-1], head.shape[1 - vocab_axis]
     if width != d:
         raise ValueError(
             f"head {head.shape} with vocab_axis={vocab_axis} has model width {width} on axis "
-            f"{_contracting(vocab_axis)}, but hidden_BTD {hidden_BTD.shape} has d_model {d}: is "
+            f"{1 - vocab_axis}, but hidden_BTD {hidden_BTD.shape} has d_model {d}: is "
             "vocab_axis the right one?")
     for name, x in (("hidden_BTD", hidden_BTD), ("head", head)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -106,7 +98,7 @@ def _check(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batc
 
 def cross_entropy(hidden_BTD: jax.Array, head: jax.Array, targets_BT: jax.Array, *,
                   vocab_axis: int, num_valid: int | None = None, chunk_size: int | None = None,
-                  batch_groups: int = 1, constrain_logits: Constrain | None = None) -> jax.Array:
+                  batch_groups: int = 1, constrain_logits=None) -> jax.Array:
     """Mean next-token cross-entropy (a float32 scalar) of `logits(hidden_BTD, head)`.
 
     hidden_BTD and head share the compute dtype; targets_BT are integer ids. chunk_size: None or
@@ -117,7 +109,7 @@ def cross_entropy(hidden_BTD: jax.Array, head: jax.Array, targets_BT: jax.Array,
     """
     _check(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batch_groups,
            constrain_logits)
-    constrain = constrain_logits if constrain_logits is not None else _identity
+    constrain = constrain_logits or (lambda z: z)
     T = hidden_BTD.shape[1]
     if chunk_size is None or chunk_size >= T:
         z_BTV = constrain(logits(hidden_BTD, head, vocab_axis=vocab_axis, num_valid=num_valid))
@@ -143,10 +135,6 @@ def _unchunk(x_KBc, T: int):
     """Scan outputs `(K, B, c, ...)` -> `(B, T, ...)` (the padding positions dropped)."""
     K, B, c = x_KBc.shape[:3]
     return jnp.moveaxis(x_KBc, 0, 1).reshape(B, K * c, *x_KBc.shape[3:])[:, :T]
-
-
-def _identity(x):
-    return x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))

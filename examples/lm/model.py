@@ -61,10 +61,13 @@ class ModelConfig:
     init_std: float | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
+        positive_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len",
+                     "loss_chunk"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"--model.{name} must be a positive int, got {value!r}")
+            if not (positive_int(value) or (name == "loss_chunk" and value is None)):
+                raise ValueError(f"--model.{name} must be a positive int"
+                                 f"{' or none' if name == 'loss_chunk' else ''}, got {value!r}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"--model.d_model ({self.d_model}) must be divisible by --model.num_heads "
@@ -74,15 +77,11 @@ class ModelConfig:
                 f"the head width --model.d_model / --model.num_heads = {self.head_dim} must be "
                 "even for RoPE")
         valid = self.valid_vocab_size
-        if valid is not None and (not isinstance(valid, int) or not 1 <= valid <= self.vocab_size):
+        if valid is not None and not (positive_int(valid) and valid <= self.vocab_size):
             raise ValueError(f"--model.valid_vocab_size must be an int in [1, --model.vocab_size"
                              f" = {self.vocab_size}] or none, got {valid!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"--model.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        chunk = self.loss_chunk
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool)
-                                  or chunk < 1):
-            raise ValueError(f"--model.loss_chunk must be a positive int or none, got {chunk!r}")
         for name in ("qk_norm", "norm_gain"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"--model.{name} must be a bool, got {getattr(self, name)!r}")
@@ -114,12 +113,8 @@ def _zero_padding(init, num_tokens: int, vocab_axis: int):
     """`init` with the rows >= num_tokens along `vocab_axis` set to zero."""
 
     def padded_init(key, shape, dtype=jnp.float32):
-        value = init(key, shape, dtype)
-        if num_tokens >= shape[vocab_axis]:
-            return value
-        ids = jnp.arange(shape[vocab_axis]).reshape([-1 if a == vocab_axis else 1
-                                                     for a in range(len(shape))])
-        return jnp.where(ids < num_tokens, value, jnp.zeros((), dtype))
+        ids = jax.lax.broadcasted_iota(jnp.int32, shape, vocab_axis)
+        return jnp.where(ids < num_tokens, init(key, shape, dtype), jnp.zeros((), dtype))
 
     return padded_init
 
@@ -145,21 +140,15 @@ def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, *, theta: float) -> ja
     return out.astype(x_BTNH.dtype)
 
 
-# Gradients are reduced across devices in float32, as PyTorch's DDP reduces the float32 gradients
-# of float32 parameters under autocast (the paper's setup). Each device's share of a weight
-# gradient is a sum over its part of the batch; formed by the matmul (or the scatter) in
-# compute dtype, it would be summed across the data-parallel devices in bf16 (an all-reduce or
-# FSDP's reduce-scatter of bf16 partial sums). Formed in float32 instead, the sum across devices
-# is float32 too, and the result is rounded to the compute dtype once, after it. Twice the
-# bytes of a bf16 reduction; the forward pass and the activations' gradients are unchanged.
+# Weight gradients are summed across devices in float32, as PyTorch's DDP sums the float32
+# gradients of float32 parameters under autocast (the paper's setup). Formed by the matmul (or
+# the scatter) in the compute dtype, each device's partial sum would be all-reduced (or FSDP's
+# reduce-scatter) in bf16; formed in float32, the sum is float32 and rounded once, after it.
+# Twice the bytes of a bf16 reduction; the forward pass and activation gradients are unchanged.
 @jax.custom_vjp
 def _matmul(x, kernel):
     """`x (..., d_in) @ kernel (d_in, d_out)` whose kernel gradient is formed in float32."""
     return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-
-
-def _matmul_fwd(x, kernel):
-    return _matmul(x, kernel), (x, kernel)
 
 
 def _matmul_bwd(residuals, dy):
@@ -171,7 +160,7 @@ def _matmul_bwd(residuals, dy):
     return dx, dkernel.astype(kernel.dtype)
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(lambda x, kernel: (_matmul(x, kernel), (x, kernel)), _matmul_bwd)
 
 
 def _linear_dot(lhs, rhs, dimension_numbers, precision=None, **kwargs):
@@ -189,26 +178,19 @@ def _lookup(table_VD, ids):
     return jnp.take(table_VD, ids, axis=0)
 
 
-def _lookup_fwd(table_VD, ids):
-    return _lookup(table_VD, ids), (table_VD, ids)
-
-
 def _lookup_bwd(residuals, d_rows):
     table_VD, ids = residuals
     dtable = jnp.zeros(table_VD.shape, jnp.float32).at[ids].add(d_rows.astype(jnp.float32))
     return dtable.astype(table_VD.dtype), None
 
 
-_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+_lookup.defvjp(lambda table_VD, ids: (_lookup(table_VD, ids), (table_VD, ids)), _lookup_bwd)
 
 
 def _linear(d_in, d_out, names, cfg, rngs, *, std=None):
     """A bias-free Linear, kernel (d_in, d_out) named `names`; LeCun normal init (activations
     O(1) after a pre-norm) unless `std`, and `cfg.init_std` (the paper's 0.02) over both."""
-    if cfg.init_std is not None:
-        std = cfg.init_std
-    elif std is None:
-        std = 1.0 / math.sqrt(d_in)
+    std = cfg.init_std or std or 1.0 / math.sqrt(d_in)
     return nnx.Linear(
         d_in, d_out, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
         dot_general=_linear_dot, kernel_init=nnx.initializers.normal(std),
@@ -243,11 +225,8 @@ class Attention(nnx.Module):
         self.o_proj = _linear(d, d, ("heads", "embed"), cfg, rngs, std=_residual_std(d, cfg))
         # Per-head query/key RMSNorm over the head width, before RoPE (the paper's block, its
         # Table 1): the attention logits stay bounded whatever the weights' scale.
-        if cfg.qk_norm:
-            self.q_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
-            self.k_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm = _rmsnorm(cfg, rngs, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _rmsnorm(cfg, rngs, cfg.head_dim) if cfg.qk_norm else None
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         B, T, _ = x_BTD.shape
@@ -295,17 +274,14 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
-def _apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
-    return block(x_BTD)
-
-
 def _rematted(policy: str, *, in_scan: bool):
-    """`_apply_block` under `policy` (REMAT_POLICIES). Inside a scan the loop already keeps the
+    """`block(x)` under `policy` (REMAT_POLICIES). Inside a scan the loop already keeps the
     recomputation from being merged with the forward pass, so CSE prevention is not needed."""
+    apply = lambda block, x_BTD: block(x_BTD)
     if policy == "none":
-        return _apply_block
+        return apply
     saved = {"block": None, "dots": jax.checkpoint_policies.save_only_these_names(WEIGHT_MATMUL)}
-    return nnx.remat(_apply_block, policy=saved[policy], prevent_cse=not in_scan)
+    return nnx.remat(apply, policy=saved[policy], prevent_cse=not in_scan)
 
 
 class Transformer(nnx.Module):
@@ -316,8 +292,7 @@ class Transformer(nnx.Module):
         d, v = cfg.d_model, cfg.vocab_size
         # Untied: unit-variance rows (the first pre-norm removes the scale anyway). Tied: the table
         # is also the head, so rows of norm ~1 (std 1/sqrt(d)) keep the initial logits O(1).
-        embed_std = 1.0 / math.sqrt(d) if cfg.tied_embeddings else 1.0
-        embed_std = embed_std if cfg.init_std is None else cfg.init_std
+        embed_std = cfg.init_std or (1.0 / math.sqrt(d) if cfg.tied_embeddings else 1.0)
         self.embed = nnx.Embed(
             v, d, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
             embedding_init=_zero_padding(nnx.initializers.normal(embed_std), cfg.num_tokens, 0),
@@ -333,18 +308,12 @@ class Transformer(nnx.Module):
         else:
             self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _rmsnorm(cfg, rngs)
-        if cfg.tied_embeddings:
-            self.lm_head = None
-        else:
-            # Kernel (d, V), vocabulary on axis 1. fp32 accumulation: the logits feed a softmax
-            # over V, where bf16 rounding of the logits is visible.
-            self.lm_head = nnx.Linear(
-                d, v, use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
-                preferred_element_type=jnp.float32,
-                kernel_init=_zero_padding(nnx.initializers.normal(
-                    1.0 / math.sqrt(d) if cfg.init_std is None else cfg.init_std),
-                    cfg.num_tokens, 1),
-                kernel_metadata=_sharded(("embed", "vocab")), rngs=rngs)
+        # Kernel (d, V), vocabulary on axis 1; only the kernel is used (`head`: loss.py makes the
+        # logits, accumulated in float32).
+        self.lm_head = None if cfg.tied_embeddings else nnx.Linear(
+            d, v, use_bias=False, param_dtype=cfg.param_dtype, kernel_init=_zero_padding(
+                nnx.initializers.normal(cfg.init_std or 1.0 / math.sqrt(d)), cfg.num_tokens, 1),
+            kernel_metadata=_sharded(("embed", "vocab")), rngs=rngs)
 
     def hidden(self, tokens_BT: jax.Array) -> jax.Array:
         """The final normed hidden state (B, T, D) in compute dtype: what the head multiplies."""
@@ -364,8 +333,7 @@ class Transformer(nnx.Module):
         x_BTD = constrain(_lookup(table_VD, tokens_BT), *_BTD)
         apply = _rematted(self.cfg.remat, in_scan=self.cfg.scan_layers)
         if self.cfg.scan_layers:
-            run = nnx.scan(apply, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-            x_BTD = run(self.layers, x_BTD)
+            x_BTD = nnx.scan(apply, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.layers, x_BTD)
         else:
             for block in self.layers:
                 x_BTD = apply(block, x_BTD)

@@ -48,20 +48,18 @@ class Trainer:
     """Model, optimizer, jitted functions and shardings for one config on one mesh: `init()`
     builds the state `{params, rest, opt_state, micro_step, rng}` in place, `abstract_state` is
     what a checkpoint restores onto, `train_step(state, inputs, targets, rates)` applies one
-    micro-batch at the groups' peak rates and decays `rates` (`self.rates`: the config's, on the
-    mesh; `abstract_rates` to lower it), `grad_step` is its forward and backward pass alone (for
-    timing)."""
+    micro-batch at the groups' peak rates and decays `rates` (`self.rates`; `abstract_rates` to
+    lower it), `grad_step` is its forward and backward pass alone (for timing)."""
 
     def __init__(self, cfg: configs.Config, mesh):
         self.cfg, self.mesh = cfg, mesh
-        self.tx = optimizer.build_optimizer(cfg)
-        # The group that trains the head ("embedding" for a tied table), for the probes.
-        self.head_group = optimizer.head_group(cfg)
+        self.tx = tx = optimizer.build_optimizer(cfg)
+        self.head_group = optimizer.head_group(cfg)  # "embedding" for a tied table
         self.head_lr = optimizer.lr_schedule(self.head_group.learning_rate, cfg)
-        mc, tx, seed = cfg.model, self.tx, cfg.seed
+        mc, seed = cfg.model, cfg.seed
 
-        # The seed is an argument, not a constant: runs that differ only in it (a seed study)
-        # lower to one program, which the persistent compilation cache then compiles once.
+        # The seed and (train_step) the rates are arguments, not constants: runs that differ
+        # only in them (a seed study, a rate sweep) lower to one program, compiled once.
         def init_state(seed):
             model = model_lib.Transformer(mc, rngs=nnx.Rngs(jax.random.key(seed)))
             _, params, rest = nnx.split(model, nnx.Param, ...)
@@ -92,8 +90,6 @@ class Trainer:
         def loss_fn(params, rest, inputs, targets):
             return nnx.merge(gd, compute(params), rest).loss(inputs, targets)
 
-        # The groups' peak rates and decays are an argument, not constants: runs that differ
-        # only in them (a rate sweep) lower to one program, compiled once.
         def train_step(state, inputs, targets, rates):
             loss, grads = jax.value_and_grad(loss_fn)(state["params"], state["rest"], inputs,
                                                       targets)
@@ -127,10 +123,10 @@ class Trainer:
         # optimizer state holds the head's EMA moment.
         self.centring_probe = None
         full_head = self.abstract_state["params"].get("lm_head", {}).get("kernel")
-        rownorm = optimizer.optimizer_options(self.cfg)["head"].optimizer == "rownorm"
-        if (self.cfg.eval.centring and rownorm and full_head is not None
+        rownorm = optimizer.optimizer_options(cfg)["head"].optimizer == "rownorm"
+        if (cfg.eval.centring and rownorm and full_head is not None
                 and evaluate.head_ema(self.abstract_state["opt_state"], full_head.shape)):
-            o = self.cfg.optim
+            o = cfg.optim
             self.centring_probe = jit(functools.partial(
                 evaluate.centring_probe, gd, head_shape=full_head.shape,
                 momentum=self.head_group.momentum, debias=o.head_bias_correction,
@@ -165,10 +161,9 @@ class UsageError(ValueError):
 
 
 class Preempted(SystemExit):
-    """Raised by `train` once it has saved the checkpoint of a run stopped by SIGTERM (or, on
-    several hosts, at JAX's preemption sync point). Uncaught, the process exits with status 0,
-    as the command does; a caller that trains several runs stops there, and never takes the
-    unfinished run for a finished one. The same call resumes it."""
+    """Raised by `train` once it has saved a run stopped by SIGTERM (or, on several hosts, at
+    JAX's preemption sync point): uncaught, the process exits with status 0; a caller training
+    several runs stops there rather than take it for finished. The same call resumes it."""
 
     def __init__(self, step: int, directory):
         super().__init__(0)
@@ -191,10 +186,8 @@ class Run(NamedTuple):
 def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool = False,
           change_horizon: bool = False, out=print) -> Run:
     """Resolve `cfg` against `workdir`'s checkpoints, then build the mesh and load the data.
-
     explicit, change_horizon: see `configs.resolve_config`. overwrite: delete the checkpoints and
-    start fresh. `out` prints what was decided (one line each).
-    """
+    start fresh. `out` prints what was decided (one line each)."""
     ckpt = None
     try:
         if cfg.data.tokenizer is not None:  # its size, padded up to a multiple of 128
@@ -231,14 +224,12 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
             latest, meta = _newest_intact(ckpt, ckpt.restore_meta, out)
             cfg, changed = configs.resolve_config(cfg, meta, explicit=explicit,
                                                  change_horizon=change_horizon)
-            step = meta["step"]
             if "steps" in changed:
-                old = dataclasses.replace(cfg, steps=changed["steps"][0])
-                before = _scalar(optimizer.lr_schedule(cfg.optim.learning_rate, old)(step))
-                after = _scalar(optimizer.lr_schedule(cfg.optim.learning_rate, cfg)(step))
-                out(f"--change_horizon: steps {changed['steps'][0]} -> {changed['steps'][1]}; "
-                    f"the learning rate of update {step + 1} changes from {before:.6g} to "
-                    f"{after:.6g}")
+                step, (was, now) = meta["step"], changed["steps"]
+                before, after = (_scalar(optimizer.lr_schedule(cfg.optim.learning_rate, c)(step))
+                                 for c in (dataclasses.replace(cfg, steps=was), cfg))
+                out(f"--change_horizon: steps {was} -> {now}; the learning rate of update "
+                    f"{step + 1} changes from {before:.6g} to {after:.6g}")
             if changed:
                 listed = ", ".join(f"--{name} {was!r} -> {now!r}"
                                    for name, (was, now) in changed.items())
@@ -297,13 +288,10 @@ def start(cfg: configs.Config, workdir: str, *, explicit=None, overwrite: bool =
 def _close(ckpt: checkpointing.Checkpointer) -> None:
     """Wait for the saves and close; a failed run leaves no empty (local) checkpoint directory."""
     ckpt.close()
-    if checkpointing.is_remote(ckpt.directory):
-        return
-    try:
-        if ckpt.directory.exists() and not any(ckpt.directory.iterdir()):
+    with contextlib.suppress(OSError):  # best effort: never hide the error that ended the run
+        if (not checkpointing.is_remote(ckpt.directory) and ckpt.directory.exists()
+                and not any(ckpt.directory.iterdir())):
             ckpt.directory.rmdir()
-    except OSError:  # best effort: never hide the error that ended the run
-        pass
 
 
 def _newest_intact(ckpt: checkpointing.Checkpointer, read, out):
@@ -340,8 +328,8 @@ def describe(setup: Run, trainer: Trainer, state, out=print) -> None:
 
 
 def checkpoint_meta(cfg: configs.Config, step: int, mesh, tokens: data.TokenSplits) -> dict:
-    """The JSON saved next to the state; a resumed run follows its `config` and must read the
-    same `data` (`TokenSplits.identity`)."""
+    """The JSON saved next to the state: a resumed run follows its `config` and must read the
+    same `data`."""
     return {"step": step, "data_position": step * cfg.optim.grad_accum_steps,
             "data": tokens.identity(), "config": dataclasses.asdict(cfg),
             "mesh": {a: int(mesh.shape[a]) for a in sharding.AXES},
@@ -350,8 +338,8 @@ def checkpoint_meta(cfg: configs.Config, step: int, mesh, tokens: data.TokenSpli
 
 class PreemptionWatcher:
     """Whether to save and stop after a step because the machine is going away: one process, on
-    SIGTERM; several, when orbax's `reached_preemption` says so, the same step on every host (a
-    Python handler would replace the one of JAX's preemption notifier)."""
+    SIGTERM; several, at orbax's `reached_preemption`, the same step on every host (a Python
+    handler would replace JAX's preemption notifier's)."""
 
     def __init__(self, ckpt):
         self.ckpt, self.signalled, self._previous = ckpt, False, None
@@ -368,8 +356,7 @@ class PreemptionWatcher:
             self._previous = None
 
 
-# The head probe's validation sequences use a fixed seed, independent of the training seed, so
-# runs are comparable (the validation set itself is the start of the validation split).
+# The head probe's validation sequences: a fixed seed, not the training one, so runs compare.
 PROBE_SEED = 0x5EED + 1
 
 
@@ -377,12 +364,9 @@ def train(cfg: configs.Config, workdir, *, overwrite: bool = False, change_horiz
           explicit=None, stop_after: int | None = None, progress: bool = True,
           print_fn=print) -> dict:
     """Train `cfg` in `workdir` (local or remote, e.g. gs://); return the last evaluation record.
-
     A workdir with checkpoints resumes (`start`). stop_after: stop after this many steps without
     a final save, as if interrupted (tests of exact resumption). SIGTERM saves the current step
-    and raises `Preempted`. Problems with the config, the data or the workdir raise
-    `UsageError`.
-    """
+    and raises `Preempted`; problems with the config, data or workdir raise `UsageError`."""
     workdir = os.fspath(workdir)
     lead = jax.process_index() == 0
     with contextlib.ExitStack() as stack:
@@ -492,35 +476,26 @@ def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
 
 def attention_bytes(cfg: configs.Config, mesh) -> int:
     """Bytes per device of one layer's attention scores, (batch, heads, T, T) in the compute
-    dtype: a lower bound on the step's memory that grows with the square of the sequence (the
-    trainer's check before it compiles anything, `check_fits`)."""
+    dtype: a lower bound on the step's memory, quadratic in the sequence (`check_fits`)."""
     ranks = int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
     batch = -(-cfg.data.batch_size // ranks)
     heads = -(-cfg.model.num_heads // int(mesh.shape["tensor"]))
     return batch * heads * cfg.seq_len**2 * jnp.dtype(cfg.model.compute_dtype).itemsize
 
 
-def device_memory(mesh) -> int | None:
-    """Bytes of memory of this host's first device of `mesh` (only addressable devices report
-    memory: on a multi-host mesh, devices.flat[0] may belong to another process); for a CPU
-    device, the host's memory shared among its CPU devices; None when unknown."""
-    device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
-                  mesh.devices.flat[0])
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-    if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
-        try:
-            limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            limit //= max(1, len(jax.local_devices(backend="cpu")))
-        except (ValueError, OSError):
-            limit = None
-    return limit
-
-
 def check_fits(cfg: configs.Config, mesh, *, limit: int | None = None) -> None:
     """Raise UsageError, before anything compiles, when one layer's attention scores alone exceed
-    the device memory (`limit`; default `device_memory`)."""
+    the device memory (`limit`; default: that of this host's first device of `mesh`, as only
+    addressable devices report it; for CPUs, the host's memory shared among its CPU devices)."""
     need = attention_bytes(cfg, mesh)
-    limit = device_memory(mesh) if limit is None else limit
+    if limit is None:
+        device = next((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                      mesh.devices.flat[0])
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        if limit is None and device.platform == "cpu" and hasattr(os, "sysconf"):
+            with contextlib.suppress(ValueError, OSError):
+                limit = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                         // max(1, len(jax.local_devices(backend="cpu"))))
     if limit and need > limit:
         raise UsageError(_out_of_memory_message(
             cfg, f"one layer's attention scores alone take {need / 2**30:.1f} GiB per device, "
@@ -566,32 +541,30 @@ class _Loop:
 
     def step(self, state, step: int):
         """Apply optimizer step `step` (1-based); return (state, the record logged or {})."""
-        cfg, trainer = self.cfg, self.trainer
+        cfg, trainer, every = self.cfg, self.trainer, self.cfg.eval.diameter_every
         is_eval = step % cfg.eval.every == 0 or step == cfg.steps
         is_probe = not is_eval and step > cfg.steps - cfg.eval.probe_last_steps
-        every = cfg.eval.diameter_every
         # The head step's diameter alone, where no probe measures it anyway.
         is_diameter = (not (is_eval or is_probe) and every > 0
                        and (step % every == 0 or step == cfg.steps))
-        head_old = (trainer.head_of(state["params"], state["rest"])
-                    if is_eval or is_probe or is_diameter else None)
+        measured = is_eval or is_probe or is_diameter
+        head_old = trainer.head_of(state["params"], state["rest"]) if measured else None
         losses = []
         for micro in range(self.accum):
             inputs, targets = self.train_batches.get((step - 1) * self.accum + micro)
             state, loss = trainer.train_step(state, inputs, targets, trainer.rates)
             losses.append(loss)
         self.window_steps += 1
-        if not (is_eval or is_probe or is_diameter or step % cfg.log_every == 0):
+        if not (measured or step % cfg.log_every == 0):
             return state, {}
+        lr = trainer.head_lr(step - 1)  # the head's rate of the update just applied
         record = {"step": step, "train_loss": _scalar(sum(losses) / self.accum),
-                  "learning_rate": _scalar(self.lr(step - 1)),
-                  "head_learning_rate": _scalar(trainer.head_lr(step - 1))}
+                  "learning_rate": _scalar(self.lr(step - 1)), "head_learning_rate": _scalar(lr)}
         if is_eval:
             record |= self._evaluate(state)
-        if is_eval or is_probe or is_diameter:
-            # The head's rate and decay of the update just applied, typed as the probes take them.
+        if measured:  # the head and its decay, typed as the probes take them
             head = (state["params"], state["rest"])
-            lr, wd = trainer.head_lr(step - 1), jnp.float32(trainer.head_group.weight_decay)
+            wd = jnp.float32(trainer.head_group.weight_decay)
         if is_eval or is_probe:
             record |= (_floats(trainer.head_probe(*head, head_old, self.probe_inputs, lr, wd))
                        | evaluate.tracked_head_stats(state["opt_state"]))
@@ -640,12 +613,11 @@ COMPILATION_CACHE_MAX_BYTES = 4 << 30
 
 
 def use_compilation_cache() -> None:
-    """Keep compiled programs in JAX's persistent cache, `COMPILATION_CACHE` (at most
-    `COMPILATION_CACHE_MAX_BYTES`, unless `JAX_COMPILATION_CACHE_MAX_SIZE` says otherwise) unless
-    `JAX_COMPILATION_CACHE_DIR` names another (`JAX_ENABLE_COMPILATION_CACHE=false`: none), so
-    that a relaunched run (after a preemption) and runs that differ only in their seed or rates
-    load the compiled step instead of compiling it again. Call it before anything compiles:
-    JAX decides once per process whether it uses the cache."""
+    """Keep compiled programs in JAX's persistent cache, `COMPILATION_CACHE` of at most
+    `COMPILATION_CACHE_MAX_BYTES` (`JAX_COMPILATION_CACHE_DIR` / `_MAX_SIZE` say otherwise,
+    `JAX_ENABLE_COMPILATION_CACHE=false` turns it off), so that a relaunched run and runs that
+    differ only in their seed or rates load the step instead of compiling it. Call it before
+    anything compiles: JAX decides once per process whether it uses the cache."""
     if jax.config.jax_enable_compilation_cache and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(COMPILATION_CACHE))
         if jax.config.jax_compilation_cache_max_size == -1:  # -1: JAX's default, no bound
