@@ -34,10 +34,9 @@ def is_remote(path: str | os.PathLike) -> bool:
 @contextlib.contextmanager
 def workdir_lock(workdir: str | os.PathLike, *, enabled: bool = True):
     """Hold an exclusive `flock` on the local directory `workdir` (created if missing) while the
-    block runs; another process holding it is a ValueError. Two runs in one workdir would write
-    every checkpoint and metric line twice. The kernel drops the lock when the process dies,
-    however it dies, so a killed run never blocks its relaunch. Remote workdirs, a path that is
-    not a directory (the trainer names that error) and file systems without `flock` go
+    block runs, so that two runs never write one workdir; another holder is a ValueError. The
+    kernel drops the lock however the process dies, so a killed run never blocks its relaunch.
+    Remote workdirs, a file (the trainer names that error) and file systems without `flock` go
     unlocked."""
     path = os.path.expanduser(os.fspath(workdir))
     fd, created = None, not os.path.exists(path)
@@ -102,17 +101,15 @@ class Checkpointer:
     """Thin wrapper over `ocp.CheckpointManager` keeping the last `keep` complete checkpoints."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, async_save: bool = True):
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
         self.directory = as_path(directory)
         # Explicit handlers (rather than item names) so stored metadata is readable before restore.
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
+            self.directory, options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=async_save),
             item_handlers={STATE: ocp.StandardCheckpointHandler(),
                            META: ocp.JsonCheckpointHandler()})
 
-    def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None when there is none."""
+    def latest_step(self) -> int | None:  # the newest complete checkpoint's step
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
@@ -201,8 +198,7 @@ class Checkpointer:
             raise self._unreadable(step, e) from e
         return out[STATE], out[META]
 
-    def wait(self) -> None:
-        """Block until pending asynchronous saves are complete on disk."""
+    def wait(self) -> None:  # until the pending asynchronous saves are on disk
         self._manager.wait_until_finished()
 
     def close(self) -> None:

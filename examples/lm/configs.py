@@ -12,7 +12,7 @@ import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from examples.lm import sharding
 from examples.lm.model import REMAT_POLICIES, ModelConfig
@@ -79,12 +79,10 @@ class OptimConfig:
     # sqrt(max(1, fan_out / fan_in)).
     muon_scale: str = "rms"
     muon_eps: float = 1e-7
-    # rowgeom.AdamOptions' b2 and eps (the embedding, vector and an AdamW head's groups).
-    adam_b2: float = 0.95
+    adam_b2: float = 0.95  # rowgeom.AdamOptions (embedding, vector, an AdamW head)
     adam_eps: float = 1e-8
-    # A RowNorm head's EMA debiased (HeadOptions.bias_correction), and its eps (None: 1e-8).
-    head_bias_correction: bool = False
-    head_eps: float | None = None
+    head_bias_correction: bool = False  # a RowNorm head's EMA debiased (HeadOptions)
+    head_eps: float | None = None  # a RowNorm head's eps (None: 1e-8)
     # rowgeom.HeadOptions.impl: "auto" decides by where the head lives; compiling for a TPU or GPU
     # target from a one-CPU host (tools/topology.py) needs "xla" said.
     head_impl: str = "auto"
@@ -272,8 +270,7 @@ def parse_value(name: str, text: str):
         raise ValueError(f"--{name} expects {typ.__name__}, got {text!r}") from None
 
 
-@dataclasses.dataclass(frozen=True)
-class PaperModel:
+class PaperModel(NamedTuple):
     """One of the paper's models (arXiv 2608.22253, Table 1) and its run (Table 2)."""
 
     d_model: int

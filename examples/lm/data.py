@@ -92,8 +92,8 @@ def _largest_id(path: Path, tokens: np.memmap) -> int:
     token, remembered per file (path, size, mtime) in `$XDG_CACHE_HOME/rowgeom/` (default
     `~/.cache`), so that a relaunch, the next run or another process on the same files (the
     paper's 89B tokens of FineWeb100B: minutes) does not read them all again."""
-    stat = path.stat()
-    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    stat, name = path.stat(), str(path.resolve())
+    key = f"{name}:{stat.st_size}:{stat.st_mtime_ns}"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rowgeom" / (
         "largest-token-ids.json")
     try:
@@ -103,9 +103,8 @@ def _largest_id(path: Path, tokens: np.memmap) -> int:
     known = known if isinstance(known, dict) else {}
     if isinstance(known.get(key), int):
         return known[key]
-    name = key.rsplit(":", 2)[0]  # entries of files gone, or of this one before, go
-    known = {k: v for k, v in known.items()
-             if k.rsplit(":", 2)[0] != name and os.path.exists(k.rsplit(":", 2)[0])}
+    known = {k: v for k, v in known.items()  # entries of files gone, or of this one before, go
+             if (f := k.rsplit(":", 2)[0]) != name and os.path.exists(f)}
     known[key] = top = int(tokens.max())
     try:  # written whole, then renamed: a reader never sees half a file
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -213,18 +212,16 @@ class BatchSampler:
     """The training batches, epoch by epoch, a pure function of `(seed, index)`.
 
     Each file is cut into aligned sequences of `seq_len + 1` tokens (sequence k is tokens
-    `[k·seq_len, (k+1)·seq_len]`: inputs the first `seq_len`, targets the last). Epoch e reads
-    the files in an order shuffled by `(seed, e)`, and each file's sequences as whole groups of
-    one update's `batch_size × grad_accum_steps`: with `shuffle="batches"` (the paper's loader)
-    the groups are runs of consecutive sequences in an order shuffled by `(seed, e, file)`, the
-    file's last incomplete group not read; with `"sequences"` the groups are consecutive runs of
-    the file's sequences shuffled by `(seed, e, file)`, so that an update mixes the file's text
-    (the sequences left over after whole groups, fewer than one group, differ by epoch). Within an
-    epoch no token is a target twice, and no sequence crosses two files. Micro-batch `index` is
-    micro-batch `index % grad_accum_steps` of update `index // grad_accum_steps`'s group, and
-    a process reads its `rows` of it (`sharding.process_rows`: those its devices hold): the
-    sequences of an update depend neither on the accumulation split nor on the processes, and
-    a resumed run replays the same data."""
+    `[k·seq_len, (k+1)·seq_len]`). Epoch e reads the files in an order shuffled by `(seed, e)`,
+    each file's sequences in groups of one update's `batch_size × grad_accum_steps`, shuffled by
+    `(seed, e, file)`: with `shuffle="batches"` (the paper's loader) each group is a run of
+    consecutive sequences (a file's last incomplete group is not read); with `"sequences"` the
+    sequences themselves are shuffled, so that an update mixes the file's text (those left over
+    after whole groups differ by epoch). Within an epoch no token is a target twice, and no
+    sequence crosses two files. Micro-batch `index` is micro-batch `index % grad_accum_steps` of
+    update `index // grad_accum_steps`, and a process reads its `rows` of it (those its devices
+    hold, `sharding.process_rows`): an update's sequences depend neither on the accumulation
+    split nor on the processes, and a resumed run replays the same data."""
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int,
                  grad_accum_steps: int = 1, shuffle: str = "sequences",

@@ -130,9 +130,8 @@ def check_batch(batch_size: int, mesh: Mesh) -> tuple[int, int]:
 
 def process_rows(batch_size: int, mesh: Mesh, devices=None) -> tuple[int, int]:
     """The rows [lo, hi) of a (batch_size, T) batch that `devices` (default: this process's)
-    hold under `batch_sharding`: what a process reads of every batch. All of them where the
-    data-parallel axes stay within a process (a tensor axis across processes); raises
-    ValueError where they are not one block of consecutive rows."""
+    hold under `batch_sharding`: what a process reads of every batch (all of them where the
+    data-parallel axes stay within a process). A ValueError unless they are one block."""
     devices = set(mesh.local_devices if devices is None else devices)
     held = sorted({index[0].indices(batch_size)[:2] for device, index in
                    batch_sharding(mesh).devices_indices_map((batch_size, 1)).items()
@@ -159,10 +158,10 @@ def global_batch(local: np.ndarray, mesh: Mesh, *, batch_size: int,
 
 def state_shardings(abstract: dict, param_shardings, mesh: Mesh) -> dict:
     """Shardings of the train state `{params, opt_state, ...}`: `param_shardings` for the
-    parameters, and for every optimizer-state subtree laid out like them (moments, `MultiSteps`'
-    accumulator, a partition group's copy with `MaskedNode`s) the same, leaf for leaf where the
-    shapes match; the rest replicated. (`optax.tree_utils.tree_map_params` would initialise the
-    optimizer on placeholders, but `rowgeom.lm_optimizer` labels parameters by their paths.)"""
+    parameters and, leaf for leaf where the shapes match, for every optimizer-state subtree laid
+    out like them (moments, `MultiSteps`' accumulator, a partition group's copy with
+    `MaskedNode`s); the rest replicated. (`optax.tree_utils.tree_map_params` would initialise
+    the optimizer on placeholders, but `rowgeom.lm_optimizer` labels parameters by their paths.)"""
     repl, params = replicated(mesh), abstract["params"]
     _masked = lambda x: isinstance(x, optax.MaskedNode)
     layout = jax.tree.structure(params)
