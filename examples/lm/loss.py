@@ -45,7 +45,6 @@ def logits(hidden_BcD: jax.Array, head: jax.Array, *, vocab_axis: int,
     get `PADDING_LOGIT`."""
     dims = (((2,), (1 - vocab_axis,)), ((), ()))  # the head's model-width axis: 1 - vocab_axis
     z_BcV = jax.lax.dot_general(hidden_BcD, head, dims, preferred_element_type=jnp.float32)
-    z_BcV = z_BcV.astype(jnp.float32)
     valid_11V = _valid_mask(num_valid, head.shape[vocab_axis])
     if valid_11V is not None:
         z_BcV = jnp.where(valid_11V, z_BcV, PADDING_LOGIT)
@@ -100,13 +99,10 @@ def cross_entropy(hidden_BTD: jax.Array, head: jax.Array, targets_BT: jax.Array,
                   vocab_axis: int, num_valid: int | None = None, chunk_size: int | None = None,
                   batch_groups: int = 1, constrain_logits=None) -> jax.Array:
     """Mean next-token cross-entropy (a float32 scalar) of `logits(hidden_BTD, head)`.
-
     hidden_BTD and head share the compute dtype; targets_BT are integer ids. chunk_size: None or
     `>= T`, the whole logits and plain autodiff; smaller, the chunked custom VJP (module
-    docstring). batch_groups: the number of batch shards (dividing B), which the chunked
-    backward reduces over once. constrain_logits: applied to every logits chunk and its gradient
-    (e.g. a sharding constraint).
-    """
+    docstring). batch_groups: the batch shards (dividing B), which the chunked backward reduces
+    over once. constrain_logits: applied to every logits chunk and its gradient (a sharding)."""
     _check(hidden_BTD, head, targets_BT, vocab_axis, num_valid, chunk_size, batch_groups,
            constrain_logits)
     constrain = constrain_logits or (lambda z: z)

@@ -90,12 +90,10 @@ def group_rates(cfg: configs.Config) -> dict[str, dict[str, np.float32]]:
 
 def build_optimizer(cfg: configs.Config, rates=None) -> optax.GradientTransformation:
     """Global-norm clipping -> rowgeom.lm_optimizer (each group on `lr_schedule` of its peak),
-    in optax.MultiSteps to accumulate.
-
-    `rates` (`group_rates`' structure, default `group_rates(cfg)`) may be traced: the train step
-    takes them as an argument, so runs that differ only in their rates and decays (a rate sweep,
-    the paper's tuned and matched runs) lower to one program. The state's structure does not
-    depend on them."""
+    in optax.MultiSteps to accumulate. `rates` (`group_rates`' structure, default
+    `group_rates(cfg)`) may be traced: the train step takes them as an argument, so runs that
+    differ only in their rates and decays (a rate sweep, the paper's tuned and matched runs)
+    lower to one program. The state's structure does not depend on them."""
     rates = group_rates(cfg) if rates is None else rates
     groups = {group: dataclasses.replace(
         o, learning_rate=lr_schedule(rates[group]["learning_rate"], cfg),

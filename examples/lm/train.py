@@ -143,9 +143,8 @@ class Trainer:
 
     @functools.cached_property
     def rates(self):
-        """The config's rates (`optimizer.group_rates`) on the mesh: `train_step`'s last
-        argument. Made when first asked for: a Trainer for a compile-only target has no device
-        to hold them (`abstract_rates` is what such a step lowers with)."""
+        """The config's rates (`optimizer.group_rates`) on the mesh, `train_step`'s last argument;
+        made when first asked for (a compile-only target has no device to hold them)."""
         repl = sharding.replicated(self.mesh)
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(repl, x),
                             optimizer.group_rates(self.cfg))
@@ -170,9 +169,7 @@ class Preempted(SystemExit):
         self.step, self.directory = step, directory
 
 
-class Run(NamedTuple):
-    """What `start` resolves before the first step."""
-
+class Run(NamedTuple):  # what `start` resolves before the first step
     cfg: configs.Config
     mesh: jax.sharding.Mesh
     ckpt: checkpointing.Checkpointer
