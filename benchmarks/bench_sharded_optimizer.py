@@ -25,7 +25,8 @@ Workloads:
    sharded like its parameter (`examples/lm/sharding.py`'s `state_shardings`).
 2. Fewer matrices than devices: `muon_orthogonalize` on 1, 2, 4, 8 split `(768, 3072)` matrices
    and on one `(768, 50304)` Muon head, with and without `shard_matrices`.
-The example's whole training step is `benchmarks/bench_lm_plan.py`'s (`examples.lm.tools.plan`).
+The example's whole training step is `benchmarks/bench_train_compile.py`'s
+(`examples.lm.tools.train_compile`).
 
 Run: `python benchmarks/bench_sharded_optimizer.py` (`--quick`: small trees; `--docs`: rewrite
 its generated block of docs/benchmarks.md, with the run's provenance; `--json PATH`: the raw

@@ -5,8 +5,9 @@ Every number is `python -m examples.lm.tools.topology`'s reading of the compiled
 update; `configs.paper_config`), FSDP over the target's devices, compiled by libtpu for a v5e-8
 slice and by XLA:GPU for a node of eight H200s (compile-only devices: nothing is allocated,
 nothing runs). Where the paper's micro-batch does not fit, the first micro-batch /
-accumulation / recomputation of `plan.SPLIT_CANDIDATES` that does is compiled instead
-(`topology.fit_train_step`, as `plan --topology` does), keeping 256 sequences per update. Per
+accumulation / recomputation of `train_compile.SPLIT_CANDIDATES` that does is compiled instead
+(`topology.fit_train_step`, as `train_compile --topology` does), keeping 256 sequences per
+update. Per
 device: the peak memory (arguments + outputs + temporaries - donated) against the budget (a
 v5e chip's HBM; the three quarters of an H200's memory that JAX preallocates), matmul FLOPs
 against the model's count (6N + attention: the recomputation's cost), collective bytes against

@@ -200,9 +200,9 @@ budget; it is not a reproduction of the paper's magnitudes.
 
 
 def _params(cfg: configs.Config) -> int:
-    from examples.lm.tools import plan
+    from examples.lm.tools import train_compile
 
-    return plan.param_count(cfg.model)
+    return train_compile.param_count(cfg.model)
 
 
 def main(argv=None) -> dict:

@@ -309,8 +309,8 @@ def paper_config(size: str, head: str = "rownorm") -> Config:
         mlp_dim=4 * d, max_seq_len=2048, rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True,
         norm_gain=False, init_std=0.02, compute_dtype="bfloat16", param_dtype="float32",
         # Scanned blocks (compile time independent of depth); "dots" keeps the weight matmuls'
-        # outputs and recomputes attention (python -m examples.lm.tools.plan --paper); a loss that
-        # holds one (B, 128, V) chunk of logits at a time.
+        # outputs and recomputes attention (python -m examples.lm.tools.train_compile --paper); a
+        # loss that holds one (B, 128, V) chunk of logits at a time.
         scan_layers=True, remat="dots", loss_chunk=128)
     rownorm = head == "rownorm"
     optim = OptimConfig(

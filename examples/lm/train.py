@@ -468,7 +468,7 @@ def _out_of_memory_message(cfg: configs.Config, error: Exception | str) -> str:
             f"micro-batch (--data.batch_size {cfg.data.batch_size} with a larger "
             f"--optim.grad_accum_steps), recomputation (--model.remat block), more FSDP "
             f"(--mesh.fsdp) or a shorter --model.max_seq_len ({cfg.seq_len}); "
-            "python -m examples.lm.tools.plan checks a config without running it")
+            "python -m examples.lm.tools.train_compile checks a config without running it")
 
 
 def attention_bytes(cfg: configs.Config, mesh) -> int:

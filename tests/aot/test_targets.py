@@ -58,18 +58,18 @@ def test_split_candidates_keep_the_paper_update():
     skipped when it was already compiled. (The paper's `190m` fitting v5e-8 is not asserted
     here: its TPU compile takes about four minutes on a 2-core host; see bench_targets.py.)"""
     from examples.lm import configs
-    from examples.lm.tools import plan
+    from examples.lm.tools import train_compile
 
     cfg = configs.paper_config("640m")  # 8 per GPU x 4 accumulation, dots
     splits = [(c.model.remat, c.data.batch_size // 8, c.optim.grad_accum_steps)
-              for c in plan.split_configs(cfg, 8)]
+              for c in train_compile.split_configs(cfg, 8)]
     assert splits == [("dots", 8, 4), ("dots", 4, 8), ("block", 8, 4), ("block", 4, 8),
                       ("block", 2, 16), ("block", 1, 32)]
     assert [s[:2] for s in (
-        (c.model.remat, c.data.batch_size // 8) for c in plan.split_configs(
+        (c.model.remat, c.data.batch_size // 8) for c in train_compile.split_configs(
             cfg, 8, skip_own=True))][0] == ("dots", 4)
     tried = []
-    chosen, result = plan.fit_split(
+    chosen, result = train_compile.fit_split(
         cfg, 8, lambda c: tried.append(c) or {"peak_bytes": 20 if c.model.remat == "dots"
                                               else 10}, budget=16)
     assert (chosen.model.remat, chosen.data.batch_size, len(tried)) == ("block", 64, 3)
@@ -103,14 +103,14 @@ def test_without_the_compiler_the_cli_says_what_to_install(tmp_path):
     assert 'pip install -e ".[tpu]"' in proc.stderr
 
 
-def test_plan_hands_a_topology_to_the_target_compiler(capsys):
-    from examples.lm.tools import plan
+def test_train_compile_hands_a_topology_to_the_target_compiler(capsys):
+    from examples.lm.tools import train_compile
 
     with pytest.raises(SystemExit) as e:
-        plan.main(["--config", "test", "--topology", "v9z-3"])
+        train_compile.main(["--config", "test", "--topology", "v9z-3"])
     assert e.value.code == 2 and "unknown target 'v9z-3'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        plan.main(["--config", "test", "--topology", "v5e-8", "--devices", "8"])
+        train_compile.main(["--config", "test", "--topology", "v5e-8", "--devices", "8"])
     assert e.value.code == 2 and "drop --paper, --devices" in capsys.readouterr().err
 
 
@@ -122,7 +122,7 @@ def _run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 def _step(target: str, tmp_path, module: str = "examples.lm.tools.topology") -> dict:
-    out = tmp_path / "plan.json"
+    out = tmp_path / "report.json"
     proc = _run(["-m", module, "--config", "test", "--topology", target,
                  "--json", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -156,8 +156,8 @@ def test_two_slices_split_data_parallelism_across_them(tmp_path):
 
 @needs_gpu
 def test_test_config_step_compiles_and_fits_on_h200_8(tmp_path):
-    # through the plan's --topology, which hands the same flags to topology.py
-    _check_step(_step("h200-8", tmp_path, module="examples.lm.tools.plan"), "gpu")
+    # through train_compile's --topology, which hands the same flags to topology.py
+    _check_step(_step("h200-8", tmp_path, module="examples.lm.tools.train_compile"), "gpu")
 
 
 _UPDATE = """

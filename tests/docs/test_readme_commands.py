@@ -12,10 +12,10 @@ when this machine cannot run it as written:
 - `python -m pytest`: the suite itself;
 - a `--data.source` that does not exist here (the FineWeb shards, `/data/tokens`, `~/tokens`), a
   `gs://` checkpoint directory, or a `--mesh.*` size larger than this machine's device count,
-  for commands that train (`examples.lm.tools.plan` simulates the devices it plans for).
+  for commands that train (`examples.lm.tools.train_compile` simulates the devices it compiles for).
 
 Every command is marked `slow`: the training commands train the README's configs for the
-README's steps (`cpu-tiny`, 600 steps: minutes each on a CPU), and the plan compiles a paper
+README's steps (`cpu-tiny`, 600 steps: minutes each on a CPU), and train_compile compiles a paper
 config. `test_readme_commands_are_found` (not slow) reads them.
 """
 

@@ -4,8 +4,9 @@ with status 2; never a traceback, never a silent wrong run, and nothing the user
 deleted without --overwrite.
 
 One short run of the `test` config (`SHORT_RUN`: 4 steps, checkpoints at 2 and 4) is shared by
-the module; each test damages a copy of it. The plan's tests share one compile of the step
-(`over_budget_plan`).
+the module; each test damages a copy of it. The compile report's tests share one compile of
+the step
+(`over_budget_report`).
 """
 
 import contextlib
@@ -270,43 +271,44 @@ def _session_start_step(path: Path) -> int | None:
     return None
 
 
-# ----------------------------------------------------------------------------- the plan
+# ------------------------------------------------------------------ the compile report
 
 
-def test_plan_device_memory_is_parsed_by_the_plan(capsys):
-    from examples.lm.tools import plan
+def test_train_compile_parses_its_device_memory(capsys):
+    from examples.lm.tools import train_compile
 
     with pytest.raises(SystemExit) as exit_info:
-        plan.main(["--config", "test", "--device-memory", "16XB"])
+        train_compile.main(["--config", "test", "--device-memory", "16XB"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
-    assert err.startswith("plan.py: error: --device-memory expects a size such as 16GiB")
+    assert err.startswith("train_compile.py: error: --device-memory expects a size such as 16GiB")
     assert "a bare number is bytes" in err and err.count("\n") == 1, err
 
 
-# The plan of the `test` config on one device with 2 micro-batches per update: its step, compiled
+# The report of the `test` config on one device with 2 micro-batches per update: its step, compiled
 # once for the module, serves both the command's report and `cheapest_fit`'s budget.
-PLAN_ARGS = ["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2"]
+REPORT_ARGS = ["--config", "test", "--mesh.data", "1", "--optim.grad_accum_steps", "2"]
 
 
 @pytest.fixture(scope="module")
-def over_budget_plan(tmp_path_factory):
-    """`plan.py` run on PLAN_ARGS against 64 KiB, with `tempfile`'s directory an empty one:
-    (exit status, what it printed, its figures (--json), what it left in that directory)."""
-    from examples.lm.tools import plan
+def over_budget_report(tmp_path_factory):
+    """`train_compile.py` run on REPORT_ARGS against 64 KiB, with `tempfile`'s directory an empty
+    one: (exit status, what it printed, its figures (--json), what it left in that directory)."""
+    from examples.lm.tools import train_compile
 
-    base = tmp_path_factory.mktemp("plan")
-    temporary, figures = base / "tmp", base / "plan.json"
+    base = tmp_path_factory.mktemp("report")
+    temporary, figures = base / "tmp", base / "report.json"
     temporary.mkdir()
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
         patch.setattr(tempfile, "tempdir", str(temporary))
-        status = plan.main([*PLAN_ARGS, "--device-memory", "64KiB", "--json", str(figures)])
+        status = train_compile.main([*REPORT_ARGS, "--device-memory", "64KiB", "--json",
+                                     str(figures)])
     return status, out.getvalue(), json.loads(figures.read_text()), list(temporary.iterdir())
 
 
-def test_plan_says_what_to_change_when_the_step_does_not_fit(over_budget_plan):
-    status, out, _, _ = over_budget_plan
+def test_train_compile_says_what_to_change_when_the_step_does_not_fit(over_budget_report):
+    status, out, _, _ = over_budget_report
     assert status == 1
     assert "does NOT fit in 0.06 MiB per device (peak " in out, out
     assert "per micro-batch step, 2 micro-batches per update" in out, out
@@ -316,12 +318,12 @@ def test_plan_says_what_to_change_when_the_step_does_not_fit(over_budget_plan):
             ) in out, out
 
 
-def test_plan_fitting_changes_put_fsdp_first():
-    from examples.lm.tools import plan
+def test_train_compile_fitting_changes_put_fsdp_first():
+    from examples.lm.tools import train_compile
 
     cfg = configs.override(configs.get_config("test"),
                            {"mesh.data": 2, "mesh.fsdp": 1, "data.batch_size": 8})
-    changes = plan.fitting_changes(cfg, [None, None])
+    changes = train_compile.fitting_changes(cfg, [None, None])
     assert changes[0][0] == "--mesh.data 1 --mesh.fsdp 2"
     assert [c.data.batch_size * c.optim.grad_accum_steps for _, c in changes] == [8] * len(
         changes)
@@ -337,19 +339,19 @@ def test_a_sequence_too_long_for_the_device_is_refused_up_front():
     train.check_fits(configs.get_config("cpu-tiny"), mesh, limit=80 * 2**30)
 
 
-def test_plan_fit_auto_names_a_change_that_fits(over_budget_plan, tmp_path, monkeypatch):
-    from examples.lm.tools import plan
+def test_train_compile_fit_auto_names_a_change_that_fits(over_budget_report, tmp_path, monkeypatch):
+    from examples.lm.tools import train_compile
 
-    cfg = configs.parse_config(PLAN_ARGS)
+    cfg = configs.parse_config(REPORT_ARGS)
     devices = jax.devices()[:1]
-    _, _, figures, left = over_budget_plan
+    _, _, figures, left = over_budget_report
     assert figures["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
     budget = figures["peak_bytes"] - 1
-    # The compiler's dump (about 10 MB a step) goes with the plan that made it.
+    # The compiler's dump (about 10 MB a step) goes with the report that made it.
     assert not left
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     lines = []
-    flags = plan.cheapest_fit(cfg, devices, budget, search=True, print_fn=lines.append)
+    flags = train_compile.cheapest_fit(cfg, devices, budget, search=True, print_fn=lines.append)
     assert flags is not None and lines == [lines[-1]], lines
     assert lines[0].startswith(f"  the cheapest change that fits: {flags} (peak "), lines
     assert not list(tmp_path.iterdir())

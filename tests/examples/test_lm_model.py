@@ -12,7 +12,7 @@ from flax import nnx
 
 from examples.lm import model as model_lib
 from examples.lm import sharding
-from examples.lm.tools import plan
+from examples.lm.tools import train_compile
 
 # Odd vocabulary and unequal widths, so a swapped axis cannot pass a shape check.
 CFG = model_lib.ModelConfig(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48,
@@ -310,7 +310,7 @@ def test_config_and_input_validation(rng):
 def test_param_count_and_flops(cfg):
     d, L, f, V = cfg.d_model, cfg.num_layers, cfg.mlp_dim, cfg.vocab_size
     model = _abstract(cfg)
-    n = plan.param_count(cfg)
+    n = train_compile.param_count(cfg)
     assert n == sum(v.size for v in _paths(model).values())
     norms = (2 * L + 1) * d
     assert n == V * d * (1 if cfg.tied_embeddings else 2) + L * (4 * d * d + 3 * d * f) + norms

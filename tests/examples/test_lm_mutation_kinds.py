@@ -9,7 +9,7 @@ benchmarks/mutation_test.py:
 - the chunked loss's backward pass ignoring its incoming cotangent (a scaled loss's gradient,
   against the plain computation's);
 - under gradient accumulation, the logged `train_loss` being the last micro-batch's, not the mean;
-- the plan's model FLOPs not divided per device.
+- the compile report's (`tools/train_compile.py`) model FLOPs not divided per device.
 """
 
 import collections
@@ -27,7 +27,7 @@ from examples.lm import loss as loss_lib
 from examples.lm import model as model_lib
 from examples.lm import sharding as mesh_lib
 from examples.lm import train as trainer_lib
-from examples.lm.tools import plan
+from examples.lm.tools import train_compile
 
 CFG = model_lib.ModelConfig(vocab_size=61, d_model=32, num_layers=1, num_heads=4, mlp_dim=48,
                             max_seq_len=16)
@@ -141,8 +141,8 @@ def test_logged_train_loss_is_the_mean_over_the_micro_batches():
     assert record["step"] == 2 and record["train_loss"] == pytest.approx(4.0)
 
 
-def test_plan_model_flops_are_per_device(monkeypatch):
-    """`plan`'s model FLOPs are the whole batch's (6N + attention per token) divided by the
+def test_train_compile_model_flops_are_per_device(monkeypatch):
+    """`train_compile`'s model FLOPs are the whole batch's (6N + attention per token) divided by the
     devices, like the compiled step's matmul FLOPs it is compared with. The compile is stubbed
     (one device here): a stand-in step on a one-device mesh, `devices` naming two."""
     cfg = configs.override(configs.get_config("test"), {"mesh.data": 1, "mesh.fsdp": 2})
@@ -155,9 +155,9 @@ def test_plan_model_flops_are_per_device(monkeypatch):
 
     monkeypatch.setattr(trainer_lib, "Trainer", Stub)
     make_mesh = mesh_lib.make_mesh
-    monkeypatch.setattr(plan.mesh_lib, "make_mesh",
+    monkeypatch.setattr(train_compile.mesh_lib, "make_mesh",
                         lambda *sizes, devices: make_mesh(1, 1, 1, devices=one))
-    out = plan.plan(cfg, one * 2, step="grad_step")
+    out = train_compile.compile_step(cfg, one * 2, step="grad_step")
     whole = model_lib.flops_per_token(cfg.model) * cfg.data.batch_size * cfg.seq_len
     assert out["devices"] == 2
     assert out["model_flops"] == pytest.approx(whole / 2)

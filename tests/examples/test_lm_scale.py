@@ -1,6 +1,6 @@
-"""The example at pod scale, on one device: the plan reads compiled programs right, and a
+"""The example at pod scale, on one device: the compile report reads compiled programs right, and a
 checkpoint restores only into the layer layout it was written in. The 8-device checks (the
-sharded step, the 190m plan, the plan command) are test_lm_sharded.py's."""
+sharded step, the 190m report, the train_compile command) are test_lm_sharded.py's."""
 
 import dataclasses
 
@@ -9,16 +9,16 @@ import jax.numpy as jnp
 import pytest
 
 from examples.lm import configs
-from examples.lm.tools import compiled, plan
+from examples.lm.tools import compiled, train_compile
 
 
 def test_parse_size_reads_binary_and_decimal_units():
-    assert plan.parse_size("16GiB") == 16 * 2**30 == plan.parse_size("16g")
-    assert plan.parse_size("80GB") == 80 * 10**9
-    assert plan.parse_size("512 MiB") == 512 * 2**20
-    assert plan.parse_size("1024") == 1024
+    assert train_compile.parse_size("16GiB") == 16 * 2**30 == train_compile.parse_size("16g")
+    assert train_compile.parse_size("80GB") == 80 * 10**9
+    assert train_compile.parse_size("512 MiB") == 512 * 2**20
+    assert train_compile.parse_size("1024") == 1024
     with pytest.raises(ValueError, match="--device-memory expects a size"):
-        plan.parse_size("sixteen gigs")
+        train_compile.parse_size("sixteen gigs")
 
 
 def test_hlo_matmul_flops_count_every_iteration_of_a_scan():

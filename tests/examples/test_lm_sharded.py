@@ -1,6 +1,6 @@
 """The example on 8 devices, in this process: the model, the loss, the train step and a resumed
 run sharded over the mesh give what one device gives; the paper's 190m config fits a 16 GiB chip;
-`tools.plan` says when a step does not fit.
+`tools.train_compile` says when a step does not fit.
 
 Marked `sharded`: `python -m pytest -m sharded` runs them in a process with 8 CPU devices (until
 tests/conftest.py does it, `XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from examples.lm import configs, sharding, train
 from examples.lm import loss as loss_lib
 from examples.lm import model as model_lib
-from examples.lm.tools import plan
+from examples.lm.tools import train_compile
 
 pytestmark = pytest.mark.sharded
 
@@ -325,37 +325,39 @@ def test_a_run_resumes_onto_another_mesh(lm_corpus, shared_trainers, no_plot, tm
                                        err_msg=f"step {e['step']} {key}")
 
 
-# ----------------------------------------------------------------------------- the plan
+# ------------------------------------------------------------------ the compile report
 
 
 @pytest.fixture(scope="module")
 def paper_190m(tmp_path_factory):
-    """`plan --paper --config 190m`, run once: (exit status, its JSON, its output, and every
-    (config, `plan.plan` result) it compiled on the way, the v5e candidates among them)."""
-    out = tmp_path_factory.mktemp("plan") / "plan.json"
-    planned, real_plan = [], plan.plan
+    """`train_compile --paper --config 190m`, run once: (exit status, its JSON, its output, and
+    every (config, `train_compile.compile_step` result) it compiled on the way, the v5e
+    candidates among them)."""
+    out = tmp_path_factory.mktemp("report") / "report.json"
+    compiled, real_compile = [], train_compile.compile_step
 
     def recording(cfg, *args, **kwargs):
-        planned.append((cfg, real_plan(cfg, *args, **kwargs)))
-        return planned[-1][1]
+        compiled.append((cfg, real_compile(cfg, *args, **kwargs)))
+        return compiled[-1][1]
 
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setattr(plan, "plan", recording)
-        status = plan.main(["--paper", "--config", "190m", "--json", str(out)])
-    return status, json.loads(out.read_text()), printed.getvalue(), planned
+        patch.setattr(train_compile, "compile_step", recording)
+        status = train_compile.main(["--paper", "--config", "190m", "--json", str(out)])
+    return status, json.loads(out.read_text()), printed.getvalue(), compiled
 
 
 def test_190m_fits_a_16_gib_chip_at_4_sequences_per_chip_on_fsdp_8(paper_190m):
     # The paper's 256 sequences per update as 8 micro-batches of 4 sequences per chip: what
-    # `python -m examples.lm.tools.plan --paper` finds fits a 16 GiB TPU v5e (its plan of this
-    # very config is read back, not compiled again; planned here if the search skipped it).
+    # `python -m examples.lm.tools.train_compile --paper` finds fits a 16 GiB TPU v5e (its report
+    # of this very config is read back, not compiled again; compiled here if the search skipped
+    # it).
     cfg = configs.override(configs.get_config("190m"),
                            {"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1,
                             "data.batch_size": 32, "optim.grad_accum_steps": 8})
-    *_, planned = paper_190m
-    found = [result for candidate, result in planned if candidate == cfg]
-    result = found[0] if found else plan.plan(cfg, jax.devices())
+    *_, compiled = paper_190m
+    found = [result for candidate, result in compiled if candidate == cfg]
+    result = found[0] if found else train_compile.compile_step(cfg, jax.devices())
     assert result["devices"] == 8 and result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     partitioned = result["partitioned"]
     assert partitioned["loops_known"]
@@ -372,20 +374,21 @@ def test_190m_fits_a_16_gib_chip_at_4_sequences_per_chip_on_fsdp_8(paper_190m):
     assert reductions == {"f32"}, partitioned["largest_collectives"]
 
 
-def test_plan_command_says_when_the_step_does_not_fit(tmp_path, capsys):
-    status = plan.main(["--config", "test", "--mesh.data", "1", "--mesh.fsdp", "8",
-                        "--device-memory", "64KiB", "--json", str(tmp_path / "plan.json")])
+def test_train_compile_command_says_when_the_step_does_not_fit(tmp_path, capsys):
+    status = train_compile.main(["--config", "test", "--mesh.data", "1", "--mesh.fsdp", "8",
+                                 "--device-memory", "64KiB", "--json",
+                                 str(tmp_path / "report.json")])
     out = capsys.readouterr().out
     assert status == 1, out
     assert "does NOT fit" in out, out
     assert "on 8 cpu devices" in out and "as partitioned" in out, out
-    assert (tmp_path / "plan.json").exists()
+    assert (tmp_path / "report.json").exists()
 
 
-def test_plan_paper_190m_fits_the_papers_gpus_and_states_the_diameter_share(paper_190m):
-    """`plan --paper` for 190m (380m and 640m take longer and are not tested): its count is the
-    paper's, it fits an 80 GiB GPU at the paper's micro-batch, a 16 GiB chip gets a micro-batch,
-    and the exact diameter every 10 updates is a small share."""
+def test_train_compile_paper_190m_fits_the_papers_gpus_and_states_the_diameter_share(paper_190m):
+    """`train_compile --paper` for 190m (380m and 640m take longer and are not tested): its count
+    is the paper's, it fits an 80 GiB GPU at the paper's micro-batch, a 16 GiB chip gets a
+    micro-batch, and the exact diameter every 10 updates is a small share."""
     status, (result,), printed, _ = paper_190m
     assert status == 0
     assert result["param_count"] == result["paper_param_count"] == 185_680_896

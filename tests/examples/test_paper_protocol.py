@@ -23,7 +23,7 @@ from flax import nnx
 
 import rowgeom
 from examples.lm import configs, data, model, optimizer
-from examples.lm.tools import plan
+from examples.lm.tools import train_compile
 
 # The paper's Table 1 and Table 2, typed from the paper.
 PAPER = {
@@ -52,7 +52,7 @@ def test_models_are_table_1(size):
     # GPT-2's vocabulary, padded for the hardware, the padding known from the config itself.
     assert (m.vocab_size, m.valid_vocab_size, m.num_tokens) == (50_304, 50_257, 50_257)
     # The paper's count: 32*16*d^2 + 2*50257*d, padding rows excluded.
-    assert plan.param_count(m) == params == 32 * 16 * d * d + 2 * 50_257 * d
+    assert train_compile.param_count(m) == params == 32 * 16 * d * d + 2 * 50_257 * d
     leaves = _params(configs.get_config(size))
     shapes = {"/".join(map(str, k)): v.shape for k, v in _flat(leaves)}
     # No vector parameters at all (no norm gains, no biases): every leaf is a matrix.

@@ -1,14 +1,14 @@
 """Compile the train step for a Cloud TPU slice or a GPU node on a host that has neither.
 
     python -m examples.lm.tools.topology --config 190m --topology v5e-8
-    python -m examples.lm.tools.topology --config 190m --topology h200-8 --json plan.json
+    python -m examples.lm.tools.topology --config 190m --topology h200-8 --json report.json
 
 The target's own compiler does the work: libtpu for TPUs (the `tpu` extra), jax's CUDA plugin
 and ptxas for NVIDIA GPUs (the `gpu-aot` extra; docs/guides/targets.md says how to install it).
 `jax.experimental.topologies.get_topology_desc` describes the target's devices without any being
 present; a mesh over them and `jit(...).lower(abstract inputs).compile()` give the executable
-that target would run, and `plan.plan` reads it (memory by kind, matmul FLOPs, collectives,
-compile time). Nothing is allocated and nothing runs.
+that target would run, and `train_compile.compile_step` reads it (memory by kind, matmul FLOPs,
+collectives, compile time). Nothing is allocated and nothing runs.
 
 Targets are named as Cloud TPU names its slices and as one names a GPU node:
 
@@ -217,19 +217,20 @@ def _mesh_for(cfg, target: Target):
 
 
 def compile_train_step(cfg, target: Target, *, step: str = "train_step") -> dict:
-    """`plan.plan` of `cfg`'s train step compiled for `target` (its default mesh: FSDP over all
-    the devices), with the target's name, memory and budget, and whether the step fits.
+    """`train_compile.compile_step` of `cfg`'s train step compiled for `target` (its default
+    mesh: FSDP over all the devices), with the target's name, memory and budget, and whether the
+    step fits.
 
     When the TPU compiler itself refuses the program for want of HBM, the result says so
     (`refused`: the compiler's message; `peak_bytes`: the memory it said it needs, at least)."""
     import jax  # noqa: PLC0415
 
-    from examples.lm.tools import plan  # noqa: PLC0415
+    from examples.lm.tools import train_compile  # noqa: PLC0415
 
     cfg = for_target(_mesh_for(cfg, target))
     start = time.perf_counter()
     try:
-        result = plan.plan(cfg, target.devices(), step=step)
+        result = train_compile.compile_step(cfg, target.devices(), step=step)
     except jax.errors.JaxRuntimeError as e:
         needed = re.search(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\)", str(e))
         if not needed:
@@ -255,11 +256,11 @@ def _ranks(cfg, target: Target) -> int:
 def fit_train_step(cfg, target: Target, *, fit: bool = True, step: str = "train_step",
                    print_fn=None) -> dict:
     """`compile_train_step` of `cfg`; when that does not fit and `fit`, the first of
-    `plan.SPLIT_CANDIDATES` (micro-batch, accumulation, recomputation: the same sequences per
-    update) that does (`plan.fit_split`). The result's `split` says which was compiled
-    (`chosen`: found by the search; `tried`: how many compiles), `as_configured` holds the
-    config's own result when the search replaced it."""
-    from examples.lm.tools import plan  # noqa: PLC0415
+    `train_compile.SPLIT_CANDIDATES` (micro-batch, accumulation, recomputation: the same
+    sequences per update) that does (`train_compile.fit_split`). The result's `split` says which
+    was compiled (`chosen`: found by the search; `tried`: how many compiles), `as_configured`
+    holds the config's own result when the search replaced it."""
+    from examples.lm.tools import train_compile  # noqa: PLC0415
 
     result = compile_train_step(cfg, target, step=step)
     ranks = _ranks(cfg, target)
@@ -272,10 +273,10 @@ def fit_train_step(cfg, target: Target, *, fit: bool = True, step: str = "train_
     chosen = None
     if fit and not result["fits"]:
         if print_fn:
-            print_fn(f"  as configured ({plan.split_text(cfg, ranks)}): peak "
+            print_fn(f"  as configured ({train_compile.split_text(cfg, ranks)}): peak "
                      f"{_gib(result['peak_bytes'])} does NOT fit in {_gib(target.budget_bytes)}; "
                      "searching")
-        chosen, found = plan.fit_split(cfg, ranks, compile_fn, target.budget_bytes,
+        chosen, found = train_compile.fit_split(cfg, ranks, compile_fn, target.budget_bytes,
                                        print_fn=print_fn, skip_own=True)
         if chosen is not None:
             found["as_configured"] = {k: result[k] for k in ("peak_bytes", "fits", "batch",
@@ -336,7 +337,7 @@ def _gib(n: float) -> str:
 
 def format_report(result: dict, *, name: str) -> str:
     """The compiled step's figures for its target as a few lines of text."""
-    from examples.lm.tools import plan  # noqa: PLC0415
+    from examples.lm.tools import train_compile  # noqa: PLC0415
 
     split = result.get("split")
     if "refused" in result:
@@ -345,7 +346,7 @@ def format_report(result: dict, *, name: str) -> str:
                 f"remat {result['remat']}: the {result['platform']} compiler refused it "
                 f"({result['refused']})")
         return head + f"\n  does NOT fit in {_gib(result['budget'])} per device"
-    lines = plan.report(result, name=name, device_memory=None).splitlines()
+    lines = train_compile.report(result, name=name, device_memory=None).splitlines()
     lines[0] = lines[0].replace(f"{result['devices']} {result['platform']} devices",
                                 f"{result['target']} ({result['devices']} x "
                                 f"{result['device_kind']}, {result['platform']} compiler)")
@@ -384,8 +385,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fit", choices=("auto", "off"), default="auto",
                         help="auto: when the step does not fit, take the first micro-batch / "
                              "accumulation / remat (same sequences per update) that does "
-                             "(plan.SPLIT_CANDIDATES); off: compile the config's own, e.g. as "
-                             "--data.batch_size/--optim.grad_accum_steps/--model.remat set it")
+                             "(train_compile.SPLIT_CANDIDATES); off: compile the config's "
+                             "own, e.g. as --data.batch_size/--optim.grad_accum_steps/"
+                             "--model.remat set it")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
     configs.add_config_arguments(parser)
     args = parser.parse_args(argv)

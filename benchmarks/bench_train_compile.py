@@ -1,21 +1,21 @@
 """The example's train step at the paper's sizes, read from the compiled program on 8 devices.
 
-Every number comes from `python -m examples.lm.tools.plan`'s reading of the compiled step
-(`examples/lm/tools/plan.py`, `examples/lm/tools/compiled.py`), compiled from abstract inputs on 8
-simulated CPU devices (nothing is allocated):
+Every number comes from `python -m examples.lm.tools.train_compile`'s reading of the compiled step
+(`examples/lm/tools/train_compile.py`, `examples/lm/tools/compiled.py`), compiled from abstract
+inputs on 8 simulated CPU devices (nothing is allocated):
 
 1. `190m`, `380m`, `640m` (the paper's models) at their own micro-batch (the paper's 8 GPUs'
-   micro-batch of 2,048-token sequences; `python -m examples.lm.tools.plan --paper` finds the
-   one that fits 16 GiB) on `fsdp 8`, `data 2 x fsdp 4` and `fsdp 4 x tensor 2`: per-device peak
-   memory (arguments + outputs + temporaries - donated) against a 16 GiB chip, collective
-   bytes per device (as partitioned: the element types an accelerator moves) against the
-   parameter bytes, matmul FLOPs against the model's count (6N + attention), and the compile
+   micro-batch of 2,048-token sequences; `python -m examples.lm.tools.train_compile --paper`
+   finds the one that fits 16 GiB) on `fsdp 8`, `data 2 x fsdp 4` and `fsdp 4 x tensor 2`:
+   per-device peak memory (arguments + outputs + temporaries - donated) against a 16 GiB chip,
+   collective bytes per device (as partitioned: the element types an accelerator moves) against
+   the parameter bytes, matmul FLOPs against the model's count (6N + attention), and the compile
    time.
 2. The recomputation policies side by side (`190m`, `fsdp 8`), and the optimizer's share of
    the step's collectives (less those of the same step without the optimizer update).
 3. Compile time of the `640m` step with scanned and with unrolled blocks, in one run.
 
-Run: `python benchmarks/bench_lm_plan.py` (`--quick`: the `test`
+Run: `python benchmarks/bench_train_compile.py` (`--quick`: the `test`
 config only; `--docs`: rewrite its section of docs/benchmarks.md; `--json PATH`: the raw numbers).
 """
 
@@ -26,7 +26,7 @@ import pathlib
 import sys
 import tempfile
 
-DUMP_DIR = tempfile.mkdtemp(prefix="rowgeom-bench-plan-")
+DUMP_DIR = tempfile.mkdtemp(prefix="rowgeom-bench-train-compile-")
 os.environ["XLA_FLAGS"] = (
     f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 "
     f"--xla_dump_to={DUMP_DIR} --xla_dump_hlo_pass_re=spmd-partitioning "
@@ -43,9 +43,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from examples.lm import configs  # noqa: E402
-from examples.lm.tools import plan  # noqa: E402
+from examples.lm.tools import train_compile  # noqa: E402
 
-BLOCK = "lm-plan"
+BLOCK = "train-compile"
 MESHES = {"fsdp 8": (1, 8, 1), "data 2 x fsdp 4": (2, 4, 1), "fsdp 4 x tensor 2": (1, 4, 2)}
 GIB = 2**30
 BUDGET = 16 * GIB  # a TPU v5e chip
@@ -56,11 +56,11 @@ def _config(name: str, mesh: str, **fields):
     return configs.override(configs.get_config(name), sizes | fields)
 
 
-def _plan(name: str, mesh: str, step: str = "train_step", **fields) -> dict:
-    result = plan.plan(_config(name, mesh, **fields), jax.devices(), dump_dir=DUMP_DIR,
-                       step=step)
+def _compile(name: str, mesh: str, step: str = "train_step", **fields) -> dict:
+    result = train_compile.compile_step(_config(name, mesh, **fields), jax.devices(),
+                                        dump_dir=DUMP_DIR, step=step)
     result.update(config=name, mesh_name=mesh, step=step)
-    print(plan.report(result, name=f"{name} {step}", device_memory=BUDGET), flush=True)
+    print(train_compile.report(result, name=f"{name} {step}", device_memory=BUDGET), flush=True)
     return result
 
 
@@ -70,11 +70,11 @@ def run(quick: bool) -> dict:
     names = ["test"] if quick else ["190m", "380m", "640m"]
     first = names[0]
     out = {
-        "sizes": [_plan(n, m) for n in names for m in MESHES],
-        "remat": [_plan(first, "fsdp 8", **{"model.remat": r, "model.scan_layers": True})
+        "sizes": [_compile(n, m) for n in names for m in MESHES],
+        "remat": [_compile(first, "fsdp 8", **{"model.remat": r, "model.scan_layers": True})
                   for r in ("none", "block", "dots")],
-        "grads_only": _plan(first, "fsdp 8", step="grad_step"),
-        "compile": [_plan(names[-1], "fsdp 8", **{"model.scan_layers": s})
+        "grads_only": _compile(first, "fsdp 8", step="grad_step"),
+        "compile": [_compile(names[-1], "fsdp 8", **{"model.scan_layers": s})
                     for s in (True, False)],
     }
     out["environment"] = provenance.finish(env) | {"total_s": time.perf_counter() - start,
@@ -106,7 +106,7 @@ HEADER = ["| {} | micro-batch (per data-parallel rank) | temporaries | peak per 
 
 def markdown(results: dict) -> str:
     env = results["environment"]
-    command = "python benchmarks/bench_lm_plan.py" + (" --quick" if env["quick"] else "")
+    command = "python benchmarks/bench_train_compile.py" + (" --quick" if env["quick"] else "")
     lines = [provenance.header(command + " --docs", env), "",
              f"{env['total_s']:.0f} s in all. Every number is read from the compiled step "
              "(abstract inputs, nothing allocated); collectives as partitioned (bf16 where the "

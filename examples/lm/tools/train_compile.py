@@ -1,7 +1,7 @@
 """Will the train step fit? Compile it ahead of time for a mesh and read the compiled program.
 
-    python -m examples.lm.tools.plan --config 190m --mesh.fsdp 8 --device-memory 16GiB
-    python -m examples.lm.tools.plan --config 640m --mesh.fsdp 4 --mesh.tensor 2 --json plan.json
+    python -m examples.lm.tools.train_compile --config 190m --mesh.fsdp 8 --device-memory 16GiB
+    python -m examples.lm.tools.train_compile --config 640m --mesh.fsdp 4 --mesh.tensor 2
 
 Like MaxText's `train_compile.py`, this compiles the trainer's jitted step on abstract inputs
 (`jax.ShapeDtypeStruct`s carrying the target shardings; nothing is allocated) for the mesh the
@@ -16,10 +16,10 @@ first that fits). Every config flag of the trainer applies (`--model.remat`, `--
 ...); the figures are those of one micro-batch step, `--optim.grad_accum_steps` of them per
 update.
 
-    python -m examples.lm.tools.plan --paper      # every paper config (configs.PAPER_MODELS)
-    python -m examples.lm.tools.plan --paper --config 190m --head adamw
+    python -m examples.lm.tools.train_compile --paper  # every paper config (configs.PAPER_MODELS)
+    python -m examples.lm.tools.train_compile --paper --config 190m --head adamw
 
-`--paper` plans each paper config where the paper ran it: 256 x 2,048 per update on 8 devices,
+`--paper` compiles each paper config where the paper ran it: 256 x 2,048 per update on 8 devices,
 data parallel, at the paper's micro-batch and accumulation (`configs.paper_config`). It prints
 the parameter count without padding beside the paper's, whether the step fits in 80 GiB (H100) and
 141 GiB (H200) per device, the micro-batch, accumulation and recomputation that fit a 16 GiB
@@ -83,11 +83,11 @@ def devices_for(cfg: configs.Config, count: int | None):
     cpus = jax.devices("cpu")
     if len(cpus) < total:
         raise ValueError(f"the mesh needs {total} devices but {len(cpus)} CPU devices exist: "
-                         "run `python -m examples.lm.tools.plan` in a fresh process")
+                         "run `python -m examples.lm.tools.train_compile` in a fresh process")
     return cpus[:total], True
 
 
-def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
+def compile_step(cfg: configs.Config, devices, *, dump_dir: str | None = None,
          step: str = "train_step") -> dict:
     """Compile the train step of `cfg` for `devices` and read it (`compiled.read_compiled`), with
     the model's FLOP count and the parameter bytes to compare against. `step="grad_step"`: the
@@ -105,7 +105,7 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     batch = cfg.data.batch_size
     mesh_lib.check_batch(batch, mesh)
     own_dump = dump_dir is None
-    dump_dir = dump_dir or tempfile.mkdtemp(prefix="rowgeom-plan-")
+    dump_dir = dump_dir or tempfile.mkdtemp(prefix="rowgeom-train-compile-")
     shutil.rmtree(dump_dir, ignore_errors=True)
     dump = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "spmd-partitioning"}
     start = time.perf_counter()
@@ -138,7 +138,7 @@ def plan(cfg: configs.Config, devices, *, dump_dir: str | None = None,
     return out
 
 
-# Per-device memory of the GPUs the paper's configs are planned for, and of a TPU v5e chip.
+# Per-device memory of the GPUs the paper's configs were run on, and of a TPU v5e chip.
 GPU_MEMORY = {"H100": 80 * GIB, "H200": 141 * GIB}
 V5E_MEMORY = 16 * GIB
 # (recomputation, sequences per data-parallel rank) tried when a step does not fit, cheapest
@@ -213,13 +213,13 @@ def param_count(cfg: model_lib.ModelConfig) -> int:
     return total - tables * padding_rows * cfg.d_model
 
 
-def paper_plan(size: str, head: str, devices, *, print_fn=print) -> dict:
+def paper_figures(size: str, head: str, devices, *, print_fn=print) -> dict:
     """The `--paper` figures of one paper config on 8 `devices` (see the module docstring)."""
     cfg = configs.override(configs.paper_config(size, head),
                            {"mesh.data": len(devices), "mesh.fsdp": 1, "mesh.tensor": 1})
     paper = configs.PAPER_MODELS[size]
     count = param_count(cfg.model)
-    gpu = plan(cfg, devices)
+    gpu = compile_step(cfg, devices)
     peak = gpu["peak_bytes"]
     diameter = diameter_flops(cfg, devices)
     update = cfg.eval.diameter_every * cfg.optim.grad_accum_steps * gpu["matmul_flops"]
@@ -243,7 +243,8 @@ def paper_plan(size: str, head: str, devices, *, print_fn=print) -> dict:
              "Precision.HIGHEST, slower per FLOP than the bf16 step)")
     out["v5e"] = None
     v5e_cfg = configs.override(cfg, {"mesh.data": 1, "mesh.fsdp": len(devices)})
-    chosen, result = fit_split(v5e_cfg, len(devices), lambda c: plan(c, devices), V5E_MEMORY)
+    chosen, result = fit_split(v5e_cfg, len(devices), lambda c: compile_step(c, devices),
+                               V5E_MEMORY)
     if chosen is not None:
         out["v5e"] = {"remat": chosen.model.remat,
                       "sequences_per_device": chosen.data.batch_size // len(devices),
@@ -288,7 +289,7 @@ def _collective_lines(title: str, figures: dict, param_bytes: int) -> list[str]:
 
 
 def report(result: dict, *, name: str, device_memory: int | None) -> str:
-    """The plan as a few lines of text."""
+    """The compile report (`compile_step`'s result) as a few lines of text."""
     sizes = ", ".join(f"{a} {n}" for a, n in result["mesh"].items())
     kinds = ", ".join(f"{k} {_gib(v)}" for k, v in result["memory"].items())
     per_device = result["batch"] / (result["mesh"]["data"] * result["mesh"]["fsdp"])
@@ -360,7 +361,7 @@ def cheapest_fit(cfg: configs.Config, devices, budget: int, *, search: bool,
                  "first that fits): " + "; ".join(f for f, _ in changes))
         return None
     for flags, candidate in changes:
-        peak = plan(candidate, devices)["peak_bytes"]
+        peak = compile_step(candidate, devices)["peak_bytes"]
         if peak <= budget:
             print_fn(f"  the cheapest change that fits: {flags} (peak {_gib(peak)})")
             return flags
@@ -380,18 +381,18 @@ def prepare_backend(cpu_devices: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = configs.Parser(prog="plan.py", description=__doc__.split("\n\n")[0])
+    parser = configs.Parser(prog="train_compile.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device-memory", default=None, metavar="SIZE",
                         help="per-device memory to check against, e.g. 16GiB (TPU v5e) or 60GB "
                              "(the 75%% of an 80 GB H100 JAX preallocates); a bare number is "
                              "bytes; exit status 1 if the step does not fit")
     parser.add_argument("--devices", type=int, default=None, metavar="N",
-                        help="devices to plan for (default: the accelerators, or as many "
+                        help="devices to compile for (default: the accelerators, or as many "
                              "simulated CPU devices as the mesh sizes multiply to, an axis of -1 "
                              "counting 1)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures")
     parser.add_argument("--paper", action="store_true",
-                        help="plan the paper configs on 8 devices (--config: only that one; "
+                        help="compile the paper configs on 8 devices (--config: only that one; "
                              "--head: its head, default rownorm); see the module docstring")
     parser.add_argument("--topology", default=None, metavar="NAME",
                         help="compile with the target's own compiler instead of simulated CPU "
@@ -424,7 +425,7 @@ def main(argv=None) -> int:
         sizes = (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
         prepare_backend(args.devices or math.prod(s for s in sizes if s > 0))
         devices, _ = devices_for(cfg, args.devices)
-        result = plan(cfg, devices)
+        result = compile_step(cfg, devices)
     except ValueError as e:
         parser.error(str(e))
     print(report(result, name=args.config or configs.DEFAULT_CONFIG,
@@ -441,14 +442,14 @@ def main(argv=None) -> int:
 
 def _main_paper(parser, args) -> int:
     if args.config is not None and args.config not in configs.PAPER_MODELS:
-        parser.error(f"--paper plans the paper configs {sorted(configs.PAPER_MODELS)}, got "
+        parser.error(f"--paper compiles the paper configs {sorted(configs.PAPER_MODELS)}, got "
                      f"--config {args.config}")
     sizes = [args.config] if args.config else list(configs.PAPER_MODELS)
     head = configs.config_from_args(args).head if args.field__head else "rownorm"
     prepare_backend(8)
     devices = (jax.devices()[:8] if jax.default_backend() != "cpu" and jax.device_count() >= 8
                else jax.devices("cpu")[:8])
-    results = [paper_plan(size, head, devices) for size in sizes]
+    results = [paper_figures(size, head, devices) for size in sizes]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
