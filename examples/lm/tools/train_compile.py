@@ -145,7 +145,6 @@ V5E_MEMORY = 16 * GIB
 # recomputation and largest micro-batch first: the first that fits is taken (`fit_split`).
 SPLIT_CANDIDATES = (("dots", 8), ("dots", 4), ("block", 8), ("block", 4), ("block", 2),
                     ("block", 1))
-V5E_CANDIDATES = SPLIT_CANDIDATES  # the name `--paper` used
 
 
 def split_configs(cfg: configs.Config, ranks: int, *, skip_own: bool = False):
@@ -252,7 +251,7 @@ def paper_figures(size: str, head: str, devices, *, print_fn=print) -> dict:
                       "peak_bytes": result["peak_bytes"],
                       "recompute": result["matmul_flops"] / result["model_flops"]}
     if out["v5e"] is None:
-        print_fn(f"  no micro-batch of {V5E_CANDIDATES} fits in {_gib(V5E_MEMORY)} (TPU v5e)")
+        print_fn(f"  no micro-batch of {SPLIT_CANDIDATES} fits in {_gib(V5E_MEMORY)} (TPU v5e)")
     else:
         v = out["v5e"]
         print_fn(f"  TPU v5e ({_gib(V5E_MEMORY)}), fsdp 8, as XLA:CPU estimates it: "
